@@ -1,0 +1,3 @@
+from jcascade.cli import main
+
+main()

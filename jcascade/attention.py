@@ -1,0 +1,77 @@
+"""`attend`: a chunk's queries against the cache and the chunk itself, with EMA-score increments."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jcascade import cache as C
+from jcascade import policies as P
+from jcascade.pallas_kernels import reference
+
+
+def query_weights(policy: P.Policy, lengths: jax.Array, chunk_len: int) -> jax.Array | None:
+    """f32 [B, T] weight of each query in the score increments, or None for policies without scores.
+
+    Cascade: w_q = (1 - gamma) * gamma**(n - 1 - q) for q < n (DESIGN §3), 0 for padding queries, so that
+    a chunk of n tokens moves the EMA exactly as n single-token steps would.
+    """
+    if not P.uses_scores(policy):
+        return None
+    q = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]
+    age = (lengths[:, None] - 1 - q).astype(jnp.float32)
+    w = jnp.float32(1.0 - policy.gamma) * jnp.power(jnp.float32(policy.gamma), age)
+    return jnp.where(q < lengths[:, None], w, 0.0)
+
+
+def chunk_positions(policy: P.Policy, state: C.CacheState) -> tuple[jax.Array, jax.Array]:
+    """RoPE positions (DESIGN §4): keys int32 [B, 1 or Hkv, capacity] and first chunk position int32 [B]."""
+    layout = C.layout_of(policy, state)
+    if P.position_mode(policy) == "cache":
+        return C.slot_ranks(layout, state.seen)[:, None, :], C.tokens_held(layout, state.seen)
+    return state.pos, state.seen
+
+
+def attend(
+    policy: P.Policy,
+    state: C.CacheState,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array | None = None,
+    rope=None,
+) -> tuple[jax.Array, C.Scores | None]:
+    """Attention of a chunk's queries to every held token and causally to the chunk (DESIGN §2-4).
+
+    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] un-rotated chunk keys/values (Hq a multiple of Hkv);
+    lengths: int32 [B] valid tokens per row (a prefix; padding queries return zeros);
+    rope: callable (x, positions) -> rotated x, e.g. `jcascade.RoPE(theta)`; None for no rotation.
+    Returns out [B, T, Hq, D] (q.dtype) and `Scores` (None for policies that keep no scores).
+    Under `Full`, rows that overflowed max_tokens return NaN.
+    """
+    P.check_policy(policy)
+    C._check_chunk("k", k, state)
+    C._check_chunk("v", v, state)
+    B, T, Hkv, D = k.shape
+    if q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != D or q.shape[2] % Hkv:
+        raise ValueError(
+            f"q must have shape [batch={B}, T={T}, Hq, head_dim={D}] with Hq a multiple of "
+            f"num_kv_heads={Hkv}, got {q.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    n = C.check_lengths(lengths, B, T)
+    key_pos, start = chunk_positions(policy, state)
+    k_cache = state.k
+    if rope is not None:
+        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+        q, k = rope(q, pos[:, :, None]), rope(k, pos[:, :, None])
+        k_cache = rope(k_cache, key_pos)
+    out, _, inc_cache, inc_chunk = reference.chunk_attention(
+        q, k_cache, state.v, state.pos >= 0, k, v, n,
+        query_weights(policy, n, T), getattr(policy, "head_reduction", "max"),
+    )
+    if isinstance(policy, P.Full):
+        out = jnp.where((state.seen > state.capacity)[:, None, None, None], jnp.nan, out)
+    scores = C.Scores(cache=inc_cache, chunk=inc_chunk) if inc_cache is not None else None
+    return out, scores

@@ -1,0 +1,165 @@
+"""Cache policies: frozen, hashable dataclasses (static under `jit`), validated at construction.
+
+Every policy carries its prefill `stride` (tokens per chunk of the strided prefill, DESIGN §9).
+Policies that keep a bounded cache are described internally by a `RingLayout`: `sinks` slots that are
+never evicted, followed by `num_rings` circular buffers of `ring_size` slots (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+HEAD_REDUCTIONS = ("max", "mean")
+POSITION_MODES = ("cache", "original")
+
+
+def _check_int(policy: object, name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{type(policy).__name__}.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{type(policy).__name__}.{name} must be >= {minimum}, got {value}")
+
+
+def _check_choice(policy: object, name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{type(policy).__name__}.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RingLayout:
+    """Slot layout of a bounded cache: [sinks | ring 0 | ring 1 | ... | ring N-1].
+
+    Ring 0 receives every non-sink token; ring i+1 receives the tokens ring i evicts. Ring i, once full,
+    accepts (appends and evicts its oldest) on clocks t with t mod 2**i == 0; otherwise the incoming
+    token replaces the ring's newest token only if its score is strictly larger (DESIGN §3).
+    """
+
+    sinks: int
+    ring_size: int
+    num_rings: int
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.ring_size * self.num_rings
+
+
+@dataclasses.dataclass(frozen=True)
+class Full:
+    """Keeps every token (quadratic attention): the reference policy.
+
+    Its capacity is the `max_tokens` given to `init_cache`. A row that receives more tokens than that
+    loses them: `update` raises when it can see this (concrete inputs), and under `jit` `attend`
+    returns NaN for such rows, so an overflow never passes silently.
+    """
+
+    stride: int = 4096
+
+    def __post_init__(self):
+        _check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int) -> RingLayout:
+        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow:
+    """The `window` most recent tokens (no sinks). `positions`: see DESIGN §4."""
+
+    window: int
+    positions: Literal["cache", "original"] = "cache"
+    stride: int = 4096
+
+    def __post_init__(self):
+        _check_int(self, "window", self.window, 1)
+        _check_choice(self, "positions", self.positions, POSITION_MODES)
+        _check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=0, ring_size=self.window, num_rings=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sink:
+    """StreamingLLM: the first `sinks` tokens plus the `window` most recent ones (= Cascade with N=1)."""
+
+    window: int
+    sinks: int = 64
+    positions: Literal["cache", "original"] = "cache"
+    stride: int = 4096
+
+    def __post_init__(self):
+        _check_int(self, "window", self.window, 1)
+        _check_int(self, "sinks", self.sinks, 0)
+        _check_choice(self, "positions", self.positions, POSITION_MODES)
+        _check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=self.sinks, ring_size=self.window, num_rings=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cascade:
+    """Cascading KV cache (papers/000): `sinks` + `num_cascades` rings of cache_size/num_cascades slots.
+
+    Tokens carry an EMA attention score with decay `gamma`; scores of the query heads sharing a KV head
+    are reduced by `head_reduction` ("max", as in the paper, or "mean"). Defaults are the paper's:
+    64 sinks, 4 cascades, gamma 0.9999, max reduction, cache-index positions, stride 4096.
+    """
+
+    cache_size: int
+    sinks: int = 64
+    num_cascades: int = 4
+    gamma: float = 0.9999
+    head_reduction: Literal["max", "mean"] = "max"
+    positions: Literal["cache", "original"] = "cache"
+    stride: int = 4096
+
+    def __post_init__(self):
+        _check_int(self, "cache_size", self.cache_size, 1)
+        _check_int(self, "sinks", self.sinks, 0)
+        _check_int(self, "num_cascades", self.num_cascades, 1)
+        if self.cache_size % self.num_cascades:
+            raise ValueError(
+                f"Cascade.cache_size ({self.cache_size}) must be divisible by "
+                f"Cascade.num_cascades ({self.num_cascades})"
+            )
+        if self.num_cascades > 30:
+            raise ValueError(
+                f"Cascade.num_cascades must be <= 30 (ring i accepts every 2**i tokens of an int32 "
+                f"clock), got {self.num_cascades}"
+            )
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)):
+            raise ValueError(f"Cascade.gamma must be a float in (0, 1), got {self.gamma!r}")
+        if not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"Cascade.gamma must be in (0, 1), got {self.gamma}")
+        _check_choice(self, "head_reduction", self.head_reduction, HEAD_REDUCTIONS)
+        _check_choice(self, "positions", self.positions, POSITION_MODES)
+        _check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(
+            sinks=self.sinks,
+            ring_size=self.cache_size // self.num_cascades,
+            num_rings=self.num_cascades,
+        )
+
+
+Policy = Full | SlidingWindow | Sink | Cascade
+POLICIES = (Full, SlidingWindow, Sink, Cascade)
+
+
+def check_policy(policy: object) -> None:
+    if not isinstance(policy, POLICIES):
+        names = ", ".join(p.__name__ for p in POLICIES)
+        raise TypeError(f"policy must be one of jcascade.{{{names}}}, got {type(policy).__name__}")
+
+
+def position_mode(policy: Policy) -> str:
+    """"cache" (rank in the cache, DESIGN §4) or "original". Under Full both are the same."""
+    return getattr(policy, "positions", "original")
+
+
+def uses_scores(policy: Policy) -> bool:
+    """Whether the policy selects tokens by attention score (then `attend` returns `Scores`)."""
+    return isinstance(policy, Cascade)

@@ -1,0 +1,1 @@
+"""Flax Llama / Qwen2 models and weight loading (installed as `jcascade.models`)."""

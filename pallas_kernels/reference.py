@@ -1,0 +1,68 @@
+"""Plain-XLA reference of chunk attention with EMA-score increments (DESIGN §3, §7).
+
+Exact and simple: it materialises the [T, S] logits, so it is meant for tests, the CPU and small
+shapes; the Pallas kernels compute the same function blockwise.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def chunk_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_valid: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    query_weights: jax.Array | None = None,
+    head_reduction: str = "max",
+):
+    """Queries of a chunk against [cached keys | chunk keys], GQA without repeating K/V.
+
+    q: [B, T, Hq, D] (already rotated); k_cache, v_cache: [B, Hkv, S, D] (rotated); cache_valid: bool
+    [B, Hkv or 1, S]; k, v: [B, T, Hkv, D] chunk keys/values (rotated); lengths: int32 [B] valid queries
+    per row. Query i sees every valid cached key and chunk keys j <= i; queries i >= lengths[b] see
+    nothing and give zeros. Scale 1/sqrt(D).
+
+    query_weights: f32 [B, T] or None. With weights w, the increment of key s for KV head h is
+    reduce_{g in group h} sum_i w[i] * p[g, i, s] (reduce = max or mean), p the exact softmax.
+
+    Returns out [B, T, Hq, D] (q.dtype), lse f32 [B, Hq, T] (natural log, -inf for empty rows),
+    inc_cache f32 [B, Hkv, S] and inc_chunk f32 [B, Hkv, T] (both None without weights).
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    f32 = jnp.float32
+    qg = q.reshape(B, T, Hkv, G, D).astype(f32) * (D**-0.5)
+    s_cache = jnp.einsum("bthgd,bhsd->bhgts", qg, k_cache.astype(f32), precision=HIGHEST)
+    s_chunk = jnp.einsum("bthgd,bjhd->bhgtj", qg, k.astype(f32), precision=HIGHEST)
+    valid_q = jnp.arange(T)[None, :] < lengths[:, None]  # [B, T]
+    rows = valid_q[:, None, None, :, None]
+    causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [i, j]
+    s_cache = jnp.where(rows & cache_valid[:, :, None, None, :], s_cache, -jnp.inf)
+    s_chunk = jnp.where(rows & causal, s_chunk, -jnp.inf)
+    m = jnp.maximum(s_cache.max(-1, initial=-jnp.inf), s_chunk.max(-1))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+    e_cache, e_chunk = jnp.exp(s_cache - m), jnp.exp(s_chunk - m)
+    denom = e_cache.sum(-1, keepdims=True) + e_chunk.sum(-1, keepdims=True)
+    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+    p_cache, p_chunk = e_cache * inv, e_chunk * inv
+    out = jnp.einsum("bhgts,bhsd->bthgd", p_cache, v_cache.astype(f32), precision=HIGHEST)
+    out = out + jnp.einsum("bhgtj,bjhd->bthgd", p_chunk, v.astype(f32), precision=HIGHEST)
+    lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)[..., 0]
+    lse = lse.reshape(B, Hq, T)
+    out = out.reshape(B, T, Hq, D).astype(q.dtype)
+    if query_weights is None:
+        return out, lse, None, None
+    w = query_weights.astype(f32)
+    reduce = jnp.max if head_reduction == "max" else jnp.mean
+    inc_cache = reduce(jnp.einsum("bhgts,bt->bhgs", p_cache, w, precision=HIGHEST), axis=2)
+    inc_chunk = reduce(jnp.einsum("bhgtj,bt->bhgj", p_chunk, w, precision=HIGHEST), axis=2)
+    return out, lse, inc_cache, inc_chunk

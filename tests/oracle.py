@@ -1,0 +1,73 @@
+"""Numpy references written for the tests: the token-by-token cascading-cache oracle (DESIGN §3), RoPE.
+
+One `CascadeOracle` per (batch row, KV head). Items are [position, score]; rings are Python lists from
+oldest to newest. This is the rule as written, one token at a time, with no shared code with jcascade.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class CascadeOracle:
+    def __init__(self, sinks: int, ring_size: int, num_rings: int, gamma: float | None):
+        self.num_sinks, self.ring_size, self.gamma = sinks, ring_size, gamma
+        self.sinks: list[list] = []
+        self.rings: list[list[list]] = [[] for _ in range(num_rings)]
+        self.clock = 0  # non-sink tokens inserted so far
+        self.seen = 0
+
+    @property
+    def capacity_after_sinks(self) -> int:
+        return self.ring_size * len(self.rings)
+
+    def update(self, chunk_scores, cache_increments: dict[int, float], n: int) -> None:
+        """chunk_scores: f32 [>= n]; cache_increments: position -> increment of each held ring token."""
+        if n == 0:
+            return
+        if self.gamma is not None:
+            decay = np.float32(self.gamma) ** np.float32(n)
+            for ring in self.rings:
+                for item in ring:
+                    item[1] = np.float32(decay * item[1] + np.float32(cache_increments[item[0]]))
+        for j in range(n):
+            self.insert([self.seen + j, np.float32(chunk_scores[j])])
+        self.seen += n
+
+    def insert(self, x: list) -> None:
+        if len(self.sinks) < self.num_sinks:
+            self.sinks.append(x)
+            return
+        t = self.clock
+        self.clock += 1
+        for i, ring in enumerate(self.rings):
+            if len(ring) < self.ring_size:
+                ring.append(x)
+                return
+            # Fill phase (t < C): every ring accepts, so nothing is dropped before the cache is full.
+            if t < self.capacity_after_sinks or t % 2**i == 0:
+                ring.append(x)
+                x = ring.pop(0)
+                continue
+            if x[1] > ring[-1][1]:
+                ring[-1] = x
+            return
+
+    def held_positions(self) -> list[int]:
+        return sorted(p for p, _ in self.sinks + [it for r in self.rings for it in r])
+
+
+def sink_window_positions(seen: int, sinks: int, window: int) -> list[int]:
+    """What StreamingLLM holds after `seen` tokens: the first `sinks` and the last `window` of the rest."""
+    first = list(range(min(seen, sinks)))
+    rest = list(range(min(seen, sinks), seen))
+    return first + rest[-window:] if window else first
+
+
+def np_rope(x: np.ndarray, pos, theta: float) -> np.ndarray:
+    """Rotate-half RoPE in float64: x [..., D], integer positions broadcastable to x.shape[:-1]."""
+    D = x.shape[-1]
+    inv = theta ** (-np.arange(0, D, 2) / D)
+    ang = np.asarray(pos, np.float64)[..., None] * inv
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
