@@ -258,7 +258,7 @@ def _insertions(layout: P.RingLayout, score: jax.Array, chunk_score: jax.Array, 
     for i, sched in enumerate(_schedules(layout)):
         M = a_src.shape[-1]
         base = S0 + i * W
-        first_app = sched.writes(t0)  # [B] ring writes before this chunk
+        first_write = sched.writes(t0)  # [B] ring writes before this chunk (write k goes to slot k mod W)
         arrival = sched.arrivals(t0)[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
         is_fill = valid & (arrival < W)
         accepting = (clock < sched.total) | (clock % sched.accept_period == 0)
@@ -275,7 +275,7 @@ def _insertions(layout: P.RingLayout, score: jax.Array, chunk_score: jax.Array, 
         app_src, app_mu = _compact(w_src, starts, M), _compact(w_mu, starts, M)
 
         # A compare arriving first plays against the ring's newest resident.
-        res_code = base + (first_app - 1) % W  # [B]
+        res_code = base + (first_write - 1) % W  # [B]
         res_mu = _take(score, res_code[:, None, None])[..., 0]  # [B, H]
         res_wins = is_compare[:, :1] & (a_mu[..., 0] > res_mu)
         res_src = jnp.where(res_wins, a_src[..., 0], res_code[:, None])
@@ -284,7 +284,7 @@ def _insertions(layout: P.RingLayout, score: jax.Array, chunk_score: jax.Array, 
         # Slots written in this chunk: the last min(W, units) unit winners, and the resident.
         d = jnp.arange(min(W, M), dtype=jnp.int32)[None]
         u = num_units[:, None] - 1 - d
-        dests.append(jnp.where(d < jnp.minimum(num_units, W)[:, None], base + (first_app[:, None] + u) % W, cap))
+        dests.append(jnp.where(d < jnp.minimum(num_units, W)[:, None], base + (first_write[:, None] + u) % W, cap))
         srcs.append(_take(app_src, u[:, None]))
         mus.append(_take(app_mu, u[:, None]))
         dests.append(jnp.where(is_compare[:, 0] & (num_units < W), res_code, cap)[:, None])
@@ -294,13 +294,13 @@ def _insertions(layout: P.RingLayout, score: jax.Array, chunk_score: jax.Array, 
         if i + 1 == layout.num_rings:
             break
         # Each accept pushes out the item written W writes earlier: the arrivals of ring i+1.
-        evicted = first_app[:, None] + unit - W  # ring write index of the evictee
-        in_chunk = (evicted >= first_app[:, None])[:, None]
-        is_res = (evicted == first_app[:, None] - 1)[:, None]
+        evicted = first_write[:, None] + unit - W  # ring write index of the evictee
+        in_chunk = (evicted >= first_write[:, None])[:, None]
+        is_res = (evicted == first_write[:, None] - 1)[:, None]
         old_code = (base + evicted % W)[:, None]
-        e_src = jnp.where(in_chunk, _take(app_src, (evicted - first_app[:, None])[:, None]),
+        e_src = jnp.where(in_chunk, _take(app_src, (evicted - first_write[:, None])[:, None]),
                           jnp.where(is_res, res_src[..., None], old_code))
-        e_mu = jnp.where(in_chunk, _take(app_mu, (evicted - first_app[:, None])[:, None]),
+        e_mu = jnp.where(in_chunk, _take(app_mu, (evicted - first_write[:, None])[:, None]),
                          jnp.where(is_res, res_mu[..., None], _take(score, old_code)))
         a_src = _compact(e_src, is_accept, M)
         a_mu = _compact(e_mu, is_accept, M)
