@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jcascade import cache as C
 from jcascade import policies as P
-from jcascade.pallas_kernels import reference
+from jcascade import pallas_kernels
 
 
 def query_weights(policy: P.Policy, lengths: jax.Array, chunk_len: int) -> jax.Array | None:
@@ -40,12 +40,16 @@ def attend(
     v: jax.Array,
     lengths: jax.Array | None = None,
     rope=None,
+    *,
+    implementation: str | None = None,
 ) -> tuple[jax.Array, C.Scores | None]:
     """Attention of a chunk's queries to every held token and causally to the chunk (DESIGN §2-4).
 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] un-rotated chunk keys/values (Hq a multiple of Hkv);
     lengths: int32 [B] valid tokens per row (a prefix; padding queries return zeros);
     rope: callable (x, positions) -> rotated x, e.g. `jcascade.RoPE(theta)`; None for no rotation.
+    implementation: "xla", "pallas" (Triton on GPU, Mosaic on TPU), "triton" or "mosaic_tpu" (interpret
+    mode on the CPU); None picks Pallas on GPU/TPU and XLA on the CPU.
     Returns out [B, T, Hq, D] (q.dtype) and `Scores` (None for policies that keep no scores).
     Under `Full`, rows that overflowed max_tokens return NaN.
     """
@@ -62,14 +66,13 @@ def attend(
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     n = C.check_lengths(lengths, B, T)
     key_pos, start = chunk_positions(policy, state)
-    k_cache = state.k
     if rope is not None:
         pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
         q, k = rope(q, pos[:, :, None]), rope(k, pos[:, :, None])
-        k_cache = rope(k_cache, key_pos)
-    out, _, inc_cache, inc_chunk = reference.chunk_attention(
-        q, k_cache, state.v, state.pos >= 0, k, v, n,
-        query_weights(policy, n, T), getattr(policy, "head_reduction", "max"),
+    out, _, inc_cache, inc_chunk = pallas_kernels.chunk_attention(
+        q, k, v, state.k, state.v, state.pos >= 0, key_pos, n,
+        query_weights(policy, n, T), getattr(policy, "head_reduction", "max"), rope,
+        implementation=implementation,
     )
     if isinstance(policy, P.Full):
         out = jnp.where((state.seen > state.capacity)[:, None, None, None], jnp.nan, out)

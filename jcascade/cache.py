@@ -4,7 +4,7 @@ Slot layout of every bounded cache: [sinks | ring 0 | ... | ring N-1] (`policies
 where they were written: rings are circular buffers, nothing is concatenated, shifted or sorted.
 
 Where a token goes never depends on scores, only on the row's clock t (non-sink tokens seen): the ring
-metadata (fill counts, ring heads) is a closed-form function of t (`_RingSchedule`). Scores only decide
+metadata (fill counts, ring heads) is a closed-form function of t (`schedule.py`). Scores only decide
 *which* token sits in a ring's newest slot. So the state stores K, V, score and original position per
 slot plus one token counter per row.
 
@@ -22,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jcascade import pallas_kernels
 from jcascade import policies as P
+from jcascade.pallas_kernels.insert import insert_one
+from jcascade.schedule import ring_schedules
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -120,58 +123,6 @@ def layout_of(policy: P.Policy, state: CacheState) -> P.RingLayout:
     return layout
 
 
-# ---------------------------------------------------------------------------------------------------
-# Closed-form ring schedule. Python ints for the constants, int32 arrays for the clocks.
-#
-# Fill phase (clock t < C = N * W): every ring accepts, so the cache fills like one sliding window and
-# holds every token (the "eager fill" of the paper's code; DESIGN §3's consequence that the cache holds
-# every token while a row has seen at most S0 + C). Ring i receives on clocks iW <= t < C.
-# Steady phase (t >= C, every ring full): ring i receives on multiples of 2**(i-1) (ring 0 on every
-# clock) and accepts on multiples of 2**i; the other arrivals compare against its newest token.
-
-
-@dataclasses.dataclass(frozen=True)
-class _RingSchedule:
-    index: int  # i
-    ring_size: int  # W
-    total: int  # C = N * W: clocks below this belong to the fill phase
-
-    @property
-    def arrival_period(self) -> int:
-        return 1 if self.index == 0 else 2 ** (self.index - 1)
-
-    @property
-    def accept_period(self) -> int:
-        return 2**self.index
-
-    def _fill_phase(self, t: jax.Array) -> jax.Array:
-        """Arrivals (all of them writes) before clock t during the fill phase."""
-        return jnp.maximum(jnp.minimum(t, self.total) - self.index * self.ring_size, 0)
-
-    def arrivals(self, t: jax.Array) -> jax.Array:
-        """Tokens that reached ring i before clock t."""
-        return self._fill_phase(t) + _multiples_in(self.total, t, self.arrival_period)
-
-    def writes(self, t: jax.Array) -> jax.Array:
-        """Tokens written into ring i's slots before clock t (ring write k goes to slot k mod W)."""
-        return self._fill_phase(t) + _multiples_in(self.total, t, self.accept_period)
-
-    def fill(self, t: jax.Array) -> jax.Array:
-        return jnp.minimum(self._fill_phase(t), self.ring_size)
-
-
-def _schedules(layout: P.RingLayout) -> list[_RingSchedule]:
-    total = layout.ring_size * layout.num_rings
-    return [_RingSchedule(i, layout.ring_size, total) for i in range(layout.num_rings)]
-
-
-def _multiples_in(lo: int, t: jax.Array, period: int) -> jax.Array:
-    """Number of multiples of `period` in [lo, t) (0 when t <= lo); lo, period static, t int32 >= 0."""
-    ceil_t = t // period + (t % period != 0)
-    ceil_lo = -(-lo // period)
-    return jnp.maximum(ceil_t - ceil_lo, 0)
-
-
 def slot_ranks(layout: P.RingLayout, seen: jax.Array) -> jax.Array:
     """int32 [B, capacity]: rank of each slot's token in age order among held tokens (DESIGN §4).
 
@@ -183,7 +134,7 @@ def slot_ranks(layout: P.RingLayout, seen: jax.Array) -> jax.Array:
     held_sinks = jnp.minimum(seen, S0)
     ranks = [jnp.where(sink_slots[None] < held_sinks[:, None], sink_slots[None], -1)]
     t = jnp.maximum(seen - S0, 0)
-    scheds = _schedules(layout)
+    scheds = ring_schedules(layout)
     fills = [s.fill(t) for s in scheds]
     older = held_sinks  # tokens older than ring i: sinks and rings i+1..N-1
     ring_ranks = []
@@ -200,7 +151,7 @@ def tokens_held(layout: P.RingLayout, seen: jax.Array) -> jax.Array:
     """int32 [B]: number of tokens a row holds."""
     t = jnp.maximum(seen - layout.sinks, 0)
     held = jnp.minimum(seen, layout.sinks)
-    for s in _schedules(layout):
+    for s in ring_schedules(layout):
         held = held + s.fill(t)
     return held
 
@@ -255,14 +206,13 @@ def _insertions(layout: P.RingLayout, score: jax.Array, chunk_score: jax.Array, 
     a_src = jnp.broadcast_to((cap + jnp.minimum(need[:, None] + k, T - 1))[:, None], (B, H, T))
     a_mu = _take(chunk_score, (need[:, None] + k)[:, None])
 
-    for i, sched in enumerate(_schedules(layout)):
+    for i, sched in enumerate(ring_schedules(layout)):
         M = a_src.shape[-1]
         base = S0 + i * W
         first_write = sched.writes(t0)  # [B] ring writes before this chunk (write k goes to slot k mod W)
         arrival = sched.arrivals(t0)[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
         is_fill = valid & (arrival < W)
-        accepting = (clock < sched.total) | (clock % sched.accept_period == 0)
-        is_accept = valid & ~is_fill & accepting
+        is_accept = valid & ~is_fill & sched.accepting(clock)
         is_compare = valid & ~is_fill & ~is_accept
         starts = is_fill | is_accept
         unit = jnp.cumsum(starts, axis=-1) - 1  # chunk-local write index of each arrival's unit
@@ -351,12 +301,16 @@ def update(
     v: jax.Array,
     scores: Scores | None,
     lengths: jax.Array | None = None,
+    *,
+    implementation: str | None = None,
 ) -> CacheState:
     """Decays and accumulates the residents' scores, then inserts the chunk (DESIGN §3).
 
     k, v: [B, T, Hkv, D] un-rotated chunk keys/values (the chunk `attend` just saw); scores: what
     `attend` returned (None for policies that keep no scores); lengths: int32 [B] valid tokens per row
     (a prefix of the chunk; padding leaves the state untouched). Pure and jit-able.
+    implementation: as for `attend`. A single-token update (decode) on Triton runs the in-place
+    insertion kernel; everything else runs the vectorised XLA formulation.
     """
     P.check_policy(policy)
     layout = layout_of(policy, state)
@@ -390,6 +344,11 @@ def update(
         if over.max() > 0:
             raise ValueError(f"Full cache of max_tokens={cap} overflows by {over.tolist()} tokens per row")
 
+    backend, interpret = pallas_kernels.resolve(implementation)
+    if T == 1 and backend == "triton":
+        score, pos, new_k, new_v = insert_one(layout, score, state.pos, state.k, state.v, chunk_score, k, v,
+                                              state.seen, n, interpret=interpret)
+        return CacheState(k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + n)
     dest, src, mu = _insertions(layout, score, chunk_score, state.seen, n)
     ck, cv = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, H, T, D]
     chunk_pos = state.seen[:, None, None] + jnp.arange(T, dtype=jnp.int32)

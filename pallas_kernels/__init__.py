@@ -1,4 +1,51 @@
 """Attention kernels behind `jcascade.attend` (installed as `jcascade.pallas_kernels`).
 
-`reference` holds the plain-XLA implementations every kernel is tested against.
+One function, `chunk_attention`, with one contract (see `reference.chunk_attention`) and several
+implementations, chosen here:
+  "xla"         the plain-XLA reference (any platform; the default on the CPU),
+  "pallas"      the platform's Pallas kernels: Pallas-Triton on GPU, Pallas-Mosaic on TPU (the default there),
+  "triton", "mosaic_tpu"   one Pallas backend by name; on the CPU it runs in interpret mode (tests).
 """
+
+from __future__ import annotations
+
+import jax
+
+from jcascade.pallas_kernels import gpu, reference, states, tpu
+
+IMPLEMENTATIONS = ("xla", "pallas", "triton", "mosaic_tpu")
+
+
+def resolve(implementation: str | None) -> tuple[str, bool]:
+    """(backend, interpret) for an implementation name on the current default platform."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    platform = jax.default_backend()
+    if implementation is None:
+        implementation = "pallas" if platform in ("gpu", "tpu") else "xla"
+    if implementation == "pallas":
+        if platform not in ("gpu", "tpu"):
+            raise ValueError(
+                f"implementation='pallas' needs a GPU or TPU (default platform is {platform!r}); use 'xla', "
+                "or name a backend ('triton', 'mosaic_tpu') to run it in interpret mode"
+            )
+        implementation = "triton" if platform == "gpu" else "mosaic_tpu"
+    native = {"triton": "gpu", "mosaic_tpu": "tpu"}.get(implementation)
+    if native is not None and platform not in (native, "cpu"):
+        raise ValueError(f"implementation={implementation!r} cannot run on platform {platform!r}")
+    return implementation, platform == "cpu" and native is not None
+
+
+def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
+                    head_reduction="max", rope=None, *, implementation: str | None = None, config=None):
+    """Dispatches to an implementation; `config` is a `gpu.GpuConfig` or `tpu.TpuConfig` (block sizes)."""
+    backend, interpret = resolve(implementation)
+    args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
+    if backend == "xla":
+        return reference.chunk_attention(*args)
+    module = gpu if backend == "triton" else tpu
+    config = config if config is not None else (gpu.GpuConfig() if backend == "triton" else tpu.TpuConfig())
+    return module.chunk_attention(*args, config=config, interpret=interpret)
+
+
+__all__ = ["IMPLEMENTATIONS", "chunk_attention", "gpu", "reference", "resolve", "states", "tpu"]

@@ -14,21 +14,24 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 def chunk_attention(
     q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
     cache_valid: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    cache_positions: jax.Array,
     lengths: jax.Array,
     query_weights: jax.Array | None = None,
     head_reduction: str = "max",
+    rope=None,
 ):
     """Queries of a chunk against [cached keys | chunk keys], GQA without repeating K/V.
 
-    q: [B, T, Hq, D] (already rotated); k_cache, v_cache: [B, Hkv, S, D] (rotated); cache_valid: bool
-    [B, Hkv or 1, S]; k, v: [B, T, Hkv, D] chunk keys/values (rotated); lengths: int32 [B] valid queries
-    per row. Query i sees every valid cached key and chunk keys j <= i; queries i >= lengths[b] see
-    nothing and give zeros. Scale 1/sqrt(D).
+    q: [B, T, Hq, D] and k, v: [B, T, Hkv, D], the chunk (q and k already rotated);
+    k_cache, v_cache: [B, Hkv, S, D] un-rotated; cache_valid: bool [B, Hkv, S];
+    cache_positions: int32 [B, Hkv or 1, S] RoPE positions of the cached keys (used when rope is given);
+    lengths: int32 [B] valid queries per row. Query i sees every valid cached key and chunk keys
+    j <= i; queries i >= lengths[b] see nothing and give zeros. Scale 1/sqrt(D).
 
     query_weights: f32 [B, T] or None. With weights w, the increment of key s for KV head h is
     reduce_{g in group h} sum_i w[i] * p[g, i, s] (reduce = max or mean), p the exact softmax.
@@ -40,6 +43,8 @@ def chunk_attention(
     Hkv = k.shape[2]
     G = Hq // Hkv
     f32 = jnp.float32
+    if rope is not None:
+        k_cache = rope(k_cache, cache_positions)
     qg = q.reshape(B, T, Hkv, G, D).astype(f32) * (D**-0.5)
     s_cache = jnp.einsum("bthgd,bhsd->bhgts", qg, k_cache.astype(f32), precision=HIGHEST)
     s_chunk = jnp.einsum("bthgd,bjhd->bhgtj", qg, k.astype(f32), precision=HIGHEST)
@@ -52,12 +57,12 @@ def chunk_attention(
     m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
     e_cache, e_chunk = jnp.exp(s_cache - m), jnp.exp(s_chunk - m)
     denom = e_cache.sum(-1, keepdims=True) + e_chunk.sum(-1, keepdims=True)
-    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-    p_cache, p_chunk = e_cache * inv, e_chunk * inv
+    safe = jnp.where(denom > 0, denom, 1.0)
+    p_cache = jnp.where(denom > 0, e_cache / safe, 0.0)
+    p_chunk = jnp.where(denom > 0, e_chunk / safe, 0.0)
     out = jnp.einsum("bhgts,bhsd->bthgd", p_cache, v_cache.astype(f32), precision=HIGHEST)
     out = out + jnp.einsum("bhgtj,bjhd->bthgd", p_chunk, v.astype(f32), precision=HIGHEST)
-    lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)[..., 0]
-    lse = lse.reshape(B, Hq, T)
+    lse = jnp.where(denom > 0, m + jnp.log(safe), -jnp.inf)[..., 0].reshape(B, Hq, T)
     out = out.reshape(B, T, Hq, D).astype(q.dtype)
     if query_weights is None:
         return out, lse, None, None

@@ -1,0 +1,329 @@
+"""Kernel benchmarks on the Llama-3.1-8B layer shape (32 query heads, 8 KV heads, D = 128, bf16).
+
+  a  chunk attention with exact scores (chunk 4096 vs a 16K + 64 cache) vs cuDNN attention on the same
+     shapes without scores (jax.nn.dot_product_attention(implementation="cudnn"), non-causal over
+     cache + chunk keys, about 11 % more key positions than the causal chunk needs);
+  b  the paper's Figure 6b: one attention layer over 1M tokens with strided prefill (cache 16K + 64 sinks,
+     4 cascades, attend + update per chunk) vs cuDNN causal attention over the same tokens, and the
+     stride sweep of Figure 6c;
+  c  the paper's Figure 6a: 16K tokens pushed one at a time into a 16K cache (fill phase), then 16K more
+     (steady phase), with 1 and 4 cascades, vs a concatenation-based sink cache written in JAX;
+  d  decode attention (one query per row, scores on, RoPE fused) over a 16K cache at batch 1 and 32:
+     achieved bandwidth vs a device-to-device copy measured in the same run.
+
+    python benchmarks/bench_kernels.py [--only abcd] [--out benchmarks/results/kernels-<device>.json]
+    python benchmarks/bench_kernels.py --tiny     # a seconds-long dry run of the same code on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jcascade as jc
+from jcascade import pallas_kernels as pk
+
+HQ, HKV, D = 32, 8, 128
+DT = jnp.bfloat16
+
+
+def timed(f, *args, iters=5, warmup=1) -> float:
+    """Median seconds of f(*args) (blocking), after warm-up calls (compilation included there)."""
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rand(key, shape, dtype=DT):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def copy_bandwidth(gib: float) -> float:
+    """Bytes read + written per second by a large elementwise pass over `gib` GiB of bf16."""
+    x = rand(jax.random.key(9), (int(gib * 2**30) // 2,))
+    f = jax.jit(lambda x: x + 1)
+    return 2 * x.nbytes / timed(f, x, iters=10)
+
+
+def full_cache(policy, batch, key, seen=1 << 20):
+    """A steady-phase cache: every slot held, random K/V and scores."""
+    state = jc.init_cache(policy, batch, HKV, D, DT)
+    k1, k2, k3 = jax.random.split(key, 3)
+    return jc.CacheState(
+        k=rand(k1, state.k.shape), v=rand(k2, state.v.shape),
+        score=jax.random.uniform(k3, state.score.shape) * 1e-3,
+        pos=jnp.broadcast_to(jnp.arange(state.capacity, dtype=jnp.int32), state.pos.shape),
+        seen=jnp.full((batch,), seen, jnp.int32),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def bench_chunk(a, impl, cudnn):
+    T, S = a.chunk, a.cache + a.sinks
+    ks = jax.random.split(jax.random.key(0), 5)
+    q, k, v = rand(ks[0], (1, T, HQ, D)), rand(ks[1], (1, T, HKV, D)), rand(ks[2], (1, T, HKV, D))
+    kc, vc = rand(ks[3], (1, HKV, S, D)), rand(ks[4], (1, HKV, S, D))
+    valid = jnp.ones((1, HKV, S), bool)
+    positions = jnp.zeros((1, 1, S), jnp.int32)
+    lengths = jnp.array([T], jnp.int32)
+    weights = jc.attention.query_weights(jc.Cascade(cache_size=a.cache), lengths, T)
+    useful = 4 * T * (S + (T + 1) / 2) * D * HQ  # QK^T + PV of the causal chunk over the cache
+    rows = []
+    for cfg in a.configs:
+        f = jax.jit(lambda w: pk.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, w, "max", None,
+                                                 implementation=impl, config=cfg))
+        g = jax.jit(lambda: pk.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, None, "max", None,
+                                               implementation=impl, config=cfg))
+        try:
+            t_scores, t_plain = timed(f, weights), timed(g)
+        except Exception as e:  # a config the compiler rejects (e.g. shared memory) is reported, not fatal
+            rows.append(dict(config=str(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
+            continue
+        rows.append(dict(config=str(cfg), ms_with_scores=t_scores * 1e3, ms_without_scores=t_plain * 1e3,
+                         tflops_forward=useful / t_plain / 1e12))
+    kf, vf = jnp.concatenate([jnp.swapaxes(kc, 1, 2), k], 1), jnp.concatenate([jnp.swapaxes(vc, 1, 2), v], 1)
+    base = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=cudnn))
+    try:
+        t_base = timed(base, q, kf, vf)
+    except Exception:  # no grouped-query support: give the baseline its K/V repeated to every query head
+        t_base = timed(base, q, jnp.repeat(kf, HQ // HKV, 2), jnp.repeat(vf, HQ // HKV, 2))
+    best = min((r for r in rows if "error" not in r), key=lambda r: r["ms_with_scores"])
+    return dict(T=T, S=S, baseline=cudnn or "xla", baseline_ms=t_base * 1e3,
+                baseline_tflops=4 * T * (S + T) * D * HQ / t_base / 1e12, configs=rows, best=best,
+                ratio_with_scores=best["ms_with_scores"] / (t_base * 1e3),
+                ratio_without_scores=best["ms_without_scores"] / (t_base * 1e3))
+
+
+def prefill_layer(policy, tokens, impl, key):
+    """Seconds for one attention layer (attend + update per stride chunk) over `tokens` tokens."""
+    T = policy.stride
+    chunks = tokens // T
+    state = jc.init_cache(policy, 1, HKV, D, DT)
+    rope = jc.RoPE(500000.0, jc.Llama3Scaling())
+
+    @jax.jit
+    def run(state, key):
+        def step(state, i):
+            kq, kk, kv = jax.random.split(jax.random.fold_in(key, i), 3)
+            q, k, v = rand(kq, (1, T, HQ, D)), rand(kk, (1, T, HKV, D)), rand(kv, (1, T, HKV, D))
+            out, scores = jc.attend(policy, state, q, k, v, rope=rope, implementation=impl)
+            return jc.update(policy, state, k, v, scores, implementation=impl), out[0, -1, 0, 0]
+        state, outs = jax.lax.scan(step, state, jnp.arange(chunks))
+        return state, outs
+
+    return timed(run, state, key, iters=1)
+
+
+def bench_prefill(a, impl, cudnn):
+    n = a.tokens
+    policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4, stride=a.chunk)
+    ours = prefill_layer(policy, n, impl, jax.random.key(1))
+    sweep = []
+    for stride in a.strides:
+        p = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4, stride=stride)
+        sweep.append(dict(stride=stride, seconds=prefill_layer(p, n, impl, jax.random.key(2))))
+    full = []
+    for length in a.full_lengths:
+        try:
+            ks = jax.random.split(jax.random.key(3), 3)
+            q, k, v = rand(ks[0], (1, length, HQ, D)), rand(ks[1], (1, length, HKV, D)), rand(ks[2], (1, length, HKV, D))
+            f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cudnn))
+            full.append(dict(tokens=length, seconds=timed(f, q, k, v, iters=1)))
+            del q, k, v
+        except Exception as e:
+            full.append(dict(tokens=length, error=f"{type(e).__name__}: {str(e)[:200]}"))
+    measured = [(r["tokens"], r["seconds"]) for r in full if "seconds" in r]
+    x, y = np.array(measured, float).T
+    coeffs = np.polyfit(x, y, 2)
+    at_n = dict(measured).get(n, float(np.polyval(coeffs, n)))
+    return dict(tokens=n, ours_s=ours, full_attention=full, quadratic_fit=coeffs.tolist(),
+                full_attention_at_tokens_s=at_n, full_measured_at_tokens=n in dict(measured),
+                speedup=at_n / ours, stride_sweep=sweep)
+
+
+def push_tokens(policy, state, num, impl, key):
+    """Seconds to push `num` tokens one at a time (update only) inside one jitted loop."""
+    B, H, cap = state.score.shape
+    ks = jax.random.split(key, 3)
+    new_k, new_v = rand(ks[0], (num, B, 1, H, D)), rand(ks[1], (num, B, 1, H, D))
+    chunk_mu = jax.random.uniform(ks[2], (num, B, H, 1)) * 1e-4
+    cache_inc = jnp.full((B, H, cap), 1e-8, jnp.float32)
+
+    @jax.jit
+    def run(state):
+        def body(i, state):
+            scores = jc.Scores(cache_inc, chunk_mu[i]) if isinstance(policy, jc.Cascade) else None
+            return jc.update(policy, state, new_k[i], new_v[i], scores, implementation=impl)
+        return jax.lax.fori_loop(0, num, body, state)
+
+    return timed(run, state, iters=1), run(state)
+
+
+def push_concat(num, cap, sinks, batch, key):
+    """The same with a concatenation-based sink cache: every token rebuilds the whole cache."""
+    ks = jax.random.split(key, 2)
+    new_k, new_v = rand(ks[0], (num, batch, HKV, 1, D)), rand(ks[1], (num, batch, HKV, 1, D))
+
+    @jax.jit
+    def run(k, v):
+        def body(i, kv):
+            k, v = kv
+            k = jnp.concatenate([k[:, :, :sinks], k[:, :, sinks + 1 :], new_k[i]], axis=2)
+            v = jnp.concatenate([v[:, :, :sinks], v[:, :, sinks + 1 :], new_v[i]], axis=2)
+            return k, v
+        return jax.lax.fori_loop(0, num, body, (k, v))
+
+    zeros = jnp.zeros((batch, HKV, cap, D), DT)
+    return timed(run, zeros, zeros, iters=1)
+
+
+def bench_push(a, impl):
+    rows = []
+    for batch in a.push_batches:
+        for n_casc in (1, 4):
+            policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=n_casc)
+            empty = jc.init_cache(policy, batch, HKV, D, DT)
+            t_fill, filled = push_tokens(policy, empty, a.cache, impl, jax.random.key(4))
+            t_steady, _ = push_tokens(policy, filled, a.cache, impl, jax.random.key(5))
+            rows.append(dict(batch=batch, cascades=n_casc, implementation=impl,
+                             fill_us_per_token=t_fill / a.cache * 1e6, steady_us_per_token=t_steady / a.cache * 1e6))
+        if impl != "xla":  # the vectorised XLA formulation, single tokens (slow: a short sample)
+            policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4)
+            t_xla, _ = push_tokens(policy, full_cache(policy, batch, jax.random.key(7)), a.xla_tokens, "xla", jax.random.key(5))
+            rows.append(dict(batch=batch, cascades=4, implementation="xla", steady_us_per_token=t_xla / a.xla_tokens * 1e6))
+        pushed = a.cache if batch == 1 else a.cache // 8  # each token copies the whole cache: keep it short
+        t_concat = push_concat(pushed, a.cache + a.sinks, a.sinks, batch, jax.random.key(6))
+        rows.append(dict(batch=batch, cascades=1, implementation="concatenation", steady_us_per_token=t_concat / pushed * 1e6))
+    return rows
+
+
+def bench_decode(a, impl, bandwidth):
+    """The decode attention op (kernel + epilogue, scores and RoPE on) on a full cache; calls are
+    dispatched back to back and alternate between two caches so that the cache is not served from L2."""
+    S = a.cache + a.sinks
+    policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4)
+    rope = jc.RoPE(500000.0, jc.Llama3Scaling())
+    rows = []
+    for batch in a.decode_batches:
+        caches = [full_cache(policy, batch, jax.random.key(7 + i)) for i in range(2)]
+        ks = jax.random.split(jax.random.key(8), 3)
+        q, k, v = rand(ks[0], (batch, 1, HQ, D)), rand(ks[1], (batch, 1, HKV, D)), rand(ks[2], (batch, 1, HKV, D))
+        lengths = jnp.ones((batch,), jnp.int32)
+        weights = jc.attention.query_weights(policy, lengths, 1)
+        positions = caches[0].pos[:, :1]
+        valid = caches[0].pos >= 0
+        kv_bytes = 2 * batch * HKV * S * D * 2
+        meta_bytes = batch * HKV * S * (4 + 1) + batch * S * 4  # validity, positions
+        logit_bytes = 2 * batch * HQ * S * 4  # logits written by the kernel and read by the epilogue
+        for cfg in a.decode_configs:
+            f = jax.jit(lambda c, cfg=cfg: pk.chunk_attention(q, k, v, c.k, c.v, valid, positions, lengths, weights,
+                                                              "max", rope, implementation=impl, config=cfg))
+            for c in caches:
+                jax.block_until_ready(f(c))
+            t0 = time.perf_counter()
+            outs = [f(caches[i % 2]) for i in range(a.decode_steps)]
+            jax.block_until_ready(outs)
+            t = (time.perf_counter() - t0) / a.decode_steps
+            rows.append(dict(batch=batch, config=str(cfg), us_per_step=t * 1e6, kv_gb_per_s=(kv_bytes + meta_bytes) / t / 1e9,
+                             fraction_of_copy=(kv_bytes + meta_bytes) / t / bandwidth,
+                             all_bytes_fraction=(kv_bytes + meta_bytes + logit_bytes) / t / bandwidth))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="abcd")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on any platform (a dry run of the script)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--budget-s", type=float, default=480, help="skip the sections that would start after this")
+    a = p.parse_args()
+    warnings.filterwarnings("ignore")
+    on_gpu = jax.default_backend() == "gpu"
+    impl, cudnn = ("pallas", "cudnn") if on_gpu else ("triton", None)
+    a.chunk, a.cache, a.sinks, a.tokens = 4096, 16384, 64, 1 << 20
+    a.strides = [1024, 16384]
+    a.full_lengths = [1 << 17, 1 << 18, 1 << 19, 1 << 20]
+    a.push_batches, a.decode_batches, a.decode_steps, a.xla_tokens = [1, 32], [1, 32], 200, 512
+    G = pk.gpu.GpuConfig
+    a.configs = [G(), G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3),
+                 G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3),
+                 G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2)]
+    a.decode_configs = [G(decode_block_k=32), G(decode_num_warps=8), G(decode_block_k=32, decode_num_warps=8)]
+    gib = 4.0
+    if a.tiny:
+        a.chunk, a.cache, a.sinks, a.tokens = 32, 64, 4, 256
+        a.strides, a.full_lengths = [16, 64], [64, 128, 256]
+        a.push_batches, a.decode_batches, a.decode_steps, a.xla_tokens = [1, 2], [1, 2], 3, 8
+        a.configs = a.decode_configs = [G(16, 16, 16, 16, 16, 8)]
+        gib = 0.01
+    device = jax.devices()[0]
+    bandwidth = copy_bandwidth(gib)
+    result = dict(benchmark="kernels", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                  implementation=impl, copy_bandwidth_gb_s=bandwidth / 1e9)
+    out = pathlib.Path(a.out or f"benchmarks/results/kernels-{device.device_kind.replace(' ', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sections = dict(a=("a_chunk", lambda: bench_chunk(a, impl, cudnn)), b=("b_prefill_1m", lambda: bench_prefill(a, impl, cudnn)),
+                    c=("c_push", lambda: bench_push(a, impl)), d=("d_decode", lambda: bench_decode(a, impl, bandwidth)))
+    start = time.perf_counter()
+    for letter in a.only:
+        name, run = sections[letter]
+        if time.perf_counter() - start > a.budget_s:
+            print(f"[{name} skipped: past the {a.budget_s} s budget]", flush=True)
+            continue
+        t0 = time.perf_counter()
+        result[name] = run()
+        print(f"[{name} done in {time.perf_counter() - t0:.0f} s]", flush=True)
+        out.write_text(json.dumps(result, indent=2, default=str))  # keep what is measured if a later part fails
+    report(result)
+    print(f"wrote {out}")
+
+
+def report(r):
+    print(f"\n{r['device']}, jax {r['jax']}, {r['implementation']}; copy bandwidth {r['copy_bandwidth_gb_s']:.0f} GB/s")
+    if "a_chunk" in r:
+        c = r["a_chunk"]
+        print(f"a) chunk {c['T']} x cache {c['S']}: baseline {c['baseline']} {c['baseline_ms']:.2f} ms "
+              f"({c['baseline_tflops']:.0f} TFLOP/s)")
+        for row in c["configs"]:
+            if "error" in row:
+                print(f"   {row['config']}: {row['error']}")
+            else:
+                print(f"   {row['config']}: {row['ms_with_scores']:.2f} ms with scores, {row['ms_without_scores']:.2f} ms "
+                      f"without ({row['tflops_forward']:.0f} TFLOP/s)")
+        print(f"   best: {c['ratio_with_scores']:.2f}x baseline with scores, {c['ratio_without_scores']:.2f}x without")
+    if "b_prefill_1m" in r:
+        b = r["b_prefill_1m"]
+        print(f"b) one layer over {b['tokens']} tokens: cascade {b['ours_s']:.2f} s; full causal "
+              f"{b['full_attention_at_tokens_s']:.2f} s ({'measured' if b['full_measured_at_tokens'] else 'quadratic fit'}); "
+              f"speedup {b['speedup']:.1f}x")
+        print("   full attention: " + ", ".join(f"{x['tokens']}: {x.get('seconds', x.get('error'))}" for x in b["full_attention"]))
+        print("   stride sweep: " + ", ".join(f"{x['stride']}: {x['seconds']:.2f} s" for x in b["stride_sweep"]))
+    if "c_push" in r:
+        print("c) tokens pushed one at a time (us/token): batch, cascades, implementation, fill, steady")
+        for x in r["c_push"]:
+            print(f"   {x['batch']:>3} {x['cascades']} {x['implementation']:<14} {x.get('fill_us_per_token', float('nan')):9.2f} {x['steady_us_per_token']:9.2f}")
+    if "d_decode" in r:
+        print("d) decode attention over the cache: batch, us/step, GB/s (K, V, metadata), fraction of copy bandwidth, config")
+        for x in r["d_decode"]:
+            print(f"   {x['batch']:>3} {x['us_per_step']:9.1f} {x['kv_gb_per_s']:8.0f} {x['fraction_of_copy']:6.2f} "
+                  f"(with logits {x['all_bytes_fraction']:.2f}) {x['config'][9:]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Pallas-Triton (GPU) kernel inserting one token per row into a ring-layout cache (decode, T == 1).
+
+DESIGN §3 step 2 for a single token: the row's clock alone says, for each ring, whether the token
+arrives, fills, is accepted (and pushes the ring's oldest token on) or competes with the ring's newest
+token, so each (row, KV head) program makes N scalar decisions and writes at most N + 1 rows, in place
+(the state's arrays are aliased to the outputs). Step 1 (decay and accumulate) stays in XLA, where it
+fuses with the attention epilogue that produced the increments.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jcascade.policies import RingLayout
+from jcascade.schedule import ring_schedules
+
+
+def _insert_kernel(seen_ref, n_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, pos_ref, k_ref, v_ref,
+                   mu_out, pos_out, k_out, v_out, *, layout: RingLayout, barrier: bool):
+    S0, W = layout.sinks, layout.ring_size
+    D = k_ref.shape[-1]
+    seen = seen_ref[...]
+    present = n_ref[...] > 0
+    t = jnp.maximum(seen - S0, 0)
+    scheds = ring_schedules(layout)
+
+    # Phase A: read everything that phase B may overwrite (rings occupy disjoint slots).
+    oldest = [S0 + i * W + s.writes(t) % W for i, s in enumerate(scheds)]
+    newest = [S0 + i * W + (s.writes(t) - 1) % W for i, s in enumerate(scheds)]
+    evicted = [(plgpu.load(k_ref.at[w, :]), plgpu.load(v_ref.at[w, :]), mu_ref[w], pos_ref[w]) for w in oldest]
+    newest_mu = [mu_ref[z] for z in newest]
+    if barrier:
+        plgpu.debug_barrier()
+
+    def write(slot, item, pred):
+        k, v, mu, pos = item
+        plgpu.store(k_out.at[slot, :], k, mask=jnp.broadcast_to(pred, (D,)))
+        plgpu.store(v_out.at[slot, :], v, mask=jnp.broadcast_to(pred, (D,)))
+        plgpu.store(mu_out.at[slot], mu, mask=pred)
+        plgpu.store(pos_out.at[slot], pos, mask=pred)
+
+    # Phase B: the token walks down the rings.
+    item = (new_k_ref[...], new_v_ref[...], chunk_mu_ref[0], seen)
+    if S0:
+        write(jnp.minimum(seen, S0 - 1), item, present & (seen < S0))
+    active = present & (seen >= S0)
+    for sched, w, z, y, z_mu in zip(scheds, oldest, newest, evicted, newest_mu):
+        fill = sched.arrivals(t) < W
+        accept = sched.accepting(t)
+        wins = active & ~fill & ~accept & (item[2] > z_mu)
+        write(jnp.where(wins, z, w), item, (active & (fill | accept)) | wins)
+        item = y
+        active = active & ~fill & accept
+
+
+def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, new_v, seen, n, *,
+               interpret: bool = False):
+    """In-place single-token insertion. mu f32 / pos int32 [B, H, cap] (mu after decay and accumulate);
+    k_cache, v_cache [B, H, cap, D]; chunk_mu f32 [B, H, 1]; new_k, new_v [B, 1, H, D]; seen, n int32 [B].
+    Returns the new (mu, pos, k_cache, v_cache)."""
+    B, H, cap, D = k_cache.shape
+    row = lambda b, h: (b,)
+    slots = lambda b, h: (b, h, 0)
+    rows = lambda b, h: (b, h, 0, 0)
+    specs = [
+        pl.BlockSpec((None,), row),
+        pl.BlockSpec((None,), row),
+        pl.BlockSpec((None, None, 1), slots),
+        pl.BlockSpec((None, None, None, D), lambda b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, None, None, D), lambda b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, None, cap), slots),
+        pl.BlockSpec((None, None, cap), slots),
+        pl.BlockSpec((None, None, cap, D), rows),
+        pl.BlockSpec((None, None, cap, D), rows),
+    ]
+    return pl.pallas_call(
+        functools.partial(_insert_kernel, layout=layout, barrier=not interpret),
+        grid=(B, H),
+        in_specs=specs,
+        out_specs=specs[5:],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mu, pos, k_cache, v_cache)],
+        input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="jcascade_insert_one",
+    )(seen, n, chunk_mu, new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype), mu, pos, k_cache, v_cache)

@@ -1,0 +1,216 @@
+"""Pallas-Mosaic (TPU) kernels: chunk attention with exact EMA-score increments (decode is T = 1).
+
+TPU has no atomics, so everything accumulates along "arbitrary" grid axes, which also makes the
+results deterministic:
+  1. a segment kernel, grid (row, KV head, query block, key block), runs the online softmax of all the
+     group's query heads over one key segment; it runs once over the cache slots (with validity) and
+     once causally over the chunk's keys, and the two (v, lse) states are merged exactly;
+  2. a scores kernel, grid (row, KV head, key block, query block), recomputes q.k against the final
+     lse and accumulates the weighted column sums of the group in VMEM, then reduces them (max/mean).
+Keys are rotated by XLA before the kernels. Blocks at the ends of the arrays may be partial: their
+out-of-range rows are masked (values) or dropped (writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jcascade.pallas_kernels import states
+
+MASK = -0.7 * float(np.finfo(np.float32).max)
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuConfig:
+    """Block sizes: queries a multiple of 128 (or the whole chunk), keys a multiple of 128."""
+
+    block_q: int = 256
+    block_k: int = 512
+
+
+def _blocks(T: int, S: int, cfg: TpuConfig) -> tuple[int, int]:
+    return (T if T <= cfg.block_q else cfg.block_q), (S if S <= cfg.block_k else cfg.block_k)
+
+
+def _mask_3d(G, bq, bk, i, j, n, T, S):
+    """Query and key positions of a (G, bq, bk) tile and the in-range mask."""
+    qpos = i * bq + lax.broadcasted_iota(jnp.int32, (G, bq, bk), 1)
+    kpos = j * bk + lax.broadcasted_iota(jnp.int32, (G, bq, bk), 2)
+    return qpos, kpos, (qpos < n) & (qpos < T) & (kpos < S)
+
+
+def _qk(q_ref, k_ref, scale):
+    G, bq, D = q_ref.shape
+    q, k = q_ref[...].reshape(G * bq, D), k_ref[...]
+    if k.shape[0] < 8:  # a decode step's own key: Mosaic's matrix-vector lowering wants float32 operands
+        q, k = q.astype(F32), k.astype(F32)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    return (s * scale).reshape(G, bq, k_ref.shape[0])
+
+
+def _segment_kernel(len_ref, q_ref, k_ref, v_ref, *refs, causal, T, S, scale):
+    valid_ref = None if causal else refs[0]
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[-5:]
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    G, bq, D = q_ref.shape
+    bk = k_ref.shape[0]
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, MASK, F32)
+        l_sc[...] = jnp.zeros(l_sc.shape, F32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
+
+    @pl.when(j * bk <= i * bq + bq - 1 if causal else True)
+    def _compute():
+        qpos, kpos, allowed = _mask_3d(G, bq, bk, i, j, len_ref[b], T, S)
+        if causal:
+            allowed &= kpos <= qpos
+        else:
+            allowed &= valid_ref[...][None] != 0
+        s = jnp.where(allowed, _qk(q_ref, k_ref, scale), MASK).reshape(G * bq, bk)
+        key_in_range = j * bk + lax.broadcasted_iota(jnp.int32, (bk, D), 0) < S
+        v = jnp.where(key_in_range, v_ref[...], 0)
+        m_prev = m_sc[...]
+        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        corr = jnp.exp(m_prev - m_new)
+        p = jnp.exp(s - m_new)
+        l_sc[...] = corr * l_sc[...] + p.sum(axis=1, keepdims=True)
+        acc_sc[...] = corr * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
+        m_sc[...] = m_new
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        m, l = m_sc[...], l_sc[...]
+        seen_any = m > 0.5 * MASK
+        o_ref[...] = jnp.where(seen_any, acc_sc[...] / l, 0.0).reshape(G, bq, D)
+        lse_ref[...] = jnp.where(seen_any, m + jnp.log(l), -jnp.inf).reshape(G, bq)
+
+
+def _segment(q, keys, values, valid, lengths, *, causal, cfg, interpret):
+    """Online softmax of q [B, Hkv, G, T, D] over keys/values [B, Hkv, S, D] -> o f32, lse f32."""
+    B, Hkv, G, T, D = q.shape
+    S = keys.shape[2]
+    bq, bk = _blocks(T, S, cfg)
+    in_specs = [
+        pl.BlockSpec((None, None, G, bq, D), lambda b, h, i, j, n: (b, h, 0, i, 0)),
+        pl.BlockSpec((None, None, bk, D), lambda b, h, i, j, n: (b, h, j, 0)),
+        pl.BlockSpec((None, None, bk, D), lambda b, h, i, j, n: (b, h, j, 0)),
+    ]
+    args = [q, keys, values]
+    if not causal:
+        in_specs.append(pl.BlockSpec((None, None, 1, bk), lambda b, h, i, j, n: (b, h, 0, j)))
+        args.append(valid)
+    return pl.pallas_call(
+        functools.partial(_segment_kernel, causal=causal, T=T, S=S, scale=D**-0.5),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, Hkv, pl.cdiv(T, bq), pl.cdiv(S, bk)),
+            in_specs=in_specs,
+            out_specs=[
+                pl.BlockSpec((None, None, G, bq, D), lambda b, h, i, j, n: (b, h, 0, i, 0)),
+                pl.BlockSpec((None, None, G, bq), lambda b, h, i, j, n: (b, h, 0, i)),
+            ],
+            scratch_shapes=[pltpu.VMEM((G * bq, 1), F32), pltpu.VMEM((G * bq, 1), F32), pltpu.VMEM((G * bq, D), F32)],
+        ),
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, G, T, D), F32), jax.ShapeDtypeStruct((B, Hkv, G, T), F32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="jcascade_segment_attention",
+    )(lengths, *args)
+
+
+def _scores_kernel(len_ref, q_ref, lse_ref, w_ref, k_ref, *refs, causal, T, S, scale, reduction):
+    valid_ref = None if causal else refs[0]
+    inc_ref, colsum_sc = refs[-2:]
+    b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    G, bq, _ = q_ref.shape
+    bk = k_ref.shape[0]
+
+    @pl.when(i == 0)
+    def _init():
+        colsum_sc[...] = jnp.zeros(colsum_sc.shape, F32)
+
+    @pl.when(i * bq + bq - 1 >= j * bk if causal else True)
+    def _compute():
+        qpos, kpos, allowed = _mask_3d(G, bq, bk, i, j, len_ref[b], T, S)
+        if causal:
+            allowed &= kpos <= qpos
+        else:
+            allowed &= valid_ref[...][None] != 0
+        p = jnp.exp(_qk(q_ref, k_ref, scale) - lse_ref[...][..., None])
+        weighted = jnp.where(allowed, p * w_ref[...][:, :, None], 0.0)
+        colsum_sc[...] += weighted.sum(axis=1)
+
+    @pl.when(i == pl.num_programs(3) - 1)
+    def _finish():
+        colsum = colsum_sc[...]
+        total = colsum.max(axis=0, keepdims=True) if reduction == "max" else colsum.mean(axis=0, keepdims=True)
+        inc_ref[...] = total
+
+
+def _scores(q, lse, weights, keys, valid, lengths, *, causal, reduction, cfg, interpret):
+    """Increments [B, Hkv, S] of keys [B, Hkv, S, D] for queries q [B, Hkv, G, T, D] with final lse."""
+    B, Hkv, G, T, D = q.shape
+    S = keys.shape[2]
+    bq, bk = _blocks(T, S, cfg)
+    in_specs = [
+        pl.BlockSpec((None, None, G, bq, D), lambda b, h, j, i, n: (b, h, 0, i, 0)),
+        pl.BlockSpec((None, None, G, bq), lambda b, h, j, i, n: (b, h, 0, i)),
+        pl.BlockSpec((None, 1, bq), lambda b, h, j, i, n: (b, 0, i)),
+        pl.BlockSpec((None, None, bk, D), lambda b, h, j, i, n: (b, h, j, 0)),
+    ]
+    args = [q, lse, weights[:, None, :], keys]
+    if not causal:
+        in_specs.append(pl.BlockSpec((None, None, 1, bk), lambda b, h, j, i, n: (b, h, 0, j)))
+        args.append(valid)
+    inc = pl.pallas_call(
+        functools.partial(_scores_kernel, causal=causal, T=T, S=S, scale=D**-0.5, reduction=reduction),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, Hkv, pl.cdiv(S, bk), pl.cdiv(T, bq)),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, 1, bk), lambda b, h, j, i, n: (b, h, 0, j)),
+            scratch_shapes=[pltpu.VMEM((G, bk), F32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((B, Hkv, 1, S), F32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="jcascade_segment_scores",
+    )(lengths, *args)
+    return inc[:, :, 0]
+
+
+def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
+                    head_reduction="max", rope=None, *, config: TpuConfig = TpuConfig(), interpret: bool = False):
+    """Same contract as `reference.chunk_attention`, on Pallas-Mosaic TPU."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    if rope is not None:
+        k_cache = rope(k_cache, cache_positions)
+    qt = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    valid = cache_valid.astype(jnp.int32)[:, :, None, :]
+    common = dict(cfg=config, interpret=interpret)
+    o_cache, lse_cache = _segment(qt, k_cache, v_cache, valid, lengths, causal=False, **common)
+    o_chunk, lse_chunk = _segment(qt, kt, vt, None, lengths, causal=True, **common)
+    o, lse = states.merge(o_cache, lse_cache, o_chunk, lse_chunk)
+    out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    lse_out = lse.reshape(B, Hq, T)
+    if query_weights is None:
+        return out, lse_out, None, None
+    weights = query_weights.astype(F32)
+    common.update(reduction=head_reduction)
+    inc_cache = _scores(qt, lse, weights, k_cache, valid, lengths, causal=False, **common)
+    inc_chunk = _scores(qt, lse, weights, kt, None, lengths, causal=True, **common)
+    return out, lse_out, inc_cache, inc_chunk

@@ -1,0 +1,174 @@
+"""Pallas kernels (GPU-style and TPU-style interpret mode on the CPU) against the XLA reference,
+and lowering of every kernel for GPU and TPU from the CPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jcascade as jc
+from jcascade import pallas_kernels as pk
+
+SMALL = {"triton": pk.gpu.GpuConfig(16, 16, 16, 32, 16, decode_programs=8), "mosaic_tpu": pk.tpu.TpuConfig(16, 32)}
+
+
+def random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head_positions=False, weights=True):
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+    lengths = rng.integers(0, T + 1, size=B)
+    lengths[0] = T
+    w = rng.random((B, T)).astype(np.float32) * (np.arange(T)[None] < lengths[:, None])
+    return dict(
+        q=f(B, T, Hq, D), k=f(B, T, Hkv, D), v=f(B, T, Hkv, D), k_cache=f(B, Hkv, S, D), v_cache=f(B, Hkv, S, D),
+        cache_valid=jnp.asarray(rng.random((B, Hkv, S)) < 0.8),
+        cache_positions=jnp.asarray(rng.integers(0, 5000, (B, Hkv if per_head_positions else 1, S)), jnp.int32),
+        lengths=jnp.asarray(lengths, jnp.int32),
+        query_weights=jnp.asarray(w) if weights else None,
+    )
+
+
+def assert_close(got, want, dtype, name):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=f"{name}: -inf pattern")
+    err = np.linalg.norm(got[finite] - want[finite]) / max(np.linalg.norm(want[finite]), 1e-30)
+    assert err < (1e-2 if dtype == jnp.bfloat16 else 1e-5), f"{name}: relative error {err:.2e}"
+
+
+CASES = [  # B, T, Hq, Hkv, D, S, dtype, reduction, per-head positions
+    (2, 23, 4, 4, 64, 45, jnp.float32, "max", False),  # group 1
+    (2, 37, 8, 2, 128, 70, jnp.float32, "mean", True),  # group 4, head_dim 128
+    (1, 19, 7, 1, 64, 33, jnp.bfloat16, "max", False),  # group 7
+    (3, 1, 8, 2, 64, 45, jnp.float32, "max", True),  # decode
+    (2, 1, 7, 1, 128, 70, jnp.bfloat16, "mean", False),  # decode, group 7
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}G{c[2] // c[3]}D{c[4]}S{c[5]}-{jnp.dtype(c[6]).name}")
+def test_kernel_equals_reference(backend, case):
+    B, T, Hq, Hkv, D, S, dtype, reduction, per_head = case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    inputs = random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head)
+    rope = jc.RoPE(10000.0)
+    run = lambda impl, cfg: jax.jit(
+        lambda x: pk.chunk_attention(**x, head_reduction=reduction, rope=rope, implementation=impl, config=cfg)
+    )(inputs)
+    want = run("xla", None)
+    got = run(backend, SMALL[backend])
+    for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert_close(g, w, dtype, name)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_kernel_without_scores_or_rope(backend):
+    rng = np.random.default_rng(1)
+    inputs = random_inputs(rng, 2, 9, 4, 2, 64, 21, jnp.float32, weights=False)
+    want = pk.chunk_attention(**inputs, implementation="xla")
+    got = pk.chunk_attention(**inputs, implementation=backend, config=SMALL[backend])
+    assert got[2] is None and got[3] is None
+    assert_close(got[0], want[0], jnp.float32, "out")
+    assert_close(got[1], want[1], jnp.float32, "lse")
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_attend_with_kernels_equals_xla_on_a_streamed_cache(backend):
+    """jc.attend end to end (positions, masks, weights) through the kernels, then update."""
+    policy = jc.Cascade(cache_size=12, sinks=2, num_cascades=3, gamma=0.8, positions="original")
+    rng = np.random.default_rng(2)
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    attend = jax.jit(functools.partial(jc.attend, policy, rope=jc.RoPE(500.0)), static_argnames="implementation")
+    state = jc.init_cache(policy, B, Hkv, D)
+    for T in (5, 7, 1, 6, 1):
+        q, k, v = (jnp.asarray(rng.normal(size=(B, T, h, D)), jnp.float32) for h in (Hq, Hkv, Hkv))
+        lengths = jnp.asarray(rng.integers(0, T + 1, size=B), jnp.int32)
+        want_out, want_scores = attend(state, q, k, v, lengths, implementation="xla")
+        got_out, got_scores = attend(state, q, k, v, lengths, implementation=backend)
+        assert_close(got_out, want_out, jnp.float32, "out")
+        assert_close(got_scores.cache, want_scores.cache, jnp.float32, "scores.cache")
+        assert_close(got_scores.chunk, want_scores.chunk, jnp.float32, "scores.chunk")
+        state = jc.update(policy, state, k, v, want_scores, lengths)
+
+
+def test_implementation_names_are_checked():
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        pk.resolve("cuda")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="needs a GPU or TPU"):
+            pk.resolve("pallas")
+        assert pk.resolve(None) == ("xla", False)
+        assert pk.resolve("triton") == ("triton", True)
+
+
+LOWERING_SHAPES = [  # B, T, Hq, Hkv, D, S: the benchmark shapes, odd sizes, decode
+    (1, 4096, 32, 8, 128, 16448),
+    (2, 37, 28, 4, 64, 45),
+    (32, 1, 32, 8, 128, 16448),
+    (2, 1, 7, 1, 64, 45),
+]
+
+
+def _abstract_inputs(B, T, Hq, Hkv, D, S):
+    s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    return (s(B, T, Hq, D), s(B, T, Hkv, D), s(B, T, Hkv, D), s(B, Hkv, S, D), s(B, Hkv, S, D),
+            s(B, Hkv, S, dtype=jnp.bool_), s(B, 1, S, dtype=jnp.int32), s(B, dtype=jnp.int32), s(B, T, dtype=jnp.float32))
+
+
+@pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=str)
+def test_kernels_lower_for_gpu(shape):
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    f = jax.jit(lambda *a: pk.gpu.chunk_attention(*a, "max", jc.RoPE(500000.0)))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(*_abstract_inputs(*shape)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == (1 if shape[1] == 1 else 3)
+
+
+@pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=str)
+def test_kernels_lower_for_tpu(shape):
+    f = jax.jit(lambda *a: pk.tpu.chunk_attention(*a, "max", jc.RoPE(500000.0)))
+    text = f.trace(*_abstract_inputs(*shape)).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 4
+
+
+@pytest.mark.parametrize("policy", [
+    jc.Cascade(cache_size=12, sinks=2, num_cascades=3, gamma=0.5),
+    jc.Cascade(cache_size=8, sinks=0, num_cascades=4, gamma=0.9),
+    jc.Sink(window=5, sinks=1),
+], ids=["cascade3", "cascade4-nosinks", "sink"])
+def test_single_token_insertion_kernel_equals_xla_update(policy):
+    """Decode-time updates through the Triton insertion kernel (interpret mode) equal the vectorised
+    update bit for bit, ties included, from the empty cache deep into the steady phase."""
+    rng = np.random.default_rng(3)
+    B, H, D = 3, 2, 16
+    update = jax.jit(jc.update, static_argnums=0, static_argnames="implementation")
+    xla = kernel = jc.init_cache(policy, B, H, D)
+    for _ in range(60):
+        k = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.float32)
+        lengths = jnp.asarray(rng.integers(0, 2, B), jnp.int32)
+        scores = None
+        if isinstance(policy, jc.Cascade):
+            scores = jc.Scores(jnp.asarray(rng.choice([0.0, 0.25, 0.5], (B, H, xla.capacity)), jnp.float32),
+                               jnp.asarray(rng.choice([0.0, 0.5, 1.0], (B, H, 1)), jnp.float32))
+        xla = update(policy, xla, k, -k, scores, lengths, implementation="xla")
+        kernel = update(policy, kernel, k, -k, scores, lengths, implementation="triton")
+        for a, b in zip(jax.tree.leaves(xla), jax.tree.leaves(kernel)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(np.asarray(xla.seen).max()) > xla.capacity
+
+
+def test_insertion_kernel_lowers_for_gpu():
+    from jcascade.pallas_kernels.insert import insert_one
+
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    layout = jc.Cascade(cache_size=16384, sinks=64, num_cascades=4).layout()
+    B, H, cap, D = 32, 8, layout.capacity, 128
+    s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    args = (s(B, H, cap, dtype=jnp.float32), s(B, H, cap, dtype=jnp.int32), s(B, H, cap, D), s(B, H, cap, D),
+            s(B, H, 1, dtype=jnp.float32), s(B, 1, H, D), s(B, 1, H, D), s(B, dtype=jnp.int32), s(B, dtype=jnp.int32))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(lambda *a: insert_one(layout, *a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
