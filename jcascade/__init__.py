@@ -8,6 +8,7 @@
 """
 
 from jcascade.attention import attend
+from jcascade.generation import generate, prefill, score
 from jcascade.cache import (
     CacheState,
     Scores,
@@ -18,13 +19,16 @@ from jcascade.cache import (
     update,
 )
 from jcascade.policies import Cascade, Full, Sink, SlidingWindow
+from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, save_converted
 from jcascade.rope import Llama3Scaling, RoPE
 
 __all__ = [
     "CacheState",
+    "CausalLM",
     "Cascade",
     "Full",
     "Llama3Scaling",
+    "ModelConfig",
     "RoPE",
     "Scores",
     "Sink",
@@ -33,6 +37,12 @@ __all__ = [
     "cached_kv",
     "cached_positions",
     "cached_scores",
+    "generate",
     "init_cache",
+    "load_pretrained",
+    "load_tokenizer",
+    "prefill",
+    "save_converted",
+    "score",
     "update",
 ]

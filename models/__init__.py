@@ -1,1 +1,18 @@
 """Flax Llama / Qwen2 models and weight loading (installed as `jcascade.models`)."""
+
+from jcascade.models.config import ModelConfig
+from jcascade.models.decoder import CausalLM
+from jcascade.models.loading import load_pretrained, load_tokenizer, save_converted
+from jcascade.models.packaged import QWEN25_CODER_05B_INSTRUCT, SMOLLM2_135M_INSTRUCT, PackagedModel, fetch
+
+__all__ = [
+    "QWEN25_CODER_05B_INSTRUCT",
+    "SMOLLM2_135M_INSTRUCT",
+    "CausalLM",
+    "ModelConfig",
+    "PackagedModel",
+    "fetch",
+    "load_pretrained",
+    "load_tokenizer",
+    "save_converted",
+]

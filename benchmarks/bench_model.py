@@ -1,0 +1,196 @@
+"""Whole-model benchmarks on a Llama-3.1-8B-shaped model with random bf16 weights made on the device.
+
+  a  strided prefill (Cascade: 16K + 64 sinks, 4 cascades, stride 4K) streamed over 1M tokens, with the
+     elapsed time read at 32K, 128K and 1M tokens; throughput and model FLOP utilisation (MFU) against a
+     bf16 matrix product measured in the same run;
+  b  decode tokens/s at batch 1 and 16 over a full 16K cascade cache vs the roofline (weight + cache bytes
+     per step over a copy bandwidth measured in the same run); batch 32 needs 69 GB of cache, which the
+     layer scan holds twice (input and output), more than an H200 has;
+  c  compile time of the prefill segment and of the decode step.
+
+The prefill runs as jitted segments of 32K tokens (8 chunks under `lax.scan`) that carry the cache, so
+one compilation serves every length.
+
+    python benchmarks/bench_model.py [--out benchmarks/results/model-<device>.json]
+    python benchmarks/bench_model.py --tiny      # a dry run of the same code with a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jcascade as jc
+from jcascade.models import CausalLM, ModelConfig
+
+LLAMA31_8B = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=jc.Llama3Scaling(),
+    rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=False, o_bias=False, max_position_embeddings=131072,
+)
+TINY = ModelConfig(
+    architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, qkv_bias=False, o_bias=False, max_position_embeddings=4096,
+)
+
+
+def block(x):
+    return jax.block_until_ready(x)
+
+
+def matmul_peak(n: int) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    block(f(a, b))
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out = f(a, b)
+    block(out)
+    return 2 * n**3 * 10 / (time.perf_counter() - t0)
+
+
+def copy_bandwidth(n: int) -> float:
+    x = jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 1)
+    block(f(x))
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out = f(x)
+    block(out)
+    return 2 * x.nbytes * 10 / (time.perf_counter() - t0)
+
+
+def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
+    """Matmul FLOPs per token: the projections and MLP (2 per weight), attention (QK^T and PV at 4 per
+    key and head dim, plus the scores pass's QK^T at 2), the LM head is not run during prefill."""
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dense = 2 * L * (H * q + 2 * H * kv + q * H + 3 * H * I)
+    attention = L * cfg.num_heads * cfg.head_dim * keys_per_query * (4 + 2)
+    return dense + attention
+
+
+def bench_prefill(a, model, policy, peak):
+    segment = a.segment
+    state = model.init_cache(policy, 1)
+    lengths = jnp.array([segment], jnp.int32)
+    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths), donate_argnums=1)
+    tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
+    t0 = time.perf_counter()
+    compiled = run.lower(model, state, tokens[0]).compile()
+    compile_s = time.perf_counter() - t0
+    marks, rows = set(a.prefill_marks), []
+    t0 = time.perf_counter()
+    done = 0
+    while done < max(marks):
+        state, _ = compiled(model, state, tokens[(done // segment) % 4])
+        done += segment
+        if done in marks:
+            block(state)
+            elapsed = time.perf_counter() - t0
+            keys = min(done, policy.layout().capacity) + policy.stride / 2  # average keys per query
+            rows.append(dict(tokens=done, seconds=elapsed, tokens_per_s=done / elapsed,
+                             mfu=flops_per_token(model.config, keys) * done / elapsed / peak))
+            print(f"   prefill {done} tokens: {elapsed:.1f} s", flush=True)
+    return dict(compile_s=compile_s, segment=segment, rows=rows)
+
+
+def bench_decode(a, model, policy, bandwidth):
+    cfg = model.config
+    rows = []
+    for batch in a.decode_batches:
+        state = model.init_cache(policy, batch)
+        cap, shape = state.capacity, state.k.shape
+        k1, k2 = jax.random.split(jax.random.key(batch))
+        rows_k = jax.random.normal(k1, (*shape[:-2], cap, cfg.head_dim), state.k.dtype) if a.tiny else \
+            jnp.broadcast_to(jax.random.normal(k1, (cap, cfg.head_dim), state.k.dtype), shape)  # no f32 temporaries
+        rows_v = jax.random.normal(k2, shape, state.v.dtype) if a.tiny else \
+            jnp.broadcast_to(jax.random.normal(k2, (cap, cfg.head_dim), state.v.dtype), shape)
+        state = jc.CacheState(  # a full cache, as after a long prompt
+            k=rows_k, v=rows_v,
+            score=jnp.full(state.score.shape, 1e-4, jnp.float32),
+            pos=jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
+            seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32),
+        )
+
+        def step(model, state, last):
+            hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32))
+            return state, jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
+
+        run = jax.jit(step, donate_argnums=1)
+        last = jnp.zeros((batch,), jnp.int32)
+        t0 = time.perf_counter()
+        compiled = run.lower(model, state, last).compile()
+        compile_s = time.perf_counter() - t0
+        state, last = compiled(model, state, last)
+        block(last)
+        t0 = time.perf_counter()
+        for _ in range(a.decode_steps):
+            state, last = compiled(model, state, last)
+        block(last)
+        per_step = (time.perf_counter() - t0) / a.decode_steps
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
+        cache_bytes = 2 * state.k.nbytes
+        roofline = (weight_bytes + cache_bytes) / bandwidth
+        rows.append(dict(batch=batch, ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step,
+                         roofline_ms=roofline * 1e3, fraction_of_roofline=roofline / per_step, compile_s=compile_s))
+        print(f"   decode batch {batch}: {per_step * 1e3:.2f} ms/step", flush=True)
+        del state
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--only", default="ab", help="a: prefill, b: decode (compile times come with each)")
+    a = p.parse_args()
+    warnings.filterwarnings("ignore")
+    if a.tiny:
+        cfg, policy = TINY, jc.Cascade(cache_size=64, sinks=4, num_cascades=4, stride=32)
+        a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
+        peak, bandwidth = matmul_peak(256), copy_bandwidth(1 << 20)
+    else:
+        cfg, policy = LLAMA31_8B, jc.Cascade(cache_size=16384, sinks=64, num_cascades=4, stride=4096)
+        a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 32768, [32768, 131072, 1 << 20], [1, 16], 20
+        peak, bandwidth = matmul_peak(8192), copy_bandwidth(1 << 31)
+    device = jax.devices()[0]
+    model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16)
+    result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                  policy=repr(policy), matmul_tflops=peak / 1e12, copy_gb_s=bandwidth / 1e9)
+    out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e9:.0f} GB/s", flush=True)
+    if "a" in a.only:
+        result["prefill"] = bench_prefill(a, model, policy, peak)
+        out.write_text(json.dumps(result, indent=2))
+    try:
+        result["decode"] = bench_decode(a, model, policy, bandwidth) if "b" in a.only else []
+    except Exception as e:  # keep the prefill figures if decode fails (e.g. out of memory)
+        result["decode"] = []
+        result["decode_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        print(result["decode_error"], flush=True)
+    out.write_text(json.dumps(result, indent=2))
+    if "prefill" in result:
+        pre = result["prefill"]
+        print(f"\nprefill ({policy.stride}-token chunks, compile {pre['compile_s']:.0f} s): tokens, seconds, tokens/s, MFU")
+        for r in pre["rows"]:
+            print(f"   {r['tokens']:>8} {r['seconds']:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.2f}")
+    print("decode: batch, ms/step, tokens/s, roofline ms, fraction of roofline, compile s")
+    for r in result["decode"]:
+        print(f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} {r['roofline_ms']:8.2f} "
+              f"{r['fraction_of_roofline']:6.2f} {r['compile_s']:6.0f}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

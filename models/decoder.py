@@ -1,0 +1,121 @@
+"""The Llama / Qwen2 decoder as a Flax NNX module, attention delegated to jcascade's cache policies.
+
+Both architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query attention with rotary
+positions (Qwen2 adds q/k/v biases), and a SwiGLU MLP. The L layers' weights are stacked on a leading
+axis and run under `lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
+`jcascade.attend` then `jcascade.update` on its slice of the cache, so every policy works unchanged.
+
+Weights use the x @ W convention (W is [in, out], the transpose of PyTorch's Linear weight).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jcascade import attention, cache
+from jcascade.models.config import ModelConfig
+
+LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every weight the config needs (layer weights with their leading layer axis)."""
+    H, L, I = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (cfg.vocab_size, H), "final_norm": (H,),
+        "attn_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv), "wv": (L, H, kv), "wo": (L, q, H),
+        "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
+    }
+    if cfg.qkv_bias:
+        shapes.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if cfg.o_bias:
+        shapes["bo"] = (L, H)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, cfg.vocab_size)
+    return shapes
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """As Hugging Face: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+class CausalLM(nnx.Module):
+    """A Llama or Qwen2 causal language model. `config` is static; weights are `nnx.Param`s."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, jax.Array]):
+        expected = weight_shapes(config)
+        missing = sorted(set(expected) - set(weights))
+        extra = sorted(set(weights) - set(expected))
+        if missing or extra:
+            raise ValueError(f"weights do not match the config: missing {missing}, unexpected {extra}")
+        for name, shape in expected.items():
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, the config needs {shape}")
+        self.config = config
+        self.embed = nnx.Param(weights["embed"])
+        self.final_norm = nnx.Param(weights["final_norm"])
+        self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
+        self.layers = nnx.Dict({name: nnx.Param(weights[name]) for name in LAYER_WEIGHTS if name in weights})
+
+    @classmethod
+    def random(cls, config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> CausalLM:
+        """Random weights of the config's shapes (norms at 1), e.g. for speed measurements."""
+        shapes = weight_shapes(config)
+        keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
+        weights = {
+            name: (jnp.ones(shape, dtype) if name.endswith("norm") else
+                   (scale * jax.random.normal(keys[name], shape, jnp.float32)).astype(dtype))
+            for name, shape in shapes.items()
+        }
+        return cls(config, weights)
+
+    @property
+    def dtype(self):
+        return self.embed[...].dtype
+
+    def init_cache(self, policy, batch: int, max_tokens: int | None = None) -> cache.CacheState:
+        """An empty cache for every layer (leading layer axis), in the model's dtype."""
+        cfg = self.config
+        return cache.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                max_tokens=max_tokens, num_layers=cfg.num_layers)
+
+    def __call__(self, policy, state: cache.CacheState, tokens: jax.Array, lengths: jax.Array,
+                 implementation: str | None = None) -> tuple[jax.Array, cache.CacheState]:
+        """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row.
+        Returns the final-norm hidden states [B, T, hidden] and the updated cache."""
+        cfg = self.config
+        B, T = tokens.shape
+        rope = cfg.rope
+        weights = {name: p[...] for name, p in self.layers.items()}
+
+        def layer(x, inputs):
+            w, layer_state = inputs
+            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            if cfg.qkv_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+            out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope, implementation=implementation)
+            layer_state = cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
+            o = out.reshape(B, T, -1) @ w["wo"]
+            x = x + (o + w["bo"] if cfg.o_bias else o)
+            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            return x, layer_state
+
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        x, state = jax.lax.scan(layer, x, (weights, state))
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), state
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 [..., vocab] from final hidden states [..., hidden]."""
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.dot(hidden, head, preferred_element_type=jnp.float32)

@@ -1,0 +1,199 @@
+"""Weights without torch: Hugging Face directories (config.json + single or sharded safetensors), GGUF
+files (dequantised with the `gguf` package), and converted models saved with orbax-checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jcascade.models.config import ModelConfig
+from jcascade.models.decoder import CausalLM, weight_shapes
+from jcascade.rope import Llama3Scaling
+
+CONVERTED_CONFIG = "jcascade-config.json"
+
+# our name -> Hugging Face name ("{i}" is the layer), and whether the tensor is a transposed Linear weight
+_HF_LAYER = {
+    "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
+    "wq": ("model.layers.{i}.self_attn.q_proj.weight", True),
+    "wk": ("model.layers.{i}.self_attn.k_proj.weight", True),
+    "wv": ("model.layers.{i}.self_attn.v_proj.weight", True),
+    "bq": ("model.layers.{i}.self_attn.q_proj.bias", False),
+    "bk": ("model.layers.{i}.self_attn.k_proj.bias", False),
+    "bv": ("model.layers.{i}.self_attn.v_proj.bias", False),
+    "wo": ("model.layers.{i}.self_attn.o_proj.weight", True),
+    "bo": ("model.layers.{i}.self_attn.o_proj.bias", False),
+    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
+    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
+    "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
+    "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
+}
+_HF_GLOBAL = {"embed": ("model.embed_tokens.weight", False), "final_norm": ("model.norm.weight", False),
+              "lm_head": ("lm_head.weight", True)}
+_GGUF_LAYER = {
+    "attn_norm": ("blk.{i}.attn_norm.weight", False), "wq": ("blk.{i}.attn_q.weight", True),
+    "wk": ("blk.{i}.attn_k.weight", True), "wv": ("blk.{i}.attn_v.weight", True),
+    "bq": ("blk.{i}.attn_q.bias", False), "bk": ("blk.{i}.attn_k.bias", False), "bv": ("blk.{i}.attn_v.bias", False),
+    "wo": ("blk.{i}.attn_output.weight", True), "bo": ("blk.{i}.attn_output.bias", False),
+    "mlp_norm": ("blk.{i}.ffn_norm.weight", False), "w_gate": ("blk.{i}.ffn_gate.weight", True),
+    "w_up": ("blk.{i}.ffn_up.weight", True), "w_down": ("blk.{i}.ffn_down.weight", True),
+}
+_GGUF_GLOBAL = {"embed": ("token_embd.weight", False), "final_norm": ("output_norm.weight", False),
+                "lm_head": ("output.weight", True)}
+
+
+def _collect(cfg: ModelConfig, available, read, global_names, layer_names) -> dict[str, np.ndarray]:
+    """Our weights, read by source name, checking presence and shape of every tensor."""
+
+    def get(source: str, target_shape: tuple[int, ...], transposed: bool, ours: str) -> np.ndarray:
+        if source not in available:
+            raise ValueError(f"missing tensor {source!r} (needed for {ours})")
+        array = read(source)
+        want = target_shape[::-1] if transposed else target_shape
+        if array.shape != want:
+            raise ValueError(f"tensor {source!r} has shape {array.shape}, the config needs {want}")
+        return array.T if transposed else array
+
+    weights = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name in global_names:
+            source, transposed = global_names[name]
+            weights[name] = get(source, shape, transposed, name)
+        else:
+            source, transposed = layer_names[name]
+            weights[name] = np.stack([get(source.format(i=i), shape[1:], transposed, name) for i in range(cfg.num_layers)])
+    return weights
+
+
+def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """config.json and model.safetensors, or the shards named by model.safetensors.index.json."""
+    from safetensors import safe_open
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    tensors = {}
+    for name in files:
+        with safe_open(path / name, framework="numpy") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+    return cfg, _collect(cfg, tensors, lambda name: np.asarray(tensors[name]), _HF_GLOBAL, _HF_LAYER)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rotary halves of Q/K rows; back to Hugging Face's layout."""
+    out = w.shape[0]
+    return w.reshape(heads, out // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """A llama or qwen2 GGUF file, dequantised to float32."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama, qwen2)")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{path}: GGUF rope frequency factors (llama3 scaling) are not supported")
+    heads = int(meta[f"{arch}.attention.head_count"])
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    hidden = int(meta[f"{arch}.embedding_length"])
+    vocab = int(meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
+    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
+    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    cfg = ModelConfig(
+        architecture=arch, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]), num_layers=int(meta[f"{arch}.block_count"]),
+        num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=int(meta.get(f"{arch}.rope.dimension_count") or hidden // heads),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=None,
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        tie_word_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        bos_token_id=None if bos is None else int(bos.contents()),
+        eos_token_ids=() if eos is None else (int(eos.contents()),),
+    )
+
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _unpermute(w, heads if "attn_q" in name else kv_heads)
+        return w
+
+    return cfg, _collect(cfg, tensors, read, _GGUF_GLOBAL, _GGUF_LAYER)
+
+
+def _default_dtype():
+    return jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
+
+
+def save_converted(model: CausalLM, directory: str | pathlib.Path) -> None:
+    """Saves a model as jcascade-config.json + an orbax checkpoint, for a fast `load_pretrained` later."""
+    import orbax.checkpoint as ocp
+
+    directory = pathlib.Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.asdict(model.config)
+    (directory / CONVERTED_CONFIG).write_text(json.dumps(cfg, indent=2))
+    weights = {"embed": model.embed[...], "final_norm": model.final_norm[...],
+               **{name: p[...] for name, p in model.layers.items()}}
+    if model.lm_head is not None:
+        weights["lm_head"] = model.lm_head[...]
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory / "weights", weights, force=True)
+    checkpointer.wait_until_finished()
+
+
+def _read_converted(directory: pathlib.Path) -> tuple[ModelConfig, dict]:
+    import orbax.checkpoint as ocp
+
+    raw = json.loads((directory / CONVERTED_CONFIG).read_text())
+    raw["rope_scaling"] = None if raw["rope_scaling"] is None else Llama3Scaling(**raw["rope_scaling"])
+    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    return ModelConfig(**raw), ocp.StandardCheckpointer().restore(directory / "weights")
+
+
+def load_pretrained(path: str | pathlib.Path, dtype=None) -> CausalLM:
+    """A model from a Hugging Face directory, a .gguf file, or a directory written by `save_converted`.
+
+    dtype: parameter and activation dtype; None gives bfloat16 on GPU/TPU and float32 on the CPU.
+    """
+    path = pathlib.Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        cfg, weights = read_gguf(path)
+    elif (path / CONVERTED_CONFIG).is_file():
+        cfg, weights = _read_converted(path)
+    elif path.is_dir():
+        cfg, weights = read_hf_directory(path)
+    else:
+        raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
+    dtype = dtype or _default_dtype()
+    return CausalLM(cfg, {name: jnp.asarray(w, dtype) for name, w in weights.items()})
+
+
+def load_tokenizer(path: str | pathlib.Path):
+    """The Hugging Face tokenizer of a model directory or .gguf file (no torch needed)."""
+    from transformers import AutoTokenizer
+
+    path = pathlib.Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path)
