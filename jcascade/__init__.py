@@ -18,7 +18,7 @@ from jcascade.cache import (
     init_cache,
     update,
 )
-from jcascade.policies import Cascade, Full, Sink, SlidingWindow
+from jcascade.policies import H2O, Cascade, Full, Sink, SlidingWindow
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, save_converted
 from jcascade.rope import Llama3Scaling, RoPE
 
@@ -27,6 +27,7 @@ __all__ = [
     "CausalLM",
     "Cascade",
     "Full",
+    "H2O",
     "Llama3Scaling",
     "ModelConfig",
     "RoPE",

@@ -14,11 +14,13 @@ def query_weights(policy: P.Policy, lengths: jax.Array, chunk_len: int) -> jax.A
     """f32 [B, T] weight of each query in the score increments, or None for policies without scores.
 
     Cascade: w_q = (1 - gamma) * gamma**(n - 1 - q) for q < n (DESIGN §3), 0 for padding queries, so that
-    a chunk of n tokens moves the EMA exactly as n single-token steps would.
+    a chunk of n tokens moves the EMA exactly as n single-token steps would. H2O: 1 for every valid query.
     """
     if not P.uses_scores(policy):
         return None
     q = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]
+    if isinstance(policy, P.H2O):  # accumulated attention: every query counts once
+        return (q < lengths[:, None]).astype(jnp.float32)
     age = (lengths[:, None] - 1 - q).astype(jnp.float32)
     w = jnp.float32(1.0 - policy.gamma) * jnp.power(jnp.float32(policy.gamma), age)
     return jnp.where(q < lengths[:, None], w, 0.0)
@@ -27,9 +29,14 @@ def query_weights(policy: P.Policy, lengths: jax.Array, chunk_len: int) -> jax.A
 def chunk_positions(policy: P.Policy, state: C.CacheState) -> tuple[jax.Array, jax.Array]:
     """RoPE positions (DESIGN §4): keys int32 [B, 1 or Hkv, capacity] and first chunk position int32 [B]."""
     layout = C.layout_of(policy, state)
-    if P.position_mode(policy) == "cache":
-        return C.slot_ranks(layout, state.seen)[:, None, :], C.tokens_held(layout, state.seen)
-    return state.pos, state.seen
+    if P.position_mode(policy) != "cache":
+        return state.pos, state.seen
+    if layout.heavy:  # heavy slots are not in age order: rank each head's tokens by position
+        held = state.pos >= 0
+        order = jnp.argsort(jnp.where(held, state.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+        ranks = jnp.argsort(order, axis=-1).astype(jnp.int32)
+        return jnp.where(held, ranks, -1), C.tokens_held(layout, state.seen)
+    return C.slot_ranks(layout, state.seen)[:, None, :], C.tokens_held(layout, state.seen)
 
 
 def attend(

@@ -153,6 +153,8 @@ def tokens_held(layout: P.RingLayout, seen: jax.Array) -> jax.Array:
     held = jnp.minimum(seen, layout.sinks)
     for s in ring_schedules(layout):
         held = held + s.fill(t)
+    if layout.heavy:  # the one ring pushes out every token past its first W
+        held = held + jnp.minimum(jnp.maximum(t - layout.ring_size, 0), layout.heavy)
     return held
 
 
@@ -167,8 +169,10 @@ def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def _compact(x: jax.Array, keep: jax.Array, size: int) -> jax.Array:
-    """Moves x[..., k] with keep[b, k] to the front, in order: x [B, H, M], keep [B, M] -> [B, H, size]."""
-    dest = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, size)[:, None, :]
+    """Moves x[..., k] with keep[b, (h,) k] to the front, in order: x [B, H, M], keep [B, M] or
+    [B, H, M] -> [B, H, size]."""
+    keep = keep if keep.ndim == 3 else keep[:, None, :]
+    dest = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, size)
     B, H = x.shape[:2]
     bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
     return jnp.zeros((B, H, size), x.dtype).at[bi, hi, dest].set(x, mode="drop")
@@ -179,13 +183,15 @@ def _shift_left(x: jax.Array, fill) -> jax.Array:
     return jnp.concatenate([x[..., 1:], jnp.full((*x.shape[:-1], 1), fill, x.dtype)], axis=-1)
 
 
-def _insertions(layout: P.RingLayout, score: jax.Array, chunk_score: jax.Array, seen, n):
+def _insertions(layout: P.RingLayout, score: jax.Array, held: jax.Array, chunk_score: jax.Array, seen, n):
     """Where each chunk token and each moving resident goes (DESIGN §3, step 2).
 
-    score: f32 [B, H, cap] resident scores after step 1; chunk_score: f32 [B, H, T]; seen, n: int32 [B].
+    score: f32 [B, H, cap] resident scores after step 1; held: bool [B, H, cap] slots holding a token;
+    chunk_score: f32 [B, H, T]; seen, n: int32 [B].
     Sources are codes into [old slots (0..cap-1) | chunk tokens (cap..cap+T-1)].
-    Returns dest int32 [B, L] (cap = no write), src int32 [B, H, L], mu f32 [B, H, L]: slot dest[b, l]
-    receives item src[b, h, l] with score mu[b, h, l]. Destinations of a row are distinct.
+    Returns dest int32 [B, H, L] (cap = no write), src int32 [B, H, L], mu f32 [B, H, L]: slot
+    dest[b, h, l] receives item src[b, h, l] with score mu[b, h, l]. Destinations of a (row, head) are
+    distinct.
     """
     S0, W, cap = layout.sinks, layout.ring_size, layout.capacity
     B, H, T = chunk_score.shape
@@ -241,7 +247,7 @@ def _insertions(layout: P.RingLayout, score: jax.Array, chunk_score: jax.Array, 
         srcs.append(res_src[..., None])
         mus.append(res_mu[..., None])
 
-        if i + 1 == layout.num_rings:
+        if i + 1 == layout.num_rings and not layout.heavy:
             break
         # Each accept pushes out the item written W writes earlier: the arrivals of ring i+1.
         evicted = first_write[:, None] + unit - W  # ring write index of the evictee
@@ -257,7 +263,31 @@ def _insertions(layout: P.RingLayout, score: jax.Array, chunk_score: jax.Array, 
         clock = _compact(clock[:, None], is_accept, M)[:, 0]
         valid = jnp.arange(M)[None] < jnp.sum(is_accept, axis=-1, keepdims=True)
 
-    return jnp.concatenate(dests, -1), jnp.concatenate(srcs, -1), jnp.concatenate(mus, -1)
+    dest = jnp.broadcast_to(jnp.concatenate(dests, -1)[:, None], (B, H, sum(d.shape[-1] for d in dests)))
+    src, mu = jnp.concatenate(srcs, -1), jnp.concatenate(mus, -1)
+    if layout.heavy:  # the last ring's evictees (now the arrivals a_*) compete for the heavy slots
+        heavy_dest, heavy_src, heavy_mu = _heavy_insertions(layout, score, held, a_src, a_mu, valid)
+        dest = jnp.concatenate([dest, heavy_dest], -1)
+        src, mu = jnp.concatenate([src, heavy_src], -1), jnp.concatenate([mu, heavy_mu], -1)
+    return dest, src, mu
+
+
+def _heavy_insertions(layout: P.RingLayout, score, held, cand_src, cand_mu, cand_valid):
+    """H2O: the heavy slots keep the top `heavy` scores among their residents and the candidates
+    (residents first, so they win ties); winning candidates take the slots of the residents that lost
+    or of empty slots. Returns dest/src/mu [B, H, M] like `_insertions`."""
+    B, H, M = cand_src.shape
+    base, cap = layout.capacity - layout.heavy, layout.capacity
+    residents = jnp.where(held[..., base:], score[..., base:], -jnp.inf)
+    key = jnp.concatenate([residents, jnp.where(cand_valid[:, None, :], cand_mu, -jnp.inf)], -1)
+    _, top = jax.lax.top_k(key, layout.heavy)
+    bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    chosen = jnp.zeros(key.shape, bool).at[bi, hi, top].set(True) & (key > -jnp.inf)
+    slots = jnp.broadcast_to(base + jnp.arange(layout.heavy, dtype=jnp.int32), (B, H, layout.heavy))
+    free_slots = _compact(slots, ~chosen[..., : layout.heavy], layout.heavy)
+    new = chosen[..., layout.heavy :]
+    rank = jnp.cumsum(new, axis=-1) - 1
+    return jnp.where(new, _take(free_slots, rank), cap), cand_src, cand_mu
 
 
 def _gather_items(old: jax.Array, chunk: jax.Array, src: jax.Array) -> jax.Array:
@@ -330,7 +360,10 @@ def update(
                 f"cache={list(scores.cache.shape)}, chunk={list(scores.chunk.shape)}"
             )
         slot = jnp.arange(cap)
-        decay = jnp.power(jnp.float32(policy.gamma), n.astype(jnp.float32))[:, None, None]
+        if isinstance(policy, P.Cascade):
+            decay = jnp.power(jnp.float32(policy.gamma), n.astype(jnp.float32))[:, None, None]
+        else:  # H2O accumulates without decay
+            decay = jnp.float32(1.0)
         accumulate = (slot >= layout.sinks) & (state.pos >= 0) & (n > 0)[:, None, None]
         score = jnp.where(accumulate, decay * state.score + scores.cache, state.score)
         chunk_score = scores.chunk.astype(jnp.float32)
@@ -345,14 +378,14 @@ def update(
             raise ValueError(f"Full cache of max_tokens={cap} overflows by {over.tolist()} tokens per row")
 
     backend, interpret = pallas_kernels.resolve(implementation)
-    if T == 1 and backend == "triton":
+    if T == 1 and backend == "triton" and not layout.heavy:
         score, pos, new_k, new_v = insert_one(layout, score, state.pos, state.k, state.v, chunk_score, k, v,
                                               state.seen, n, interpret=interpret)
         return CacheState(k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + n)
-    dest, src, mu = _insertions(layout, score, chunk_score, state.seen, n)
+    dest, src, mu = _insertions(layout, score, state.pos >= 0, chunk_score, state.seen, n)
     ck, cv = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, H, T, D]
     chunk_pos = state.seen[:, None, None] + jnp.arange(T, dtype=jnp.int32)
-    bi, hi, di = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], dest[:, None, :]
+    bi, hi, di = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], dest
     write = lambda x, val: x.at[bi, hi, di].set(val.astype(x.dtype), mode="drop")
     return CacheState(
         k=write(state.k, _gather_items(state.k, ck.astype(state.k.dtype), src)),

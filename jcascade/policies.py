@@ -38,10 +38,11 @@ class RingLayout:
     sinks: int
     ring_size: int
     num_rings: int
+    heavy: int = 0  # H2O: slots after the rings for the highest-scoring tokens the last ring evicts
 
     @property
     def capacity(self) -> int:
-        return self.sinks + self.ring_size * self.num_rings
+        return self.sinks + self.ring_size * self.num_rings + self.heavy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +146,37 @@ class Cascade:
         )
 
 
-Policy = Full | SlidingWindow | Sink | Cascade
-POLICIES = (Full, SlidingWindow, Sink, Cascade)
+@dataclasses.dataclass(frozen=True)
+class H2O:
+    """Heavy-Hitter Oracle (papers/004's baseline, Zhang et al. 2023): the `recent` newest tokens plus the
+    `heavy` tokens with the largest accumulated attention (the plain sum over every query since the token
+    arrived, not an EMA), reduced over the query heads of a KV head by `head_reduction`.
+
+    Evicts during strided prefill and decode. Within a chunk, scores are those `attend` returned for it;
+    the heavy set keeps the top `heavy` of its residents and the tokens the recent window pushes out,
+    residents winning ties. Positions default to cache-index (the rolling positions of H2O's streaming
+    code); "original" is available.
+    """
+
+    heavy: int
+    recent: int
+    head_reduction: Literal["max", "mean"] = "mean"
+    positions: Literal["cache", "original"] = "cache"
+    stride: int = 4096
+
+    def __post_init__(self):
+        _check_int(self, "heavy", self.heavy, 1)
+        _check_int(self, "recent", self.recent, 1)
+        _check_choice(self, "head_reduction", self.head_reduction, HEAD_REDUCTIONS)
+        _check_choice(self, "positions", self.positions, POSITION_MODES)
+        _check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=0, ring_size=self.recent, num_rings=1, heavy=self.heavy)
+
+
+Policy = Full | SlidingWindow | Sink | Cascade | H2O
+POLICIES = (Full, SlidingWindow, Sink, Cascade, H2O)
 
 
 def check_policy(policy: object) -> None:
@@ -162,4 +192,4 @@ def position_mode(policy: Policy) -> str:
 
 def uses_scores(policy: Policy) -> bool:
     """Whether the policy selects tokens by attention score (then `attend` returns `Scores`)."""
-    return isinstance(policy, Cascade)
+    return isinstance(policy, (Cascade, H2O))

@@ -71,3 +71,28 @@ def np_rope(x: np.ndarray, pos, theta: float) -> np.ndarray:
     ang = np.asarray(pos, np.float64)[..., None] * inv
     x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+
+
+class H2OOracle:
+    """H2O for one (row, KV head): a FIFO of `recent` tokens; the tokens it pushes out during a chunk join
+    the heavy set, which keeps the `heavy` largest accumulated scores (scores fixed within the chunk)."""
+
+    def __init__(self, heavy: int, recent: int):
+        self.num_heavy, self.num_recent = heavy, recent
+        self.recent: list[list] = []
+        self.heavy: list[list] = []
+        self.seen = 0
+
+    def update(self, chunk_scores, cache_increments: dict[int, float], n: int) -> None:
+        if n == 0:
+            return
+        for item in self.recent + self.heavy:
+            item[1] = np.float32(item[1] + np.float32(cache_increments[item[0]]))
+        pushed = []
+        for j in range(n):
+            self.recent.append([self.seen + j, np.float32(chunk_scores[j])])
+            if len(self.recent) > self.num_recent:
+                pushed.append(self.recent.pop(0))
+        self.seen += n
+        ranked = sorted(self.heavy + pushed, key=lambda item: -item[1])  # stable: residents first on ties
+        self.heavy = ranked[: self.num_heavy]

@@ -13,7 +13,8 @@ UPDATE = jax.jit(jc.update, static_argnums=0)
 
 
 def dense_reference(policy, state, q, k, v, lengths, gamma, reduction):
-    """Per row and KV head: the visible keys listed explicitly, softmax in float64."""
+    """Per row and KV head: the visible keys listed explicitly, softmax in float64. gamma None: H2O's
+    weights (every valid query counts 1)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     pos = np.asarray(state.pos)
     ck, cv = (np.asarray(x, np.float64) for x in jc.cached_kv(state))
@@ -26,7 +27,7 @@ def dense_reference(policy, state, q, k, v, lengths, gamma, reduction):
     inc_chunk = np.zeros((B, Hkv, T))
     for b in range(B):
         n = lengths[b]
-        w = (1 - gamma) * gamma ** (n - 1 - np.arange(T)) if gamma is not None else np.zeros(T)
+        w = (1 - gamma) * gamma ** (n - 1 - np.arange(T)) if gamma is not None else (np.arange(T) < n) * 1.0
         for h in range(Hkv):
             slots = np.nonzero(pos[b, h] >= 0)[0]
             if policy.positions == "cache":  # rank of each held token in age (= original position) order
@@ -87,6 +88,22 @@ def test_attend_equals_dense_reference(positions, group, reduction):
     assert not np.asarray(out[1]).any()  # an all-padding row gives zeros
 
 
+@pytest.mark.parametrize("positions", ["cache", "original"])
+def test_h2o_attend_sums_attention_like_the_dense_reference(positions):
+    rng = np.random.default_rng(9)
+    policy = jc.H2O(heavy=4, recent=3, positions=positions)
+    B, Hkv, D, T = 2, 2, 8, 5
+    state = filled_state(policy, B, Hkv, D, rng, chunks=5)
+    q = rng.normal(size=(B, T, Hkv * 2, D)).astype(np.float32)
+    k, v = (rng.normal(size=(B, T, Hkv, D)).astype(np.float32) for _ in range(2))
+    lengths = np.array([T, 3], np.int32)
+    out, scores = ATTEND(policy, state, *(jnp.asarray(x) for x in (q, k, v, lengths)), jc.RoPE(100.0))
+    ref_out, ref_cache, ref_chunk = dense_reference(policy, state, q, k, v, lengths, None, "mean")
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scores.cache, ref_cache, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(scores.chunk, ref_chunk, rtol=1e-5, atol=1e-9)
+
+
 def test_attend_bf16_is_close_to_float64_reference():
     rng = np.random.default_rng(11)
     policy = jc.Cascade(cache_size=8, sinks=1, num_cascades=2, gamma=0.9)
@@ -105,6 +122,7 @@ def test_attend_bf16_is_close_to_float64_reference():
 @pytest.mark.parametrize("policy", [
     jc.Cascade(cache_size=12, sinks=3, num_cascades=3, gamma=0.9),  # 3 rings: needs the eager fill
     jc.Sink(window=15, sinks=0),
+    jc.H2O(heavy=6, recent=9),
     jc.Full(),
 ])
 def test_attend_then_update_equals_full_attention_while_the_stream_fits(policy):

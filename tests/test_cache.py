@@ -256,3 +256,45 @@ def test_bad_update_inputs_raise_clear_errors():
         jc.init_cache(jc.Full(), 1, 1, 4)
     with pytest.raises(ValueError, match="num_kv_heads"):
         jc.init_cache(policy, 1, 0, 4)
+
+
+@given(st.data())
+def test_h2o_chunk_updates_equal_oracle(data):
+    from oracle import H2OOracle
+
+    heavy, recent = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
+    T, B, H = data.draw(st.sampled_from([1, 3, 7])), 2, 2
+    policy = jc.H2O(heavy=heavy, recent=recent)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    oracles = [[H2OOracle(heavy, recent) for _ in range(H)] for _ in range(B)]
+    state = jc.init_cache(policy, B, H, HEAD_DIM)
+    for _ in range(data.draw(st.integers(1, 30 // T + 3))):
+        lengths = np.array([data.draw(st.integers(0, T)) for _ in range(B)], np.int32)
+        k, v = tagged_chunk(np.asarray(state.seen), T, H)
+        scores = random_scores(rng, B, H, heavy + recent, T, tied=False)
+        before = np.asarray(state.pos)
+        state = UPDATE(policy, state, k, v, scores, jnp.asarray(lengths))
+        pos, score, kk = np.asarray(state.pos), np.asarray(state.score), np.asarray(state.k)
+        for b in range(B):
+            for h in range(H):
+                inc = {int(p): np.asarray(scores.cache)[b, h, s] for s, p in enumerate(before[b, h]) if p >= 0}
+                orc = oracles[b][h]
+                orc.update(np.asarray(scores.chunk)[b, h], inc, int(lengths[b]))
+                ring, heavy_slots = pos[b, h, :recent], pos[b, h, recent:]
+                np.testing.assert_array_equal(np.sort(ring[ring >= 0]), [p for p, _ in orc.recent])
+                got = sorted(zip(heavy_slots[heavy_slots >= 0], score[b, h, recent:][heavy_slots >= 0]))
+                want = sorted((p, m) for p, m in orc.heavy)
+                np.testing.assert_array_equal([p for p, _ in got], [p for p, _ in want])
+                np.testing.assert_allclose([m for _, m in got], [m for _, m in want], rtol=1e-6)
+                held = pos[b, h] >= 0
+                np.testing.assert_array_equal(kk[b, h, held, 0], pos[b, h, held])  # K travels with its token
+
+
+def test_h2o_keeps_residents_on_ties():
+    policy = jc.H2O(heavy=2, recent=1)
+    state = jc.init_cache(policy, 1, 1, HEAD_DIM)
+    zeros = jc.Scores(jnp.zeros((1, 1, 3)), jnp.zeros((1, 1, 1)))
+    for _ in range(6):  # every token scores 0: the first two pushed out of the window stay heavy
+        k, v = tagged_chunk(np.asarray(state.seen), 1, 1)
+        state = UPDATE(policy, state, k, v, zeros)
+    np.testing.assert_array_equal(np.sort(state.pos[0, 0]), [0, 1, 5])

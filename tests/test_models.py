@@ -232,6 +232,9 @@ def test_smollm2_matches_transformers_over_600_tokens(smollm2):
     answer = jc.generate(model, np.array([chat]), jc.Cascade(cache_size=256, sinks=4, stride=64), max_new_tokens=12,
                          eos_id=tokenizer.eos_token_id)
     assert "Paris" in tokenizer.decode(np.asarray(answer[0]))
+    heavy_hitters = jc.generate(model, np.array([chat]), jc.H2O(heavy=32, recent=32, stride=16), max_new_tokens=12,
+                                eos_id=tokenizer.eos_token_id)
+    assert "Paris" in tokenizer.decode(np.asarray(heavy_hitters[0]))
 
 
 @pytest.mark.slow

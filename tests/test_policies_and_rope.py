@@ -28,6 +28,10 @@ from oracle import np_rope
     (lambda: jc.SlidingWindow(window=-1), "window"),
     (lambda: jc.SlidingWindow(window=4, stride=0), "stride"),
     (lambda: jc.Full(stride=0), "stride"),
+    (lambda: jc.H2O(heavy=0, recent=4), "heavy"),
+    (lambda: jc.H2O(heavy=4, recent=0), "recent"),
+    (lambda: jc.H2O(heavy=4, recent=4, head_reduction="sum"), "head_reduction"),
+    (lambda: jc.H2O(heavy=4, recent=4, positions="abs"), "positions"),
 ])
 def test_invalid_policies_raise_value_error_naming_the_field(make, field):
     with pytest.raises(ValueError, match=field):
