@@ -61,8 +61,8 @@ def attend(
     Under `Full`, rows that overflowed max_tokens return NaN.
     """
     P.check_policy(policy)
-    C._check_chunk("k", k, state)
-    C._check_chunk("v", v, state)
+    C.check_chunk("k", k, state)
+    C.check_chunk("v", v, state)
     B, T, Hkv, D = k.shape
     if q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != D or q.shape[2] % Hkv:
         raise ValueError(

@@ -304,7 +304,7 @@ def _gather_items(old: jax.Array, chunk: jax.Array, src: jax.Array) -> jax.Array
     )
 
 
-def _check_chunk(name: str, x: jax.Array, state: CacheState) -> None:
+def check_chunk(name: str, x: jax.Array, state: CacheState) -> None:
     B, H, _, D = state.k.shape
     if x.ndim != 4 or x.shape[0] != B or x.shape[2:] != (H, D):
         raise ValueError(f"{name} must have shape [batch={B}, T, num_kv_heads={H}, head_dim={D}], got {x.shape}")
@@ -344,8 +344,8 @@ def update(
     """
     P.check_policy(policy)
     layout = layout_of(policy, state)
-    _check_chunk("k", k, state)
-    _check_chunk("v", v, state)
+    check_chunk("k", k, state)
+    check_chunk("v", v, state)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     B, T, H, _ = k.shape

@@ -84,21 +84,20 @@ def _forward_kernel(len_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, valid_ref, o_r
         p = jnp.exp2(s - m_new[:, None])
         return corr[:, None] * acc + _dot(p.astype(v.dtype), v), m_new, corr * l + p.sum(axis=1)
 
-    def cache_step(j, carry):
+    def load(keys_ref, values_ref, j, size):
+        """Key block j (positions, K, V), rows past `size` masked to zero."""
         keys = j * bk + jnp.arange(bk)
-        ok = keys < S
+        ok = (keys < size)[:, None]
         blk = pl.ds(j * bk, bk)
-        k = plgpu.load(kc_ref.at[blk, :], mask=ok[:, None], other=0.0)
-        v = plgpu.load(vc_ref.at[blk, :], mask=ok[:, None], other=0.0)
-        valid = plgpu.load(valid_ref.at[blk], mask=ok, other=0) != 0
+        return keys, plgpu.load(keys_ref.at[blk, :], mask=ok, other=0.0), plgpu.load(values_ref.at[blk, :], mask=ok, other=0.0)
+
+    def cache_step(j, carry):
+        keys, k, v = load(kc_ref, vc_ref, j, S)
+        valid = plgpu.load(valid_ref.at[pl.ds(j * bk, bk)], mask=keys < S, other=0) != 0
         return step(carry, k, v, row_ok[:, None] & valid[None, :])
 
     def chunk_step(j, carry):
-        keys = j * bk + jnp.arange(bk)
-        ok = keys < T
-        blk = pl.ds(j * bk, bk)
-        k = plgpu.load(k_ref.at[blk, :], mask=ok[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[blk, :], mask=ok[:, None], other=0.0)
+        keys, k, v = load(k_ref, v_ref, j, T)
         return step(carry, k, v, row_ok[:, None] & (keys[None, :] <= rows[:, None]))
 
     D = q.shape[-1]

@@ -41,11 +41,17 @@ def _blocks(T: int, S: int, cfg: TpuConfig) -> tuple[int, int]:
     return (T if T <= cfg.block_q else cfg.block_q), (S if S <= cfg.block_k else cfg.block_k)
 
 
-def _mask_3d(G, bq, bk, i, j, n, T, S):
-    """Query and key positions of a (G, bq, bk) tile and the in-range mask."""
+def _overlaps(i, j, bq, bk, causal):
+    """Whether query block i sees any key of block j (always, unless causal and above the diagonal)."""
+    return j * bk <= i * bq + bq - 1 if causal else True
+
+
+def _allowed(G, bq, bk, i, j, n, T, S, causal, valid_ref):
+    """bool (G, bq, bk): query i sees key j (valid query, key in range, causal or valid slot)."""
     qpos = i * bq + lax.broadcasted_iota(jnp.int32, (G, bq, bk), 1)
     kpos = j * bk + lax.broadcasted_iota(jnp.int32, (G, bq, bk), 2)
-    return qpos, kpos, (qpos < n) & (qpos < T) & (kpos < S)
+    allowed = (qpos < n) & (qpos < T) & (kpos < S)
+    return allowed & (kpos <= qpos) if causal else allowed & (valid_ref[...][None] != 0)
 
 
 def _qk(q_ref, k_ref, scale):
@@ -70,13 +76,9 @@ def _segment_kernel(len_ref, q_ref, k_ref, v_ref, *refs, causal, T, S, scale):
         l_sc[...] = jnp.zeros(l_sc.shape, F32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
 
-    @pl.when(j * bk <= i * bq + bq - 1 if causal else True)
+    @pl.when(_overlaps(i, j, bq, bk, causal))
     def _compute():
-        qpos, kpos, allowed = _mask_3d(G, bq, bk, i, j, len_ref[b], T, S)
-        if causal:
-            allowed &= kpos <= qpos
-        else:
-            allowed &= valid_ref[...][None] != 0
+        allowed = _allowed(G, bq, bk, i, j, len_ref[b], T, S, causal, valid_ref)
         s = jnp.where(allowed, _qk(q_ref, k_ref, scale), MASK).reshape(G * bq, bk)
         key_in_range = j * bk + lax.broadcasted_iota(jnp.int32, (bk, D), 0) < S
         v = jnp.where(key_in_range, v_ref[...], 0)
@@ -140,13 +142,9 @@ def _scores_kernel(len_ref, q_ref, lse_ref, w_ref, k_ref, *refs, causal, T, S, s
     def _init():
         colsum_sc[...] = jnp.zeros(colsum_sc.shape, F32)
 
-    @pl.when(i * bq + bq - 1 >= j * bk if causal else True)
+    @pl.when(_overlaps(i, j, bq, bk, causal))
     def _compute():
-        qpos, kpos, allowed = _mask_3d(G, bq, bk, i, j, len_ref[b], T, S)
-        if causal:
-            allowed &= kpos <= qpos
-        else:
-            allowed &= valid_ref[...][None] != 0
+        allowed = _allowed(G, bq, bk, i, j, len_ref[b], T, S, causal, valid_ref)
         p = jnp.exp(_qk(q_ref, k_ref, scale) - lse_ref[...][..., None])
         weighted = jnp.where(allowed, p * w_ref[...][:, :, None], 0.0)
         colsum_sc[...] += weighted.sum(axis=1)
