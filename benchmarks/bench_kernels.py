@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import statistics

@@ -25,7 +25,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jcascade as jc
 from jcascade.models import CausalLM, ModelConfig
