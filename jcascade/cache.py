@@ -310,6 +310,11 @@ def check_chunk(name: str, x: jax.Array, state: CacheState) -> None:
         raise ValueError(f"{name} must have shape [batch={B}, T, num_kv_heads={H}, head_dim={D}], got {x.shape}")
 
 
+def concrete(*arrays) -> bool:
+    """Whether every array has a value now (not traced under jit), so that it can be validated."""
+    return not any(isinstance(x, jax.core.Tracer) for x in arrays)
+
+
 def check_lengths(lengths, batch: int, chunk_len: int) -> jax.Array:
     """int32 [B] valid-token counts (a prefix of each chunk row); None means the whole chunk."""
     if lengths is None:
@@ -317,7 +322,7 @@ def check_lengths(lengths, batch: int, chunk_len: int) -> jax.Array:
     lengths = jnp.asarray(lengths)
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths must be an int array of shape [batch={batch}], got {lengths.dtype}{list(lengths.shape)}")
-    if not isinstance(lengths, jax.core.Tracer):
+    if concrete(lengths):
         bad = np.asarray(lengths)
         if bad.min() < 0 or bad.max() > chunk_len:
             raise ValueError(f"lengths must lie in [0, chunk length {chunk_len}], got {bad.tolist()}")
@@ -372,7 +377,7 @@ def update(
             raise ValueError(f"{type(policy).__name__} keeps no scores: pass scores=None")
         score = state.score
         chunk_score = jnp.zeros((B, H, T), jnp.float32)
-    if isinstance(policy, P.Full) and not isinstance(n, jax.core.Tracer) and not isinstance(state.seen, jax.core.Tracer):
+    if isinstance(policy, P.Full) and concrete(n, state.seen):
         over = np.asarray(state.seen) + np.asarray(n) - cap
         if over.max() > 0:
             raise ValueError(f"Full cache of max_tokens={cap} overflows by {over.tolist()} tokens per row")

@@ -28,14 +28,13 @@ def _check_tokens(model: CausalLM, tokens, lengths):
     if S == 0:
         raise ValueError("tokens is empty: a prompt needs at least one token")
     lengths = cache.check_lengths(lengths, B, S)
-    if not isinstance(tokens, jax.core.Tracer):
-        ids = np.asarray(tokens)
-        valid = np.arange(S)[None, :] < np.asarray(lengths)[:, None] if not isinstance(lengths, jax.core.Tracer) else True
-        bad = ids[valid & ((ids < 0) | (ids >= model.config.vocab_size))]
+    if cache.concrete(tokens, lengths):  # under a user's jit these checks cannot run
+        ids, n = np.asarray(tokens), np.asarray(lengths)
+        bad = ids[(np.arange(S)[None, :] < n[:, None]) & ((ids < 0) | (ids >= model.config.vocab_size))]
         if bad.size:
             raise ValueError(f"token ids must lie in [0, vocab_size={model.config.vocab_size}), got {bad[:5].tolist()}")
-    if not isinstance(lengths, jax.core.Tracer) and int(np.asarray(lengths).min()) < 1:
-        raise ValueError(f"every prompt needs at least one token, got lengths {np.asarray(lengths).tolist()}")
+        if n.min() < 1:
+            raise ValueError(f"every prompt needs at least one token, got lengths {n.tolist()}")
     return tokens.astype(jnp.int32), lengths
 
 

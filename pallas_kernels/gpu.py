@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jcascade.pallas_kernels import states
+from jcascade.rope import RoPE
 
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity": keeps inf - inf out of the online softmax
@@ -236,12 +237,13 @@ def _decode_kernel(len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref, sin_ref, 
                    S, G, split, bk, scale, rope):
     s_idx = pl.program_id(2)
     has_query = len_ref[...] > 0
-    q = q_ref[...]  # [gp, D]
-    gp, D = q.shape
+    gp, D = q_ref.shape
     half = D // 2
     rows_ok = jnp.arange(gp) < G
     if rope:
         q1, q2 = q_ref[:, pl.ds(0, half)], q_ref[:, pl.ds(half, half)]
+    else:
+        q = q_ref[...]
     start = s_idx * split
 
     def body(j, carry):
@@ -256,7 +258,7 @@ def _decode_kernel(len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref, sin_ref, 
             k2 = plgpu.load(kc_ref.at[blk, pl.ds(half, half)], mask=ok[:, None], other=0.0).astype(F32)
             cos = plgpu.load(cos_ref.at[blk, :], mask=ok[:, None], other=0.0).astype(F32)
             sin = plgpu.load(sin_ref.at[blk, :], mask=ok[:, None], other=0.0).astype(F32)
-            r1, r2 = (k1 * cos - k2 * sin).astype(q.dtype), (k2 * cos + k1 * sin).astype(q.dtype)
+            r1, r2 = (k1 * cos - k2 * sin).astype(q_ref.dtype), (k2 * cos + k1 * sin).astype(q_ref.dtype)
             s = _dot(q1, r1, trans_b=True) + _dot(q2, r2, trans_b=True)
         else:
             k = plgpu.load(kc_ref.at[blk, :], mask=ok[:, None], other=0.0)
@@ -286,12 +288,10 @@ def rope_tables(rope, positions: jax.Array, head_dim: int, dtype) -> tuple[jax.A
 
 def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, weights, reduction, rope, cfg, interpret):
     """T == 1. q, k already rotated; cache keys rotated in the kernel when rope is a `jcascade.RoPE`."""
-    from jcascade.rope import RoPE  # the kernel fuses RoPE's formula; other callables rotate outside
-
     B, _, Hq, D = q.shape
     Hkv, S = k.shape[2], k_cache.shape[2]
     G = Hq // Hkv
-    fuse = isinstance(rope, RoPE)
+    fuse = isinstance(rope, RoPE)  # the kernel applies RoPE's formula; other callables rotate outside
     if rope is not None and not fuse:
         k_cache = rope(k_cache, cache_positions)
     gp = max(16, pl.next_power_of_2(G))
