@@ -82,7 +82,7 @@ def bench_prefill(a, model, policy, peak):
     segment = a.segment
     state = model.init_cache(policy, 1)
     lengths = jnp.array([segment], jnp.int32)
-    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths), donate_argnums=1)
+    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2], donate_argnums=1)
     tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
     t0 = time.perf_counter()
     compiled = run.lower(model, state, tokens[0]).compile()

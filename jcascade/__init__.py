@@ -18,7 +18,9 @@ from jcascade.cache import (
     init_cache,
     update,
 )
-from jcascade.policies import H2O, Cascade, Full, Sink, SlidingWindow
+from jcascade.policies import H2O, Cascade, Full, PyramidKV, Recycled, Sink, SlidingWindow, SnapKV
+from jcascade.selection import compress
+from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, save_converted
 from jcascade.rope import Llama3Scaling, RoPE
 
@@ -30,20 +32,28 @@ __all__ = [
     "H2O",
     "Llama3Scaling",
     "ModelConfig",
+    "PyramidKV",
+    "Recycled",
     "RoPE",
     "Scores",
+    "SharedPrefix",
     "Sink",
     "SlidingWindow",
+    "SnapKV",
     "attend",
+    "attend_shared",
     "cached_kv",
     "cached_positions",
     "cached_scores",
+    "compress",
     "generate",
     "init_cache",
     "load_pretrained",
     "load_tokenizer",
+    "merge_attention",
     "prefill",
     "save_converted",
     "score",
+    "share_prefix",
     "update",
 ]

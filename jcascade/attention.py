@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jcascade import cache as C
 from jcascade import policies as P
-from jcascade import pallas_kernels
+from jcascade import pallas_kernels, selection
 
 
 def query_weights(policy: P.Policy, lengths: jax.Array, chunk_len: int) -> jax.Array | None:
@@ -15,15 +15,21 @@ def query_weights(policy: P.Policy, lengths: jax.Array, chunk_len: int) -> jax.A
 
     Cascade: w_q = (1 - gamma) * gamma**(n - 1 - q) for q < n (DESIGN §3), 0 for padding queries, so that
     a chunk of n tokens moves the EMA exactly as n single-token steps would. H2O: 1 for every valid query.
+    SnapKV / PyramidKV: 1 for the last `window` valid queries (the observation window). Recycled: 1 for
+    the last valid query.
     """
     if not P.uses_scores(policy):
         return None
     q = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]
+    valid = q < lengths[:, None]
     if isinstance(policy, P.H2O):  # accumulated attention: every query counts once
-        return (q < lengths[:, None]).astype(jnp.float32)
+        return valid.astype(jnp.float32)
+    if isinstance(policy, (P.SnapKV, P.PyramidKV, P.Recycled)):
+        window = 1 if isinstance(policy, P.Recycled) else policy.window
+        return (valid & (q >= lengths[:, None] - window)).astype(jnp.float32)
     age = (lengths[:, None] - 1 - q).astype(jnp.float32)
     w = jnp.float32(1.0 - policy.gamma) * jnp.power(jnp.float32(policy.gamma), age)
-    return jnp.where(q < lengths[:, None], w, 0.0)
+    return jnp.where(valid, w, 0.0)
 
 
 def chunk_positions(policy: P.Policy, state: C.CacheState) -> tuple[jax.Array, jax.Array]:
@@ -31,11 +37,11 @@ def chunk_positions(policy: P.Policy, state: C.CacheState) -> tuple[jax.Array, j
     layout = C.layout_of(policy, state)
     if P.position_mode(policy) != "cache":
         return state.pos, state.seen
+    if isinstance(policy, P.APPEND_POLICIES):  # held slots come first, in position order
+        slot = jnp.arange(state.capacity, dtype=jnp.int32)[None, None, :]
+        return jnp.where(state.pos >= 0, slot, -1), C.append_fill(state)
     if layout.heavy:  # heavy slots are not in age order: rank each head's tokens by position
-        held = state.pos >= 0
-        order = jnp.argsort(jnp.where(held, state.pos, jnp.iinfo(jnp.int32).max), axis=-1)
-        ranks = jnp.argsort(order, axis=-1).astype(jnp.int32)
-        return jnp.where(held, ranks, -1), C.tokens_held(layout, state.seen)
+        return selection.rank_by_position(state.pos), C.tokens_held(layout, state.seen)
     return C.slot_ranks(layout, state.seen)[:, None, :], C.tokens_held(layout, state.seen)
 
 
@@ -72,13 +78,17 @@ def attend(
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     n = C.check_lengths(lengths, B, T)
+    weights = query_weights(policy, n, T)
+    if isinstance(policy, P.Recycled):
+        out, inc_cache, inc_chunk = selection.recycled_attend(policy, state, q, k, v, n, rope, implementation, weights)
+        return out, C.Scores(cache=inc_cache, chunk=inc_chunk)
     key_pos, start = chunk_positions(policy, state)
     if rope is not None:
         pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
         q, k = rope(q, pos[:, :, None]), rope(k, pos[:, :, None])
     out, _, inc_cache, inc_chunk = pallas_kernels.chunk_attention(
         q, k, v, state.k, state.v, state.pos >= 0, key_pos, n,
-        query_weights(policy, n, T), getattr(policy, "head_reduction", "max"), rope,
+        weights, getattr(policy, "head_reduction", "max"), rope,
         implementation=implementation,
     )
     if isinstance(policy, P.Full):

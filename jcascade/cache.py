@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade import pallas_kernels
+from jcascade import pallas_kernels, selection
 from jcascade import policies as P
 from jcascade.pallas_kernels.insert import insert_one
 from jcascade.schedule import ring_schedules
@@ -71,7 +71,9 @@ def init_cache(
     max_tokens: int | None = None,
     num_layers: int | None = None,
 ) -> CacheState:
-    """An empty cache. `max_tokens` is the capacity of a `Full` cache (required there, unused otherwise).
+    """An empty cache. `max_tokens` is the number of tokens a `Full`, `SnapKV`, `PyramidKV` or `Recycled`
+    cache can receive (required there, unused by the bounded policies); SnapKV/PyramidKV need only the
+    prompt's (`jcascade.compress` makes room for decoding).
 
     With `num_layers`, every array gets a leading layer axis (scan over it to run a model).
     """
@@ -79,10 +81,14 @@ def init_cache(
     for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
-    if isinstance(policy, P.Full):
+    if isinstance(policy, P.APPEND_POLICIES):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"init_cache: a Full cache needs max_tokens, a positive int; got {max_tokens!r}")
+            raise ValueError(
+                f"init_cache: a {type(policy).__name__} cache needs max_tokens, a positive int; got {max_tokens!r}"
+            )
         capacity = max_tokens
+        if isinstance(policy, P.Recycled):
+            capacity += policy.top_k + policy.refresh_every
     else:
         capacity = policy.layout().capacity
     lead = () if num_layers is None else (num_layers,)
@@ -304,6 +310,21 @@ def _gather_items(old: jax.Array, chunk: jax.Array, src: jax.Array) -> jax.Array
     )
 
 
+def append_fill(state: CacheState) -> jax.Array:
+    """int32 [B]: slots a row of an append cache (Full, SnapKV, PyramidKV) holds; they are its first ones."""
+    return jnp.sum(state.pos[:, 0, :] >= 0, axis=-1).astype(jnp.int32)
+
+
+def _check_overflow(policy: P.Policy, placed: jax.Array, n: jax.Array, capacity: int) -> None:
+    if concrete(placed, n):
+        over = np.asarray(placed) + np.asarray(n) - capacity
+        if over.max() > 0:
+            raise ValueError(
+                f"{type(policy).__name__} cache of {capacity} slots overflows by {over.tolist()} tokens per row "
+                "(give init_cache a larger max_tokens)"
+            )
+
+
 def check_chunk(name: str, x: jax.Array, state: CacheState) -> None:
     B, H, _, D = state.k.shape
     if x.ndim != 4 or x.shape[0] != B or x.shape[2:] != (H, D):
@@ -364,30 +385,35 @@ def update(
                 f"scores must be Scores(cache=[{B}, {H}, {cap}], chunk=[{B}, {H}, {T}]), got "
                 f"cache={list(scores.cache.shape)}, chunk={list(scores.chunk.shape)}"
             )
-        slot = jnp.arange(cap)
+        if isinstance(policy, P.Recycled):
+            full_region, _ = selection.recycled_regions(policy, cap)
+            _check_overflow(policy, state.seen, n, full_region)
+            return selection.recycled_update(policy, state, k, v, scores, n)
+        live = (state.pos >= 0) & (n > 0)[:, None, None]
         if isinstance(policy, P.Cascade):
             decay = jnp.power(jnp.float32(policy.gamma), n.astype(jnp.float32))[:, None, None]
-        else:  # H2O accumulates without decay
-            decay = jnp.float32(1.0)
-        accumulate = (slot >= layout.sinks) & (state.pos >= 0) & (n > 0)[:, None, None]
-        score = jnp.where(accumulate, decay * state.score + scores.cache, state.score)
+            score = jnp.where(live & (jnp.arange(cap) >= layout.sinks), decay * state.score + scores.cache, state.score)
+        elif isinstance(policy, P.H2O):  # accumulates without decay
+            score = jnp.where(live, state.score + scores.cache, state.score)
+        else:  # SnapKV, PyramidKV: the newest chunk's window attention replaces the old
+            score = jnp.where(live, scores.cache, state.score)
         chunk_score = scores.chunk.astype(jnp.float32)
     else:
         if scores is not None:
             raise ValueError(f"{type(policy).__name__} keeps no scores: pass scores=None")
         score = state.score
         chunk_score = jnp.zeros((B, H, T), jnp.float32)
-    if isinstance(policy, P.Full) and concrete(n, state.seen):
-        over = np.asarray(state.seen) + np.asarray(n) - cap
-        if over.max() > 0:
-            raise ValueError(f"Full cache of max_tokens={cap} overflows by {over.tolist()} tokens per row")
+    # Append caches place token `seen` at the row's first free slot (compression leaves fewer slots).
+    placed = append_fill(state) if isinstance(policy, P.APPEND_POLICIES) else state.seen
+    if isinstance(policy, P.APPEND_POLICIES):
+        _check_overflow(policy, placed, n, cap)
 
     backend, interpret = pallas_kernels.resolve(implementation)
     if T == 1 and backend == "triton" and not layout.heavy:
         score, pos, new_k, new_v = insert_one(layout, score, state.pos, state.k, state.v, chunk_score, k, v,
-                                              state.seen, n, interpret=interpret)
+                                              placed, n, state.seen, interpret=interpret)
         return CacheState(k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + n)
-    dest, src, mu = _insertions(layout, score, state.pos >= 0, chunk_score, state.seen, n)
+    dest, src, mu = _insertions(layout, score, state.pos >= 0, chunk_score, placed, n)
     ck, cv = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, H, T, D]
     chunk_pos = state.seen[:, None, None] + jnp.arange(T, dtype=jnp.int32)
     bi, hi, di = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], dest

@@ -17,6 +17,8 @@ import numpy as np
 
 from jcascade import cache
 from jcascade import policies as P
+from jcascade.selection import compress
+from jcascade.shared import share_prefix
 from jcascade.models.decoder import CausalLM
 
 
@@ -40,14 +42,9 @@ def _check_tokens(model: CausalLM, tokens, lengths):
 
 def _check_positions(model: CausalLM, policy, total: int) -> None:
     limit = model.config.max_position_embeddings
-    if isinstance(policy, P.Full) and total > limit:
-        raise ValueError(f"{total} tokens exceed the model's {limit} positions; Full attention cannot go "
-                         "beyond them (use a bounded policy such as Cascade)")
-
-
-def _new_cache(model: CausalLM, policy, batch: int, total: int) -> cache.CacheState:
-    """An empty cache for `total` tokens (the capacity of Full; bounded policies ignore it)."""
-    return model.init_cache(policy, batch, max_tokens=total if isinstance(policy, P.Full) else None)
+    if isinstance(policy, P.APPEND_POLICIES) and total > limit:
+        raise ValueError(f"{total} tokens exceed the model's {limit} positions; {type(policy).__name__} keeps every "
+                         "prompt token at its position (use a bounded policy such as Cascade)")
 
 
 def _chunks(tokens: jax.Array, lengths: jax.Array, stride: int):
@@ -60,55 +57,104 @@ def _chunks(tokens: jax.Array, lengths: jax.Array, stride: int):
     return chunks, jnp.clip(lengths[None, :] - starts, 0, stride)
 
 
+def _log_probs(model: CausalLM, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+    """f32 [B, T]: log p(targets) under the logits of hidden [B, T, hidden]."""
+    logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def _last_valid(hidden: jax.Array, n: jax.Array, fallback: jax.Array) -> jax.Array:
+    """hidden [B, T, hidden] at each row's last valid token (fallback [B, hidden] where n == 0)."""
+    here = jnp.take_along_axis(hidden, jnp.clip(n - 1, 0, hidden.shape[1] - 1)[:, None, None], axis=1)[:, 0]
+    return jnp.where((n > 0)[:, None], here, fallback)
+
+
 def prefill(model: CausalLM, policy, state: cache.CacheState, tokens: jax.Array, lengths: jax.Array,
-            implementation: str | None = None) -> tuple[cache.CacheState, jax.Array]:
-    """Feeds right-padded tokens [B, S] in stride chunks. Returns the cache and the final hidden state at
-    each row's last valid token [B, hidden] (rows with length 0 give zeros)."""
-    B, _ = tokens.shape
+            implementation: str | None = None, targets: jax.Array | None = None):
+    """Feeds right-padded tokens [B, S] in stride chunks. Returns the cache, the final hidden state at each
+    row's last valid token [B, hidden] (zeros for rows with length 0) and, when `targets` [B, S] is given,
+    the log-probabilities f32 [B, S] of targets[:, t] after tokens[:, :t + 1] (else None)."""
+    B, S = tokens.shape
     chunks, chunk_lengths = _chunks(tokens, lengths, policy.stride)
+    target_chunks = None if targets is None else _chunks(targets, lengths, policy.stride)[0]
 
     def step(carry, inputs):
         state, last = carry
-        toks, n = inputs
+        toks, n, tgt = inputs
         hidden, state = model(policy, state, toks, n, implementation)
-        at = jnp.clip(n - 1, 0, policy.stride - 1)
-        here = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0]
-        return (state, jnp.where((n > 0)[:, None], here, last)), None
+        logp = None if tgt is None else _log_probs(model, hidden, tgt)
+        return (state, _last_valid(hidden, n, last)), logp
 
     init = (state, jnp.zeros((B, model.config.hidden_size), model.dtype))
-    (state, last), _ = jax.lax.scan(step, init, (chunks, chunk_lengths))
-    return state, last
+    (state, last), logps = jax.lax.scan(step, init, (chunks, chunk_lengths, target_chunks))
+    if logps is not None:
+        logps = logps.transpose(1, 0, 2).reshape(B, -1)[:, :S]
+    return state, last, logps
+
+
+def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room: int, implementation,
+            targets: jax.Array | None = None):
+    """A fresh cache through the prompt, ready for `room` more tokens: `prefill`'s (state, last, logps).
+
+    SnapKV / PyramidKV feed each row's last `window` tokens as a chunk of their own (the observation
+    window), then compress."""
+    B, S = tokens.shape
+    compressing = isinstance(policy, (P.SnapKV, P.PyramidKV))
+    state = model.init_cache(policy, B, max_tokens=S + (0 if compressing else room)) \
+        if isinstance(policy, P.APPEND_POLICIES) else model.init_cache(policy, B)
+    if not compressing:
+        return prefill(model, policy, state, tokens, lengths, implementation, targets)
+    w = policy.window
+    window = jnp.minimum(w, lengths)
+    state, last, logps = prefill(model, policy, state, tokens, lengths - window, implementation, targets)
+    at = jnp.clip(lengths[:, None] - window[:, None] + jnp.arange(w)[None, :], 0, S - 1)  # [B, w]
+    hidden, state = model(policy, state, jnp.take_along_axis(tokens, at, axis=1), window, implementation)
+    last = _last_valid(hidden, window, last)
+    if targets is not None:
+        in_window = jnp.arange(w)[None, :] < window[:, None]
+        window_logps = _log_probs(model, hidden, jnp.take_along_axis(targets, at, axis=1))
+        logps = logps.at[jnp.arange(B)[:, None], jnp.where(in_window, at, S)].set(window_logps, mode="drop")
+    return compress(policy, state, room), last, logps
 
 
 def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | None = None,
-          implementation: str | None = None) -> jax.Array:
+          prefix: int | None = None, implementation: str | None = None) -> jax.Array:
     """Per-token log-likelihoods log p(x_t | x_<t) under `policy`, streamed at constant memory.
 
     tokens: int [B, S] (right-padded, `lengths` [B] valid tokens per row). Returns float32 [B, S - 1]:
     entry t is log p(tokens[:, t + 1] | tokens[:, :t + 1]); entries past a row's length are 0.
+    prefix: None feeds everything in stride chunks. An int P treats tokens[:, :P] as a prompt (prefilled
+    as `generate` does) and feeds the rest one token per step, as decoding would see it (teacher
+    forcing); SnapKV, PyramidKV (compression after the prompt) and Recycled (decode-time recycling) need it.
     """
     P.check_policy(policy)
     tokens, lengths = _check_tokens(model, tokens, lengths)
-    _check_positions(model, policy, tokens.shape[1])
-    return _score(model, tokens, policy, lengths, implementation)
+    S = tokens.shape[1]
+    if prefix is None and isinstance(policy, (P.SnapKV, P.PyramidKV, P.Recycled)):
+        raise ValueError(f"{type(policy).__name__} acts after a prompt: pass prefix=<prompt length> to score")
+    if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix <= S):
+        raise ValueError(f"prefix must be None or an int in [1, {S}], got {prefix!r}")
+    _check_positions(model, policy, S)
+    return _score(model, tokens, policy, lengths, prefix, implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "implementation"))
-def _score(model, tokens, policy, lengths, implementation):
+@functools.partial(jax.jit, static_argnames=("policy", "prefix", "implementation"))
+def _score(model, tokens, policy, lengths, prefix, implementation):
     B, S = tokens.shape
-    state = _new_cache(model, policy, B, S)
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-    chunks, chunk_lengths = _chunks(tokens, lengths, policy.stride)
-    target_chunks, _ = _chunks(targets, lengths, policy.stride)
+    prompt_len = S if prefix is None else prefix
+    state, _, logps = _prompt(model, policy, tokens[:, :prompt_len], jnp.minimum(lengths, prompt_len), S - prompt_len, implementation,
+                              targets[:, :prompt_len])
+    if prompt_len < S:
+        def step(state, inputs):
+            tok, tgt, t = inputs
+            hidden, state = model(policy, state, tok[:, None], (t < lengths).astype(jnp.int32), implementation)
+            return state, _log_probs(model, hidden, tgt[:, None])[:, 0]
 
-    def step(state, inputs):
-        toks, tgt, n = inputs
-        hidden, state = model(policy, state, toks, n, implementation)
-        logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-        return state, jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
-
-    _, logps = jax.lax.scan(step, state, (chunks, target_chunks, chunk_lengths))
-    logps = logps.transpose(1, 0, 2).reshape(B, -1)[:, : S - 1]
+        steps = (tokens[:, prompt_len:].T, targets[:, prompt_len:].T, jnp.arange(prompt_len, S, dtype=jnp.int32))
+        _, rest = jax.lax.scan(step, state, steps)
+        logps = jnp.concatenate([logps, rest.T], axis=1)
+    logps = logps[:, : S - 1]
     return jnp.where(jnp.arange(S - 1)[None, :] < (lengths - 1)[:, None], logps, 0.0)
 
 
@@ -139,11 +185,19 @@ def _sample(logits: jax.Array, rng, temperature: float, top_p: float) -> jax.Arr
 
 def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: int | None = None, rng: jax.Array | None = None,
-             lengths: jax.Array | None = None, implementation: str | None = None) -> jax.Array:
+             lengths: jax.Array | None = None, num_samples: int | None = None,
+             implementation: str | None = None) -> jax.Array:
     """Continues right-padded prompts tokens [B, S] (valid prefix `lengths`) by max_new_tokens tokens.
 
     temperature 0 is greedy; otherwise sampling with `rng` (required) and nucleus `top_p`. A row stops at
     `eos_id` (included in its output); its later entries are eos_id. Returns int32 [B, max_new_tokens].
+
+    num_samples: continue one prompt (B = 1) num_samples times, returning [num_samples, max_new_tokens].
+    The prompt is prefilled once under `policy`; its cache becomes a shared prefix that every sample's
+    queries attend to in one multi-query pass, while each sample's own tokens go to a Full cache
+    (`jcascade.shared`). This equals generating from num_samples copies of the prompt whenever the policy
+    would not evict during decoding (Full, SnapKV, PyramidKV; any policy while prompt and new tokens fit
+    its cache); otherwise the prompt's cache is frozen as it was after the prompt. Not for Recycled.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -153,17 +207,34 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
         raise ValueError("rng (a jax.random key) is required when temperature > 0")
     P.check_policy(policy)
     tokens, lengths = _check_tokens(model, tokens, lengths)
+    if num_samples is not None:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
+        if tokens.shape[0] != 1:
+            raise ValueError(f"num_samples continues one prompt: tokens must have batch 1, got {tokens.shape[0]}")
+        if isinstance(policy, P.Recycled):
+            raise ValueError("num_samples does not support Recycled (its recycled set is chosen per sample)")
     _check_positions(model, policy, tokens.shape[1] + max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng
     return _generate(model, tokens, policy, lengths, rng, max_new_tokens=max_new_tokens,
-                     temperature=float(temperature), top_p=float(top_p), eos_id=eos_id, implementation=implementation)
+                     temperature=float(temperature), top_p=float(top_p), eos_id=eos_id, num_samples=num_samples,
+                     implementation=implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id", "implementation"))
-def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperature, top_p, eos_id, implementation):
-    B, S = tokens.shape
-    state = _new_cache(model, policy, B, S + max_new_tokens)
-    state, last_hidden = prefill(model, policy, state, tokens, lengths, implementation)
+@functools.partial(jax.jit, static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id",
+                                             "num_samples", "implementation"))
+def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperature, top_p, eos_id, num_samples,
+              implementation):
+    if num_samples is None:
+        state, last_hidden, _ = _prompt(model, policy, tokens, lengths, max_new_tokens, implementation)
+        decode_policy, prefixes = policy, ()
+    else:  # the prompt's cache, shared; each sample's tokens in a Full cache of its own
+        prompt_state, last_hidden, _ = _prompt(model, policy, tokens, lengths, 0, implementation)
+        prefixes = (jax.vmap(lambda layer: share_prefix(policy, layer))(prompt_state),)
+        decode_policy = P.Full(stride=policy.stride)
+        state = model.init_cache(decode_policy, num_samples, max_tokens=max_new_tokens)
+        last_hidden = jnp.broadcast_to(last_hidden, (num_samples, last_hidden.shape[-1]))
+    B = last_hidden.shape[0]
     rng, first_rng = jax.random.split(rng)
     first = _sample(model.logits(last_hidden), first_rng, temperature, top_p)
     pad = -1 if eos_id is None else eos_id
@@ -176,7 +247,7 @@ def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperatur
 
     def body(s: _DecodeState):
         active = (~s.done).astype(jnp.int32)
-        hidden, new_cache = model(policy, s.cache, s.last[:, None], active, implementation)
+        hidden, new_cache = model(decode_policy, s.cache, s.last[:, None], active, implementation, prefixes)
         rng, key = jax.random.split(s.rng)
         nxt = jnp.where(s.done, pad, _sample(model.logits(hidden[:, 0]), key, temperature, top_p))
         done = s.done | (nxt == eos_id) if eos_id is not None else s.done

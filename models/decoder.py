@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jcascade import attention, cache
+from jcascade import attention, cache, shared
 from jcascade.models.config import ModelConfig
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -86,8 +86,9 @@ class CausalLM(nnx.Module):
                                 max_tokens=max_tokens, num_layers=cfg.num_layers)
 
     def __call__(self, policy, state: cache.CacheState, tokens: jax.Array, lengths: jax.Array,
-                 implementation: str | None = None) -> tuple[jax.Array, cache.CacheState]:
-        """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row.
+                 implementation: str | None = None, prefixes: tuple = ()) -> tuple[jax.Array, cache.CacheState]:
+        """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row;
+        prefixes: `jcascade.SharedPrefix` levels (layers stacked) that the rows' histories begin with.
         Returns the final-norm hidden states [B, T, hidden] and the updated cache."""
         cfg = self.config
         B, T = tokens.shape
@@ -95,7 +96,7 @@ class CausalLM(nnx.Module):
         weights = {name: p[...] for name, p in self.layers.items()}
 
         def layer(x, inputs):
-            w, layer_state = inputs
+            w, layer_state, layer_prefixes = inputs
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
             q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
             if cfg.qkv_bias:
@@ -103,7 +104,12 @@ class CausalLM(nnx.Module):
             q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-            out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope, implementation=implementation)
+            if layer_prefixes:
+                out = shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes, lengths, rope,
+                                           implementation=implementation)
+                scores = None
+            else:
+                out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope, implementation=implementation)
             layer_state = cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
             o = out.reshape(B, T, -1) @ w["wo"]
             x = x + (o + w["bo"] if cfg.o_bias else o)
@@ -112,7 +118,7 @@ class CausalLM(nnx.Module):
             return x, layer_state
 
         x = jnp.take(self.embed[...], tokens, axis=0)
-        x, state = jax.lax.scan(layer, x, (weights, state))
+        x, state = jax.lax.scan(layer, x, (weights, state, tuple(prefixes)))
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), state
 
     def logits(self, hidden: jax.Array) -> jax.Array:

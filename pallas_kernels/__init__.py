@@ -48,4 +48,15 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     return module.chunk_attention(*args, config=config, interpret=interpret)
 
 
-__all__ = ["IMPLEMENTATIONS", "chunk_attention", "gpu", "reference", "resolve", "states", "tpu"]
+def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *,
+                     implementation: str | None = None, config=None):
+    """Dispatches `reference.prefix_attention` (many requests' queries against a shared prefix). The
+    Pallas version is the GPU one (Triton); on TPU it runs the XLA reference."""
+    backend, interpret = resolve(implementation)
+    args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
+    if backend != "triton":
+        return reference.prefix_attention(*args)
+    return gpu.prefix_attention(*args, config=config if config is not None else gpu.GpuConfig(), interpret=interpret)
+
+
+__all__ = ["IMPLEMENTATIONS", "chunk_attention", "prefix_attention", "gpu", "reference", "resolve", "states", "tpu"]

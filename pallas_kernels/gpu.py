@@ -367,6 +367,66 @@ def _no_logits(kernel, len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref, sin_r
 
 
 # --------------------------------------------------------------------------------------------------
+# Shared prefix: the decode kernel with many queries per KV head, each prefix K/V tile read once for all.
+
+
+def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *, config: GpuConfig = GpuConfig(),
+                     interpret: bool = False):
+    """Same contract as `reference.prefix_attention`: grid (prefix row, KV head, split, query block), so
+    every query of a prefix row's requests shares the loads of each key block of its split."""
+    P, R, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    fuse = isinstance(rope, RoPE)
+    if rope is not None and not fuse:
+        k_cache = rope(k_cache, cache_positions)
+    rows = R * G
+    bq = _block(rows, config.block_q)
+    q_blocks = pl.cdiv(rows, bq)
+    bk = _block(S, config.decode_block_k)
+    splits = int(np.clip(config.decode_programs // (P * Hkv * q_blocks), 1, pl.cdiv(S, bk)))
+    split = pl.cdiv(pl.cdiv(S, splits), bk) * bk
+    splits = pl.cdiv(S, split)
+    qg = q.reshape(P, R, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(P, Hkv, rows, D)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_blocks * bq - rows), (0, 0)))
+    table_dtype = F32 if k_cache.dtype == F32 else k_cache.dtype
+    if fuse:
+        cos, sin = rope_tables(rope, cache_positions, D, table_dtype)
+    else:
+        cos = sin = jnp.zeros((P, 1, S, D // 2), table_dtype)
+    table_heads = cos.shape[1]
+    kernel = functools.partial(_no_logits, _decode_kernel, S=S, G=bq, split=split, bk=bk, scale=D**-0.5,
+                               rope=fuse)
+    full = lambda p, h, s, i: (p, h, 0, 0)
+    table = lambda p, h, s, i: (p, h if table_heads > 1 else 0, 0, 0)
+    o_parts, lse_parts = pl.pallas_call(
+        kernel,
+        grid=(P, Hkv, splits, q_blocks),
+        in_specs=[
+            pl.BlockSpec((None,), lambda p, h, s, i: (p,)),
+            pl.BlockSpec((None, None, bq, D), lambda p, h, s, i: (p, h, i, 0)),
+            pl.BlockSpec((None, None, S, D), full),
+            pl.BlockSpec((None, None, S, D), full),
+            pl.BlockSpec((None, None, S), lambda p, h, s, i: (p, h, 0)),
+            pl.BlockSpec((None, None, S, D // 2), table),
+            pl.BlockSpec((None, None, S, D // 2), table),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, bq, D), lambda p, h, s, i: (p, h, s, i, 0)),
+            pl.BlockSpec((None, None, None, bq), lambda p, h, s, i: (p, h, s, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((P, Hkv, splits, q_blocks * bq, D), F32),
+                   jax.ShapeDtypeStruct((P, Hkv, splits, q_blocks * bq), F32)],
+        compiler_params=config.params(decode=True),
+        interpret=interpret,
+        name="jcascade_shared_prefix",
+    )(jnp.ones((P,), jnp.int32), qg, k_cache, v_cache, cache_valid.astype(jnp.int32), cos, sin)
+    out, lse = states.merge_all(o_parts[..., :rows, :], lse_parts[..., :rows], axis=2)  # [P, Hkv, rows, (D)]
+    out = out.reshape(P, Hkv, R, G, D).transpose(0, 2, 1, 3, 4).reshape(P, R, Hq, D)
+    return out, lse.reshape(P, Hkv, R, G).transpose(0, 2, 1, 3).reshape(P, R, Hq)
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,

@@ -20,7 +20,7 @@ from jcascade.policies import RingLayout
 from jcascade.schedule import ring_schedules
 
 
-def _insert_kernel(seen_ref, n_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, pos_ref, k_ref, v_ref,
+def _insert_kernel(seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, pos_ref, k_ref, v_ref,
                    mu_out, pos_out, k_out, v_out, *, layout: RingLayout, barrier: bool):
     S0, W = layout.sinks, layout.ring_size
     D = k_ref.shape[-1]
@@ -45,7 +45,7 @@ def _insert_kernel(seen_ref, n_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, 
         plgpu.store(pos_out.at[slot], pos, mask=pred)
 
     # Phase B: the token walks down the rings.
-    item = (new_k_ref[...], new_v_ref[...], chunk_mu_ref[0], seen)
+    item = (new_k_ref[...], new_v_ref[...], chunk_mu_ref[0], position_ref[...])
     if S0:
         write(jnp.minimum(seen, S0 - 1), item, present & (seen < S0))
     active = present & (seen >= S0)
@@ -58,16 +58,19 @@ def _insert_kernel(seen_ref, n_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, 
         active = active & ~fill & accept
 
 
-def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, new_v, seen, n, *,
+def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, new_v, seen, n, position, *,
                interpret: bool = False):
     """In-place single-token insertion. mu f32 / pos int32 [B, H, cap] (mu after decay and accumulate);
-    k_cache, v_cache [B, H, cap, D]; chunk_mu f32 [B, H, 1]; new_k, new_v [B, 1, H, D]; seen, n int32 [B].
+    k_cache, v_cache [B, H, cap, D]; chunk_mu f32 [B, H, 1]; new_k, new_v [B, 1, H, D]; seen int32 [B]
+    the row's slot clock (tokens placed so far), n int32 [B] 1 or 0 (padding), position int32 [B] the
+    token's original position (= seen, except in compressed append caches).
     Returns the new (mu, pos, k_cache, v_cache)."""
     B, H, cap, D = k_cache.shape
     row = lambda b, h: (b,)
     slots = lambda b, h: (b, h, 0)
     rows = lambda b, h: (b, h, 0, 0)
     specs = [
+        pl.BlockSpec((None,), row),
         pl.BlockSpec((None,), row),
         pl.BlockSpec((None,), row),
         pl.BlockSpec((None, None, 1), slots),
@@ -82,10 +85,10 @@ def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, n
         functools.partial(_insert_kernel, layout=layout, barrier=not interpret),
         grid=(B, H),
         in_specs=specs,
-        out_specs=specs[5:],
+        out_specs=specs[6:],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mu, pos, k_cache, v_cache)],
-        input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3},
+        input_output_aliases={6: 0, 7: 1, 8: 2, 9: 3},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jcascade_insert_one",
-    )(seen, n, chunk_mu, new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype), mu, pos, k_cache, v_cache)
+    )(seen, n, position, chunk_mu, new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype), mu, pos, k_cache, v_cache)

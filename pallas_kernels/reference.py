@@ -71,3 +71,26 @@ def chunk_attention(
     inc_cache = reduce(jnp.einsum("bhgts,bt->bhgs", p_cache, w, precision=HIGHEST), axis=2)
     inc_chunk = reduce(jnp.einsum("bhgtj,bt->bhgj", p_chunk, w, precision=HIGHEST), axis=2)
     return out, lse, inc_cache, inc_chunk
+
+
+def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=None):
+    """Queries of many requests against the prefix they share, with no causal part (DESIGN §6).
+
+    q: [P, R, Hq, D] already rotated, the R queries served by each of the P prefix rows;
+    k_cache, v_cache: [P, Hkv, S, D] un-rotated; cache_valid: bool [P, Hkv, S];
+    cache_positions: int32 [P, Hkv or 1, S] (used when rope is given).
+    Returns out f32 [P, R, Hq, D] and lse f32 [P, R, Hq] (natural log, -inf when no key is valid).
+    """
+    P, R, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    f32 = jnp.float32
+    if rope is not None:
+        k_cache = rope(k_cache, cache_positions)
+    qg = q.reshape(P, R, Hkv, Hq // Hkv, D).astype(f32) * (D**-0.5)
+    s = jnp.einsum("prhgd,phsd->phgrs", qg, k_cache.astype(f32), precision=HIGHEST)
+    s = jnp.where(cache_valid[:, :, None, None, :], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    finite = jnp.isfinite(lse)
+    p = jnp.where(finite[..., None], jnp.exp(s - jnp.where(finite, lse, 0.0)[..., None]), 0.0)
+    out = jnp.einsum("phgrs,phsd->prhgd", p, v_cache.astype(f32), precision=HIGHEST)
+    return out.reshape(P, R, Hq, D), lse.transpose(0, 3, 1, 2).reshape(P, R, Hq)

@@ -191,7 +191,7 @@ def test_full_keeps_everything_in_order_and_refuses_overflow():
     np.testing.assert_array_equal(state.pos[0, 0], np.arange(12))
     np.testing.assert_array_equal(state.pos[1, 0], [*range(7), -1, -1, -1, -1, -1])
     k, v = tagged_chunk(np.asarray(state.seen), 4, 1)
-    with pytest.raises(ValueError, match="max_tokens=12 overflows"):
+    with pytest.raises(ValueError, match="12 slots overflows"):
         jc.update(policy, state, k, v, None, jnp.asarray([1, 4]))
     # Under jit the overflow cannot raise: the overflowed row's attention becomes NaN instead.
     state = UPDATE(policy, state, k, v, None, jnp.asarray([1, 4]))

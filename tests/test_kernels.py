@@ -168,7 +168,20 @@ def test_insertion_kernel_lowers_for_gpu():
     B, H, cap, D = 32, 8, layout.capacity, 128
     s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
     args = (s(B, H, cap, dtype=jnp.float32), s(B, H, cap, dtype=jnp.int32), s(B, H, cap, D), s(B, H, cap, D),
-            s(B, H, 1, dtype=jnp.float32), s(B, 1, H, D), s(B, 1, H, D), s(B, dtype=jnp.int32), s(B, dtype=jnp.int32))
+            s(B, H, 1, dtype=jnp.float32), s(B, 1, H, D), s(B, 1, H, D), s(B, dtype=jnp.int32), s(B, dtype=jnp.int32),
+            s(B, dtype=jnp.int32))
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(lambda *a: insert_one(layout, *a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
+
+
+def test_shared_prefix_kernel_lowers_for_gpu():
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    args = (s(1, 64, 32, 128), s(1, 8, 32768, 128), s(1, 8, 32768, 128), s(1, 8, 32768, dtype=jnp.bool_),
+            s(1, 1, 32768, dtype=jnp.int32))
+    f = jax.jit(lambda *a: pk.gpu.prefix_attention(*a, jc.RoPE(500000.0)))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1

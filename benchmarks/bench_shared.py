@@ -1,0 +1,110 @@
+"""Decode attention over a shared 32K-token prefix: one layer of the Llama-3.1-8B shape (32 query heads,
+8 KV heads, head_dim 128, bf16, RoPE in the kernels), batch 1, 8, 64, 256.
+
+  shared      `jc.attend_shared`: the prefix cache stored once (batch 1) and read once per step by all
+              requests' queries (the multi-query Pallas pass), each request's own 16 tokens in a Full
+              cache, the two states merged;
+  replicated  `jc.attend` on a Full cache holding prefix + own tokens for every request (what
+              generating from B copies of the prompt does).
+
+Both outputs are compared (bf16). Times are medians over --iters calls after a warm-up.
+
+    python benchmarks/bench_shared.py [--out benchmarks/results/shared-<device>.json]
+    python benchmarks/bench_shared.py --tiny      # a dry run with small shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+import jcascade as jc
+
+
+def median_ms(fn, args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def full_cache(k, v, own_k, own_v):
+    """A Full cache [B, H, S + own + 1, D] holding k/v (batch 1, broadcast) then each row's own tokens."""
+    B, H, own, D = own_k.shape
+    S = k.shape[2]
+    cap = S + own + 1
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 1), (0, 0)))
+    return jc.CacheState(
+        k=pad(jnp.concatenate([jnp.broadcast_to(k, (B, H, S, D)), own_k], 2)),
+        v=pad(jnp.concatenate([jnp.broadcast_to(v, (B, H, S, D)), own_v], 2)),
+        score=jnp.zeros((B, H, cap), jnp.float32),
+        pos=jnp.broadcast_to(jnp.where(jnp.arange(cap) < S + own, jnp.arange(cap), -1).astype(jnp.int32), (B, H, cap)),
+        seen=jnp.full((B,), S + own, jnp.int32),
+    )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--iters", type=int, default=20)
+    a = p.parse_args()
+    warnings.filterwarnings("ignore")
+    S, Hq, H, D, own, batches = (256, 8, 2, 64, 4, [1, 8]) if a.tiny else (32768, 32, 8, 128, 16, [1, 8, 64, 256])
+    dtype = jnp.bfloat16
+    rope, policy = jc.RoPE(500000.0), jc.Full()
+    keys = jax.random.split(jax.random.key(0), 2)
+    k = jax.random.normal(keys[0], (1, H, S, D), dtype)
+    v = jax.random.normal(keys[1], (1, H, S, D), dtype)
+    prefix_state = jc.CacheState(k=k, v=v, score=jnp.zeros((1, H, S), jnp.float32),
+                                 pos=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, H, S)),
+                                 seen=jnp.full((1,), S, jnp.int32))
+    prefix = jc.share_prefix(policy, prefix_state)
+    shared_fn = jax.jit(lambda own_state, q, k1, v1: jc.attend_shared(policy, own_state, q, k1, v1, [prefix], None, rope))
+    replicated_fn = jax.jit(lambda state, q, k1, v1: jc.attend(policy, state, q, k1, v1, None, rope)[0])
+    device = jax.devices()[0]
+    result = dict(benchmark="shared_prefix", device=device.device_kind, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d"), prefix_tokens=S, own_tokens=own, heads=[Hq, H, D], rows=[])
+    out = pathlib.Path(a.out or f"benchmarks/results/shared-{device.device_kind.replace(' ', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for B in batches:
+        ks = jax.random.split(jax.random.key(B), 5)
+        own_k = jax.random.normal(ks[0], (B, H, own, D), dtype)
+        own_v = jax.random.normal(ks[1], (B, H, own, D), dtype)
+        q = jax.random.normal(ks[2], (B, 1, Hq, D), dtype)
+        k1 = jax.random.normal(ks[3], (B, 1, H, D), dtype)
+        v1 = jax.random.normal(ks[4], (B, 1, H, D), dtype)
+        own_state = full_cache(jnp.zeros((1, H, 0, D), dtype), jnp.zeros((1, H, 0, D), dtype), own_k, own_v)
+        shared_ms = median_ms(shared_fn, (own_state, q, k1, v1), a.iters)
+        got = shared_fn(own_state, q, k1, v1)
+        del own_state
+        flat = jax.jit(full_cache)(k, v, own_k, own_v)
+        replicated_ms = median_ms(replicated_fn, (flat, q, k1, v1), a.iters)
+        want = replicated_fn(flat, q, k1, v1)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        del flat
+        row = dict(batch=B, shared_ms=shared_ms, replicated_ms=replicated_ms, speedup=replicated_ms / shared_ms,
+                   max_abs_difference=err)
+        result["rows"].append(row)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"   batch {B}: shared {shared_ms:.3f} ms, replicated {replicated_ms:.3f} ms", flush=True)
+    print(f"\n{device.device_kind}, {S}-token shared prefix + {own} own tokens, one decode step of one layer: "
+          "batch, shared ms, replicated ms, speed-up, max |difference|")
+    for r in result["rows"]:
+        print(f"   {r['batch']:>4} {r['shared_ms']:9.3f} {r['replicated_ms']:9.3f} {r['speedup']:7.1f} "
+              f"{r['max_abs_difference']:.1e}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

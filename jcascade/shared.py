@@ -1,0 +1,117 @@
+"""Shared-prefix (cascade) attention, papers/003 and DESIGN §6.
+
+Requests that share a prefix attend to its cache once, as one multi-query pass, and to their own suffix
+cache separately; the two attention states (v, lse) merge exactly. A prefix can be any policy's cache
+after its prompt (a Full cache, or a compressed one: Cascade, SnapKV, ...); it is frozen while the
+requests decode. Levels nest: a tree of prefixes (one system prompt, then per-user histories) is a list
+of levels, level i holding P_i rows, each row serving B / P_i consecutive requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jcascade import attention, cache
+from jcascade import pallas_kernels
+from jcascade import policies as P
+from jcascade.pallas_kernels.states import merge
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix:
+    """One level of shared prefixes (one layer, or L layers stacked on a leading axis).
+
+    k, v:    [P, Hkv, S, D] un-rotated keys/values of the P prefix rows;
+    valid:   bool [P, Hkv, S] slots that hold a token;
+    key_pos: int32 [P, 1 or Hkv, S] RoPE position of each slot;
+    length:  int32 [P] the first position after the prefix (including the levels before it): where the
+             next level, or its requests' own tokens, start.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    key_pos: jax.Array
+    length: jax.Array
+
+
+def share_prefix(policy: P.Policy, state: cache.CacheState, offset: jax.Array | int = 0) -> SharedPrefix:
+    """The cache `state` (one layer; its batch rows become the prefix rows), as `policy` positions it,
+    shifted by `offset` (int32 [P] or int: positions of the levels before it)."""
+    P.check_policy(policy)
+    if isinstance(policy, P.Recycled):
+        raise ValueError("Recycled cannot be a shared prefix: its recycled set is chosen per request")
+    key_pos, start = attention.chunk_positions(policy, state)
+    offset = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), start.shape)
+    key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
+    return SharedPrefix(k=state.k, v=state.v, valid=state.pos >= 0, key_pos=key_pos, length=start + offset)
+
+
+def merge_attention(v_a: jax.Array, lse_a: jax.Array, v_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exact merge of two attention states over disjoint key sets: v [..., D], lse f32 [...] (natural
+    log). lse = logaddexp(lse_a, lse_b), v = sigmoid(lse_a - lse_b) v_a + sigmoid(lse_b - lse_a) v_b.
+    Associative and commutative; (0, -inf) is the identity; never NaN for empty sets. v is float32."""
+    return merge(v_a, lse_a, v_b, lse_b)
+
+
+def _rows_per_prefix(prefix: SharedPrefix, batch: int) -> int:
+    rows = prefix.length.shape[0]
+    if batch % rows:
+        raise ValueError(f"a shared-prefix level with {rows} rows cannot serve a batch of {batch} requests "
+                         "(each row serves batch / rows consecutive requests)")
+    return batch // rows
+
+
+def attend_shared(
+    policy: P.Policy,
+    state: cache.CacheState,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    prefixes: Sequence[SharedPrefix],
+    lengths: jax.Array | None = None,
+    rope=None,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """`attend` for requests whose history begins with shared prefixes, then continues in `state`.
+
+    state: the requests' own caches [B, ...] under `policy`, which must keep no scores (Full,
+    SlidingWindow, Sink: score increments would need the merged normaliser); q [B, T, Hq, D], k, v
+    [B, T, Hkv, D] un-rotated, lengths as for `attend`. prefixes: levels, outermost first (each made by
+    `share_prefix` with the offset of the levels before it). Returns out [B, T, Hq, D] (q.dtype).
+    """
+    P.check_policy(policy)
+    if P.uses_scores(policy):
+        raise ValueError(f"the per-request cache under a shared prefix must keep no scores (Full, SlidingWindow, "
+                         f"Sink), got {type(policy).__name__}")
+    cache.check_chunk("k", k, state)
+    cache.check_chunk("v", v, state)
+    B, T, Hkv, D = k.shape
+    n = cache.check_lengths(lengths, B, T)
+    offset = jnp.zeros((B,), jnp.int32)
+    for prefix in prefixes:  # the innermost level's end is where the requests' own tokens start
+        offset = jnp.repeat(prefix.length, _rows_per_prefix(prefix, B))
+    key_pos, start = attention.chunk_positions(policy, state)
+    key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
+    start = start + offset
+    if rope is not None:
+        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        q, k = rope(q, pos[:, :, None]), rope(k, pos[:, :, None])
+    out, lse, _, _ = pallas_kernels.chunk_attention(q, k, v, state.k, state.v, state.pos >= 0, key_pos, n, None,
+                                                    "max", rope, implementation=implementation)
+    out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)  # lse [B, T, Hq]
+    Hq = q.shape[2]
+    for prefix in prefixes:
+        rows = prefix.length.shape[0]
+        grouped = q.reshape(rows, B // rows * T, Hq, D)
+        p_out, p_lse = pallas_kernels.prefix_attention(grouped, prefix.k, prefix.v, prefix.valid, prefix.key_pos, rope,
+                                                       implementation=implementation)
+        out, lse = merge(out, lse, p_out.reshape(B, T, Hq, D), p_lse.reshape(B, T, Hq))
+    valid = (jnp.arange(T)[None, :] < n[:, None])[:, :, None, None]
+    return jnp.where(valid, out, 0.0).astype(q.dtype)

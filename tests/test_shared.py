@@ -1,0 +1,156 @@
+"""Shared-prefix attention: the merge operator's properties, the multi-query prefix kernel (interpret
+mode) against its reference, shared == flat attention (one and two levels), and `num_samples`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jcascade as jc
+from jcascade import pallas_kernels
+
+ROPE = jc.RoPE(100.0)
+
+
+def state_strategy():
+    """(v [3, 4], lse [3]) with some empty sets (lse = -inf, v = 0)."""
+    return st.tuples(st.lists(st.floats(-3, 3), min_size=12, max_size=12),
+                     st.lists(st.one_of(st.floats(-30, 30), st.just(-np.inf)), min_size=3, max_size=3))
+
+
+def as_state(raw):
+    v, lse = np.array(raw[0], np.float32).reshape(3, 4), np.array(raw[1], np.float32)
+    return jnp.asarray(np.where(np.isfinite(lse)[:, None], v, 0.0)), jnp.asarray(lse)
+
+
+@given(state_strategy(), state_strategy(), state_strategy())
+def test_merge_is_associative_commutative_with_identity_and_never_nan(a, b, c):
+    a, b, c = as_state(a), as_state(b), as_state(c)
+    left = jc.merge_attention(*jc.merge_attention(*a, *b), *c)
+    right = jc.merge_attention(*a, *jc.merge_attention(*b, *c))
+    for x, y in zip(left, right):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for x, y in zip(jc.merge_attention(*a, *b), jc.merge_attention(*b, *a)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+    identity = (jnp.zeros((3, 4)), jnp.full((3,), -jnp.inf))
+    for x, y in zip(jc.merge_attention(*a, *identity), a):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+    v, lse = jc.merge_attention(*identity, *identity)
+    assert not np.isnan(np.asarray(v)).any() and np.all(np.asarray(lse) == -np.inf)
+    assert not np.isnan(np.asarray(left[0])).any()
+
+
+def test_merging_two_key_sets_is_attention_over_their_union():
+    rng = np.random.default_rng(0)
+    q, keys, vals = rng.normal(size=8), rng.normal(size=(30, 8)), rng.normal(size=(30, 8))
+    logits = keys @ q
+
+    def state(sl):
+        e = np.exp(logits[sl] - logits[sl].max())
+        return jnp.asarray(e @ vals[sl] / e.sum()), jnp.asarray(np.log(e.sum()) + logits[sl].max())
+
+    v, lse = jc.merge_attention(*state(slice(0, 11)), *state(slice(11, 30)))
+    v_all, lse_all = state(slice(0, 30))
+    np.testing.assert_allclose(v, v_all, rtol=1e-6)
+    np.testing.assert_allclose(lse, lse_all, rtol=1e-6)
+
+
+@pytest.mark.parametrize("P, R, Hq, Hkv, D, S, dtype", [(1, 5, 8, 2, 64, 100, jnp.float32),
+                                                       (2, 37, 4, 4, 32, 70, jnp.float32),
+                                                       (1, 16, 8, 2, 64, 129, jnp.bfloat16)])
+def test_prefix_kernel_matches_the_reference(P, R, Hq, Hkv, D, S, dtype):
+    keys = jax.random.split(jax.random.key(P * R + S), 4)
+    q = jax.random.normal(keys[0], (P, R, Hq, D)).astype(dtype)
+    k = jax.random.normal(keys[1], (P, Hkv, S, D)).astype(dtype)
+    v = jax.random.normal(keys[2], (P, Hkv, S, D)).astype(dtype)
+    valid = jax.random.bernoulli(keys[3], 0.8, (P, Hkv, S)).at[-1, -1].set(False)
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * 3, (P, 1, S))
+    want = pallas_kernels.prefix_attention(q, k, v, valid, positions, ROPE, implementation="xla")
+    got = pallas_kernels.prefix_attention(q, k, v, valid, positions, ROPE, implementation="triton")
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=tol, rtol=tol)
+
+
+def full_state(k, v, lengths=None):
+    B, T, H, D = k.shape
+    state = jc.init_cache(jc.Full(), B, H, D, max_tokens=T + 8)
+    return jc.update(jc.Full(), state, k, v, None, lengths)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_two_level_shared_prefixes_equal_flat_attention(implementation):
+    """A system prompt shared by 4 requests, two histories shared by 2 each, then each request's own
+    tokens (ragged) and a 3-token chunk: the same as one flat cache per request."""
+    Hq, H, D = 4, 2, 16
+    L0, L1, Ls, T = 9, 6, 5, 3
+    ks = jax.random.split(jax.random.key(7), 8)
+    k0, v0 = jax.random.normal(ks[0], (1, L0, H, D)), jax.random.normal(ks[1], (1, L0, H, D))
+    k1, v1 = jax.random.normal(ks[2], (2, L1, H, D)), jax.random.normal(ks[3], (2, L1, H, D))
+    k2, v2 = jax.random.normal(ks[4], (4, Ls, H, D)), jax.random.normal(ks[5], (4, Ls, H, D))
+    q, kc = jax.random.normal(ks[6], (4, T, Hq, D)), jax.random.normal(ks[7], (4, T, H, D))
+    own = jnp.array([5, 3, 0, 4], jnp.int32)
+    level0 = jc.share_prefix(jc.Full(), full_state(k0, v0))
+    level1 = jc.share_prefix(jc.Full(), full_state(k1, v1), offset=L0)
+    suffix = full_state(k2, v2, own)
+    got = jc.attend_shared(jc.Full(), suffix, q, kc, kc, [level0, level1], jnp.array([3, 3, 2, 3]), ROPE,
+                           implementation=implementation)
+    rep = lambda x, n: jnp.repeat(x, n, axis=0)
+    flat = full_state(jnp.concatenate([rep(k0, 4), rep(k1, 2)], 1), jnp.concatenate([rep(v0, 4), rep(v1, 2)], 1))
+    flat = jc.update(jc.Full(), flat, k2, v2, None, own)
+    want, _ = jc.attend(jc.Full(), flat, q, kc, kc, jnp.array([3, 3, 2, 3]), ROPE)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = jc.ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None,
+                            rms_norm_eps=1e-5, tie_word_embeddings=True, qkv_bias=False, o_bias=False,
+                            max_position_embeddings=512)
+    return jc.CausalLM.random(config, jax.random.key(1), scale=0.2)
+
+
+def test_decode_logits_over_a_shared_prefix_equal_unshared(model):
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, 97, (1, 40)))
+    policy = jc.Full(stride=16)
+    prompt_state, _, _ = jc.prefill(model, policy, model.init_cache(policy, 1, max_tokens=40), prompt, jnp.array([40]))
+    prefix = jax.vmap(lambda s: jc.share_prefix(policy, s))(prompt_state)
+    step = jnp.array([[5], [17], [60]])
+    hidden, _ = model(policy, model.init_cache(policy, 3, max_tokens=4), step, jnp.ones(3, jnp.int32), None, (prefix,))
+    unshared, _, _ = jc.prefill(model, policy, model.init_cache(policy, 3, max_tokens=44), jnp.repeat(prompt, 3, 0),
+                                jnp.full(3, 40))
+    want, _ = model(policy, unshared, step, jnp.ones(3, jnp.int32))
+    np.testing.assert_allclose(model.logits(hidden), model.logits(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", [jc.Full(stride=16), jc.Cascade(cache_size=96, sinks=4, stride=16),
+                                    jc.SnapKV(budget=24, window=4, stride=16)], ids=lambda p: type(p).__name__)
+def test_num_samples_equals_generating_from_copies(model, policy):
+    prompt = np.random.default_rng(3).integers(0, 97, (1, 50))
+    key = jax.random.key(4)
+    shared = jc.generate(model, prompt, policy, max_new_tokens=12, temperature=1.0, rng=key, num_samples=5)
+    copies = jc.generate(model, np.repeat(prompt, 5, 0), policy, max_new_tokens=12, temperature=1.0, rng=key)
+    np.testing.assert_array_equal(shared, copies)
+    assert len({tuple(row) for row in np.asarray(shared).tolist()}) > 1  # the samples differ
+    greedy = jc.generate(model, prompt, policy, max_new_tokens=12, num_samples=2)
+    np.testing.assert_array_equal(greedy, jc.generate(model, np.repeat(prompt, 2, 0), policy, max_new_tokens=12))
+
+
+def test_shared_prefix_errors(model):
+    prompt = np.zeros((2, 8), int)
+    with pytest.raises(ValueError, match="tokens must have batch 1"):
+        jc.generate(model, prompt, jc.Full(), max_new_tokens=2, num_samples=3)
+    with pytest.raises(ValueError, match="num_samples does not support Recycled"):
+        jc.generate(model, prompt[:1], jc.Recycled(top_k=4, refresh_every=2), max_new_tokens=2, num_samples=3)
+    with pytest.raises(ValueError, match="num_samples must be a positive int"):
+        jc.generate(model, prompt[:1], jc.Full(), max_new_tokens=2, num_samples=0)
+    k = jnp.zeros((3, 2, 2, 8))
+    prefix = jc.share_prefix(jc.Full(), full_state(k[:2], k[:2]))
+    with pytest.raises(ValueError, match="2 rows cannot serve a batch of 3"):
+        jc.attend_shared(jc.Full(), full_state(k, k), jnp.zeros((3, 2, 2, 8)), k, k, [prefix])
+    cascade = jc.Cascade(cache_size=8, sinks=0, num_cascades=2)
+    with pytest.raises(ValueError, match="must keep no scores"):
+        jc.attend_shared(cascade, jc.init_cache(cascade, 3, 2, 8), jnp.zeros((3, 2, 2, 8)), k, k, [prefix])
