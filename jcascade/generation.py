@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +42,13 @@ def _check_tokens(model: CausalLM, tokens, lengths):
 
 
 def _check_positions(model: CausalLM, policy, total: int) -> None:
+    """Warns when a policy that keeps every prompt token will use positions past the model's trained ones
+    (allowed: showing what happens there is part of evaluating context extension)."""
     limit = model.config.max_position_embeddings
     if isinstance(policy, P.APPEND_POLICIES) and total > limit:
-        raise ValueError(f"{total} tokens exceed the model's {limit} positions; {type(policy).__name__} keeps every "
-                         "prompt token at its position (use a bounded policy such as Cascade)")
+        warnings.warn(f"{total} tokens exceed the model's {limit} trained positions; {type(policy).__name__} keeps "
+                      "every prompt token at its position, so expect degraded output (a bounded policy such as "
+                      "Cascade stays within them)", stacklevel=3)
 
 
 def _chunks(tokens: jax.Array, lengths: jax.Array, stride: int):

@@ -182,7 +182,7 @@ def test_bad_inputs_raise_clear_errors(llama, tmp_path):
         jc.score(model, np.zeros((1, 0), np.int32), jc.Full())
     with pytest.raises(ValueError, match="at least one token"):
         jc.generate(model, np.ones((2, 4), np.int32), jc.Full(), max_new_tokens=2, lengths=np.array([4, 0]))
-    with pytest.raises(ValueError, match="exceed the model's 512 positions"):
+    with pytest.warns(UserWarning, match="exceed the model's 512 trained positions"):
         jc.generate(model, np.ones((1, 500), np.int32), jc.Full(), max_new_tokens=20)
     jc.generate(model, np.ones((1, 500), np.int32), jc.Sink(window=32, sinks=4), max_new_tokens=20)  # bounded: fine
     with pytest.raises(FileNotFoundError):
@@ -239,7 +239,7 @@ def test_smollm2_matches_transformers_over_600_tokens(smollm2):
     for policy in (jc.Cascade(cache_size=256, sinks=4, stride=64), jc.H2O(heavy=32, recent=32, stride=16),
                    jc.SnapKV(budget=24, window=8, stride=16), jc.PyramidKV(budget=24, window=4, stride=16)):
         samples = jc.generate(model, np.array([chat]), policy, max_new_tokens=12, eos_id=tokenizer.eos_token_id,
-                              temperature=0.3, rng=jax.random.key(0), num_samples=3)
+                              num_samples=2)
         assert all("Paris" in tokenizer.decode(row) for row in np.asarray(samples)), policy
 
 
