@@ -190,10 +190,16 @@ def load_pretrained(path: str | pathlib.Path, dtype=None) -> CausalLM:
 
 
 def load_tokenizer(path: str | pathlib.Path):
-    """The Hugging Face tokenizer of a model directory or .gguf file (no torch needed)."""
+    """The Hugging Face tokenizer of a model directory (no torch needed) or of a .gguf file (transformers
+    needs torch for that: install jcascade[gguf])."""
+    import importlib.util
+
     from transformers import AutoTokenizer
 
     path = pathlib.Path(path)
     if path.is_file() and path.suffix == ".gguf":
+        if importlib.util.find_spec("torch") is None:
+            raise ModuleNotFoundError(f"building the tokenizer of {path.name} needs torch (transformers reads GGUF "
+                                      "tokenizers through it): pip install 'jcascade[gguf]'")
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return AutoTokenizer.from_pretrained(path)
