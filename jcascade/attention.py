@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jcascade import cache as C
 from jcascade import policies as P
 from jcascade import pallas_kernels, selection
+from jcascade.rope import rotate_chunk
 
 
 def query_weights(policy: P.Policy, lengths: jax.Array, chunk_len: int) -> jax.Array | None:
@@ -83,9 +84,7 @@ def attend(
         out, inc_cache, inc_chunk = selection.recycled_attend(policy, state, q, k, v, n, rope, implementation, weights)
         return out, C.Scores(cache=inc_cache, chunk=inc_chunk)
     key_pos, start = chunk_positions(policy, state)
-    if rope is not None:
-        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-        q, k = rope(q, pos[:, :, None]), rope(k, pos[:, :, None])
+    q, k = rotate_chunk(rope, q, k, start)
     out, _, inc_cache, inc_chunk = pallas_kernels.chunk_attention(
         q, k, v, state.k, state.v, state.pos >= 0, key_pos, n,
         weights, getattr(policy, "head_reduction", "max"), rope,

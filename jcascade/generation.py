@@ -61,7 +61,7 @@ def _chunks(tokens: jax.Array, lengths: jax.Array, stride: int):
     return chunks, jnp.clip(lengths[None, :] - starts, 0, stride)
 
 
-def _log_probs(model: CausalLM, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+def token_log_probs(model: CausalLM, hidden: jax.Array, targets: jax.Array) -> jax.Array:
     """f32 [B, T]: log p(targets) under the logits of hidden [B, T, hidden]."""
     logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -86,7 +86,7 @@ def prefill(model: CausalLM, policy, state: cache.CacheState, tokens: jax.Array,
         state, last = carry
         toks, n, tgt = inputs
         hidden, state = model(policy, state, toks, n, implementation)
-        logp = None if tgt is None else _log_probs(model, hidden, tgt)
+        logp = None if tgt is None else token_log_probs(model, hidden, tgt)
         return (state, _last_valid(hidden, n, last)), logp
 
     init = (state, jnp.zeros((B, model.config.hidden_size), model.dtype))
@@ -116,7 +116,7 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
     last = _last_valid(hidden, window, last)
     if targets is not None:
         in_window = jnp.arange(w)[None, :] < window[:, None]
-        window_logps = _log_probs(model, hidden, jnp.take_along_axis(targets, at, axis=1))
+        window_logps = token_log_probs(model, hidden, jnp.take_along_axis(targets, at, axis=1))
         logps = logps.at[jnp.arange(B)[:, None], jnp.where(in_window, at, S)].set(window_logps, mode="drop")
     return compress(policy, state, room), last, logps
 
@@ -153,7 +153,7 @@ def _score(model, tokens, policy, lengths, prefix, implementation):
         def step(state, inputs):
             tok, tgt, t = inputs
             hidden, state = model(policy, state, tok[:, None], (t < lengths).astype(jnp.int32), implementation)
-            return state, _log_probs(model, hidden, tgt[:, None])[:, 0]
+            return state, token_log_probs(model, hidden, tgt[:, None])[:, 0]
 
         steps = (tokens[:, prompt_len:].T, targets[:, prompt_len:].T, jnp.arange(prompt_len, S, dtype=jnp.int32))
         _, rest = jax.lax.scan(step, state, steps)

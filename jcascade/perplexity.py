@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
+from jcascade.generation import token_log_probs
+from jcascade.policies import APPEND_POLICIES
 
 
 def cache_capacity(policy) -> int | None:
     """Slots of a bounded policy's cache (sinks included); None for policies that keep every token."""
-    sizes = {jc.cached_positions(jc.init_cache(policy, 1, 1, 1, max_tokens=m)).shape[-1] for m in (1, 2)}
-    return sizes.pop() if len(sizes) == 1 else None
+    return None if isinstance(policy, APPEND_POLICIES) else policy.layout().capacity
 
 
 def check_streaming(policy) -> None:
@@ -38,8 +39,7 @@ def check_streaming(policy) -> None:
 @functools.partial(jax.jit, static_argnames="policy")
 def _step(model, policy, state, chunk, targets, n):
     hidden, state = model(policy, state, chunk, n)
-    logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-    return state, jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return state, token_log_probs(model, hidden, targets)
 
 
 def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState, int], None] | None = None,

@@ -75,3 +75,12 @@ class RoPE:
         x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
         rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
         return rotated.astype(x.dtype)
+
+
+def rotate_chunk(rope, q: jax.Array, k: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A chunk's q [B, T, Hq, D] and k [B, T, Hkv, D] rotated by `rope` at positions start[b] + 0..T-1
+    (start int32 [B]); unchanged when rope is None."""
+    if rope is None:
+        return q, k
+    pos = (start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :])[:, :, None]
+    return rope(q, pos), rope(k, pos)

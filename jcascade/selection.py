@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jcascade import pallas_kernels
 from jcascade import policies as P
+from jcascade.rope import rotate_chunk
 
 
 def pool(x: jax.Array, valid: jax.Array, kernel: int, pooling: str) -> jax.Array:
@@ -130,12 +131,10 @@ def _since_refresh(policy: P.Recycled, state) -> jax.Array:
     return jnp.sum(state.pos[:, 0, recent:] >= 0, axis=-1).astype(jnp.int32)
 
 
-def full_step_rows(policy: P.Recycled, state, chunk_len: int) -> jax.Array:
+def full_step_rows(policy: P.Recycled, since: jax.Array, chunk_len: int) -> jax.Array:
     """bool [B]: rows whose chunk is a full-attention step (every chunk longer than one token, and the
-    decode step after refresh_every - 1 recycled ones)."""
-    if chunk_len > 1:
-        return jnp.ones(state.seen.shape, bool)
-    return _since_refresh(policy, state) >= policy.refresh_every - 1
+    decode step after refresh_every - 1 recycled ones); since: `_since_refresh`."""
+    return (since >= policy.refresh_every - 1) | (chunk_len > 1)
 
 
 def recycled_attend(policy: P.Recycled, state, q, k, v, n, rope, implementation, weights):
@@ -143,14 +142,11 @@ def recycled_attend(policy: P.Recycled, state, q, k, v, n, rope, implementation,
     and the new tokens. Returns (out, inc_cache [B, H, cap], inc_chunk [B, H, T])."""
     B, T, Hkv, _ = k.shape
     M, _ = recycled_regions(policy, state.capacity)
-    full = full_step_rows(policy, state, T)
+    full = full_step_rows(policy, _since_refresh(policy, state), T)
     slot = jnp.arange(state.capacity)
 
     def run(valid, key_pos, start, k_cache, v_cache, w):
-        qr, kr = q, k
-        if rope is not None:
-            pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-            qr, kr = rope(q, pos[:, :, None]), rope(k, pos[:, :, None])
+        qr, kr = rotate_chunk(rope, q, k, start)
         return pallas_kernels.chunk_attention(qr, kr, v, k_cache, v_cache, valid, key_pos, n, w, "max", rope,
                                               implementation=implementation)
 
@@ -185,7 +181,8 @@ def recycled_update(policy: P.Recycled, state, k, v, scores, n):
     region; the other rows append their token to the new-tokens region."""
     B, T, H, _ = k.shape
     M, recent = recycled_regions(policy, state.capacity)
-    full = full_step_rows(policy, state, T) & (n > 0)
+    since = _since_refresh(policy, state)
+    full = full_step_rows(policy, since, T) & (n > 0)
     bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
     j = jnp.arange(T, dtype=jnp.int32)[None, :]
     ck, cv = jnp.swapaxes(k, 1, 2).astype(state.k.dtype), jnp.swapaxes(v, 1, 2).astype(state.v.dtype)
@@ -203,7 +200,6 @@ def recycled_update(policy: P.Recycled, state, k, v, scores, n):
     to_full = state.seen[:, None] + j
     state = write(state, jnp.where((j < n[:, None]) & (to_full < M), to_full, state.capacity), chunk_score)
     if T == 1:  # recycled rows also keep their token among the new ones
-        since = _since_refresh(policy, state)
         state = write(state, jnp.where(~full & (n > 0), recent + since, state.capacity)[:, None], chunk_score)
 
     def reselect(st):

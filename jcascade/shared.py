@@ -19,6 +19,7 @@ from jcascade import attention, cache
 from jcascade import pallas_kernels
 from jcascade import policies as P
 from jcascade.pallas_kernels.states import merge
+from jcascade.rope import rotate_chunk
 
 
 @jax.tree_util.register_dataclass
@@ -94,22 +95,19 @@ def attend_shared(
     cache.check_chunk("v", v, state)
     B, T, Hkv, D = k.shape
     n = cache.check_lengths(lengths, B, T)
-    offset = jnp.zeros((B,), jnp.int32)
-    for prefix in prefixes:  # the innermost level's end is where the requests' own tokens start
-        offset = jnp.repeat(prefix.length, _rows_per_prefix(prefix, B))
+    fan_out = [_rows_per_prefix(prefix, B) for prefix in prefixes]
+    # the innermost level's end is where the requests' own tokens start
+    offset = jnp.repeat(prefixes[-1].length, fan_out[-1]) if prefixes else jnp.zeros((B,), jnp.int32)
     key_pos, start = attention.chunk_positions(policy, state)
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     start = start + offset
-    if rope is not None:
-        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        q, k = rope(q, pos[:, :, None]), rope(k, pos[:, :, None])
+    q, k = rotate_chunk(rope, q, k, start)
     out, lse, _, _ = pallas_kernels.chunk_attention(q, k, v, state.k, state.v, state.pos >= 0, key_pos, n, None,
                                                     "max", rope, implementation=implementation)
     out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)  # lse [B, T, Hq]
     Hq = q.shape[2]
-    for prefix in prefixes:
-        rows = prefix.length.shape[0]
-        grouped = q.reshape(rows, B // rows * T, Hq, D)
+    for prefix, per_row in zip(prefixes, fan_out):
+        grouped = q.reshape(B // per_row, per_row * T, Hq, D)
         p_out, p_lse = pallas_kernels.prefix_attention(grouped, prefix.k, prefix.v, prefix.valid, prefix.key_pos, rope,
                                                        implementation=implementation)
         out, lse = merge(out, lse, p_out.reshape(B, T, Hq, D), p_lse.reshape(B, T, Hq))

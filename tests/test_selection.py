@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jcascade as jc
+import tiny
 from jcascade.selection import prefix_budget
 from oracle import np_rope
 
@@ -275,11 +276,8 @@ def test_decode_steps_through_the_triton_kernels_match_xla():
 
 @pytest.fixture(scope="module")
 def model():
-    config = jc.ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
-                            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None,
-                            rms_norm_eps=1e-5, tie_word_embeddings=True, qkv_bias=False, o_bias=False,
-                            max_position_embeddings=512)
-    return jc.CausalLM.random(config, jax.random.key(0), scale=0.2)
+    return tiny.model(97, seed=0, scale=0.2, hidden_size=64, intermediate_size=96, num_layers=3,
+                      head_dim=16, max_position_embeddings=512)
 
 
 FITTING = [jc.SnapKV(budget=128, window=8, stride=16), jc.PyramidKV(budget=128, window=4, stride=16),

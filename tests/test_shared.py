@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jcascade as jc
+import tiny
 from jcascade import pallas_kernels
 
 ROPE = jc.RoPE(100.0)
@@ -106,11 +107,8 @@ def test_two_level_shared_prefixes_equal_flat_attention(implementation):
 
 @pytest.fixture(scope="module")
 def model():
-    config = jc.ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None,
-                            rms_norm_eps=1e-5, tie_word_embeddings=True, qkv_bias=False, o_bias=False,
-                            max_position_embeddings=512)
-    return jc.CausalLM.random(config, jax.random.key(1), scale=0.2)
+    return tiny.model(97, seed=1, scale=0.2, hidden_size=64, intermediate_size=96, num_layers=2,
+                      head_dim=16, max_position_embeddings=512)
 
 
 def test_decode_logits_over_a_shared_prefix_equal_unshared(model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -36,12 +37,13 @@ def tokenizer(chat: bool = True):
     return wrapped
 
 
-def model(vocab_size: int, seed: int = 0) -> jc.CausalLM:
+def model(vocab_size: int, seed: int = 0, scale: float = 0.5, **config_fields) -> jc.CausalLM:
+    """A random tiny Llama; `config_fields` override the ModelConfig's fields."""
     config = jc.ModelConfig(architecture="llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0,
                             rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True, qkv_bias=False,
                             o_bias=False, max_position_embeddings=4096)
-    return jc.CausalLM.random(config, jax.random.key(seed), scale=0.5)
+    return jc.CausalLM.random(dataclasses.replace(config, **config_fields), jax.random.key(seed), scale=scale)
 
 
 def save(directory: pathlib.Path) -> pathlib.Path:
