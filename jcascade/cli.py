@@ -27,9 +27,20 @@ import typing
 import numpy as np
 
 import jcascade as jc
+from jcascade import stats
+from jcascade.perplexity import BLOCK
 
 DEFAULT_OUT = "jcascade-out"
-PAIR = dict(cache_size=512, sinks=64, cascades=4, stride=256)  # the main job's caches, the default policies
+PAIR = dict(cache_size=512, sinks=64, cascades=4, stride=256)  # the default policies of passkey / perplexity
+# The main job's settings (`jcascade compare`), chosen by measurement: see benchmarks/RESULTS.md, "The main job".
+MAIN_JOB = {
+    "cpu": dict(cache_size=384, sinks=64, cascades=2, stride=192, min_length=768, max_length=768, samples=16,
+                filler="repeat"),
+    "gpu": dict(cache_size=768, sinks=64, cascades=2, stride=384, min_length=1536, max_length=1536, samples=100,
+                filler="repeat"),
+    "gpu-qwen": dict(cache_size=4096, sinks=64, cascades=4, stride=2048, min_length=8192, max_length=8192,
+                     samples=50, filler="words"),
+}
 
 
 # ---- policies ---------------------------------------------------------------------------------------
@@ -94,6 +105,19 @@ def compared_policies(cache_size: int, sinks: int, cascades: int, stride: int) -
             "Cascade": jc.Cascade(cache_size=cache_size, sinks=sinks, num_cascades=cascades, stride=stride)}
 
 
+def main_job_defaults() -> dict:
+    """The main job's settings for this machine: the CPU setting (SmolLM2, sized for about 5 minutes on 2
+    cores); on a GPU more trials, and Qwen2.5-Coder-0.5B when it is already in the model cache."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return MAIN_JOB["cpu"] | {"model": None}
+    qwen = jc.models.packaged.cache_dir() / jc.models.QWEN25_CODER_05B_INSTRUCT.name
+    if (qwen / jc.models.loading.CONVERTED_CONFIG).is_file():
+        return MAIN_JOB["gpu-qwen"] | {"model": str(qwen)}
+    return MAIN_JOB["gpu"] | {"model": None}
+
+
 def _policies(args) -> dict[str, object]:
     if not args.policy:
         return compared_policies(**PAIR)
@@ -150,6 +174,12 @@ def _positive(text: str) -> int:
     return value
 
 
+def equal_batches(count: int, most: int = 32) -> int:
+    """The batch size that splits `count` prompts into the fewest batches of at most `most`, as equal as
+    possible (80 -> 27: three batches, one padding row), so little of each generate call is padding."""
+    return -(-count // -(-count // most))
+
+
 def doubling(start: int, stop: int) -> list[int]:
     """start, 2 start, 4 start, ... while <= stop."""
     if stop < start:
@@ -189,29 +219,57 @@ def cmd_generate(args) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
-def format_passkey_table(table: dict, num_buckets: int) -> str:
-    """Mean accuracy per context length (rows) and policy (columns), then per depth bucket."""
-    labels = list(table)
-    lengths = sorted({n for t in table.values() for n in t})
-    width = max(8, *(len(label) for label in labels))
-    lines = ["context".rjust(7) + "".join(label.rjust(width + 2) for label in labels)]
-    for n in lengths:
-        cells = [np.mean(list(table[label][n].values())) if n in table[label] else np.nan for label in labels]
-        lines.append(f"{n:7d}" + "".join(f"{c:.2f}".rjust(width + 2) for c in cells))
+def format_passkey_table(accuracy: dict, by_bucket: dict, num_buckets: int, retention: dict | None = None) -> str:
+    """Mean accuracy with its 95 % interval per context length (rows) and policy (columns), then the mean
+    per depth bucket, then (if given) the fraction of key tokens the question sees."""
+    labels = list(accuracy)
+    lengths = sorted({n for t in accuracy.values() for n in t})
+    width = max(20, *(len(label) for label in labels))
+
+    def grid(table: dict) -> list[str]:
+        rows = ["context".rjust(7) + "".join(label.rjust(width + 2) for label in labels)]
+        for n in lengths:
+            rows.append(f"{n:7d}" + "".join((table[label][n].format() if n in table.get(label, {}) else "-")
+                                            .rjust(width + 2) for label in labels))
+        return rows
+
+    lines = grid(accuracy)
     buckets = " ".join(f"{100 * b // num_buckets}-{100 * (b + 1) // num_buckets}%".rjust(7) for b in range(num_buckets))
     lines += ["", "by key depth:".ljust(width + 10) + buckets]
     for label in labels:
         for n in lengths:
-            accs = " ".join(f"{table[label][n].get(b, np.nan):7.2f}" for b in range(num_buckets))
+            accs = " ".join(f"{by_bucket[label][n].get(b, np.nan):7.2f}" for b in range(num_buckets))
             lines.append(f"{label:>{width}} {n:7d}  {accs}")
+    if retention:
+        lines += ["", "key tokens the question sees (mean over layers and KV heads; 1 = all held):", *grid(retention)]
     return "\n".join(lines)
 
 
-def run_passkey(args, policies: dict, title: str) -> None:
+def _baseline(args, policies: dict) -> str:
+    """--baseline, else the first Sink policy, else the first policy."""
+    if args.baseline is not None:
+        if args.baseline not in policies:
+            raise ValueError(f"--baseline {args.baseline!r} must be one of the policy labels {list(policies)}")
+        return args.baseline
+    return next((label for label, p in policies.items() if isinstance(p, jc.Sink)), next(iter(policies)))
+
+
+def format_differences(differences: dict, baseline: str, higher_is: str) -> list[str]:
+    """Per policy: the paired difference to the baseline per context length, then overall, in words."""
+    lines = []
+    for label, by_length in differences.items():
+        cells = ", ".join(f"{n}: {e.format()}" for n, e in by_length.items() if n != "all")
+        lines.append(f"{label} - {baseline}, same prompts, by context length: {cells}")
+        lines.append("  over all lengths: " + stats.verdict(by_length["all"], label, baseline, higher_is))
+    return lines
+
+
+def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
     from jcascade import passkey, plots
     from jcascade.texts import word_list
 
     lengths = doubling(args.min_length, args.max_length)
+    baseline = _baseline(args, policies)
     words = word_list(args.words_file, log=lambda m: print(m, file=sys.stderr)) if args.filler == "words" else None
     model, tokenizer, name = _load(args)
     builder = passkey.PromptBuilder(tokenizer, args.filler, words)
@@ -227,34 +285,53 @@ def run_passkey(args, policies: dict, title: str) -> None:
     with _bar(total, "passkey") as bar:
         results = passkey.sweep(model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler,
                                 words=words, seed=args.seed, num_buckets=args.buckets,
-                                batch_size=args.batch_size or per_length, progress=bar.update)
+                                batch_size=args.batch_size or equal_batches(per_length), retention=retention,
+                                progress=bar.update)
     seconds = time.perf_counter() - start
-    table = passkey.accuracy_table(results)
-    print(f"\n{title}\nper-digit accuracy (random digits: 0.10), {name}, {args.filler} filler, {args.buckets} key "
-          f"depths x {args.samples} sample(s) per context length, {seconds:.0f} s\n")
-    print(format_passkey_table(table, args.buckets))
+    by_bucket = passkey.accuracy_table(results)
+    accuracy = passkey.estimates(results)
+    held = passkey.retention_estimates(results) if retention else None
+    differences = passkey.paired_differences(results, baseline) if len(policies) > 1 else {}
+    print(f"\n{title}\nper-digit accuracy (random digits: 0.10) with 95 % intervals (bootstrap over trials), {name}, "
+          f"{args.filler} filler, {args.buckets} key depths x {args.samples} sample(s) per context length, "
+          f"{seconds:.0f} s\n")
+    print(format_passkey_table(accuracy, by_bucket, args.buckets, held))
     out = pathlib.Path(args.out)
+    as_dicts = lambda table: {k: {str(n): e.as_dict() for n, e in v.items()} for k, v in table.items()}  # noqa: E731
     written = [
         _write_json(out, "passkey.json", {
             "model": name, "filler": args.filler, "seed": args.seed, "context_lengths": lengths,
-            "buckets": args.buckets, "samples": args.samples, "seconds": seconds,
+            "buckets": args.buckets, "samples": args.samples, "seconds": seconds, "baseline": baseline,
             "policies": {k: repr(v) for k, v in policies.items()},
-            "accuracy": {k: {str(n): {str(b): a for b, a in t.items()} for n, t in v.items()} for k, v in table.items()},
+            "accuracy": as_dicts(accuracy),
+            "accuracy_by_bucket": {k: {str(n): {str(b): a for b, a in t.items()} for n, t in v.items()}
+                                   for k, v in by_bucket.items()},
+            "differences": as_dicts(differences),
+            "retention": as_dicts(held) if held else None,
+            "retention_by_layer": ({k: {str(n): layers for n, layers in v.items()}
+                                    for k, v in passkey.retention_by_layer(results).items()} if held else None),
             "results": [dataclasses.asdict(r) for r in results]}),
-        plots.passkey_accuracy(table, out / "passkey_accuracy.png", f"Passkey retrieval ({name}, {args.filler} filler)"),
-        plots.passkey_heatmaps(table, out / "passkey_depth.png", args.buckets),
+        plots.passkey_accuracy(accuracy, out / "passkey_accuracy.png",
+                               f"Passkey retrieval ({name}, {args.filler} filler)", held),
+        plots.passkey_heatmaps(by_bucket, out / "passkey_depth.png", args.buckets),
     ]
     print("\nwrote " + ", ".join(map(str, written)))
+    if differences:
+        print("\n" + "\n".join(format_differences(differences, baseline, "better")))
 
 
 def cmd_passkey(args) -> None:
-    run_passkey(args, _policies(args), "Passkey retrieval")
+    run_passkey(args, _policies(args), "Passkey retrieval", args.retention)
 
 
 def cmd_compare(args) -> None:
+    defaults = main_job_defaults()
+    for field, value in defaults.items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
     policies = compared_policies(args.cache_size, args.sinks, args.cascades, args.stride)
     run_passkey(args, policies, f"Sink vs Cascade: {args.sinks} sinks + {args.cache_size} tokens each "
-                                f"(Cascade: {args.cascades} cascades), prefill stride {args.stride}")
+                                f"(Cascade: {args.cascades} cascades), prefill stride {args.stride}", retention=True)
 
 
 def _books(args, tokenizer) -> dict[str, np.ndarray]:
@@ -279,31 +356,40 @@ def cmd_perplexity(args) -> None:
     total = len(policies) * sum(len(t) for t in books.values() if len(t) > longest)
     start = time.perf_counter()
     with _bar(total, "perplexity") as bar:
-        results, skipped = perplexity.perplexity(model, books, policies, bucket=args.bucket, progress=bar.update)
+        results, skipped = perplexity.perplexity(model, books, policies, bucket=args.bucket, block=args.block,
+                                                 progress=bar.update)
     seconds = time.perf_counter() - start
     if skipped:
         print(f"skipped (not longer than the {longest}-token cache): {', '.join(skipped)}", file=sys.stderr)
     if not results:
         raise ValueError(f"no book is longer than the {longest}-token cache: give longer books or a larger --max-tokens")
     summary = perplexity.summary(results)
-    width = max(12, *(len(k) for k in policies))
+    baseline = _baseline(args, policies)
+    differences = perplexity.paired_differences(results, baseline) if len(policies) > 1 else {}
+    width = max(24, *(len(k) for k in policies))
     print(f"\nStreaming perplexity, {name}, {len(books) - len(skipped)} books, {seconds:.0f} s\n")
     print("book".ljust(28) + "tokens".rjust(9) + "".join(k.rjust(width + 2) for k in policies))
     for book in dict.fromkeys(r.book for r in results):
         mine = {r.policy: r for r in results if r.book == book}
         print(book[:27].ljust(28) + f"{next(iter(mine.values())).tokens:9d}"
-              + "".join(f"{mine[k].perplexity:.2f}".rjust(width + 2) for k in policies))
+              + "".join(mine[k].interval().format().rjust(width + 2) for k in policies))
     print("all".ljust(28) + f"{next(iter(summary.values()))['tokens']:9d}"
-          + "".join(f"{summary[k]['perplexity']:.2f}".rjust(width + 2) for k in policies))
+          + "".join(stats.Estimate(**summary[k]["interval"]).format().rjust(width + 2) for k in policies))
+    print(f"(perplexity [95 % interval]: bootstrap over blocks of {args.block} tokens of each book)")
     out = pathlib.Path(args.out)
     written = [
         _write_json(out, "perplexity.json", {
-            "model": name, "max_tokens": args.max_tokens, "bucket": args.bucket, "seconds": seconds,
-            "policies": {k: repr(v) for k, v in policies.items()}, "capacities": capacities, "skipped": skipped,
-            "summary": summary, "books": [dataclasses.asdict(r) | {"perplexity": r.perplexity} for r in results]}),
+            "model": name, "max_tokens": args.max_tokens, "bucket": args.bucket, "block": args.block,
+            "seconds": seconds, "policies": {k: repr(v) for k, v in policies.items()}, "capacities": capacities,
+            "skipped": skipped, "summary": summary, "baseline": baseline,
+            "differences": {k: e.as_dict() for k, e in differences.items()},
+            "books": [dataclasses.asdict(r) | {"perplexity": r.perplexity, "interval": r.interval().as_dict()}
+                      for r in results]}),
         plots.perplexity_curves(summary, out / "perplexity.png", capacities, f"Streaming perplexity ({name})"),
     ]
     print("\nwrote " + ", ".join(map(str, written)))
+    for label, difference in differences.items():
+        print(f"perplexity {stats.verdict(difference, label, baseline, 'worse')}")
 
 
 def cmd_attention_map(args) -> None:
@@ -381,28 +467,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for generate.json (optional)")
     p.set_defaults(run=cmd_generate)
 
-    def passkey_options(p):
-        p.add_argument("--min-length", type=_length, default=_length("1K"), help="shortest context (tokens; 1K = 1024)")
-        p.add_argument("--max-length", type=_length, default=_length("4K"), help="longest context; lengths double")
-        p.add_argument("--samples", type=_positive, default=1, help="samples per depth bucket and length")
+    def passkey_options(p, main_job: bool = False):
+        """The passkey options; the main job's defaults depend on the machine (`main_job_defaults`)."""
+        default = (lambda value: None) if main_job else (lambda value: value)
+        p.add_argument("--min-length", type=_length, default=default(_length("1K")),
+                       help="shortest context (tokens; 1K = 1024)")
+        p.add_argument("--max-length", type=_length, default=default(_length("4K")),
+                       help="longest context; lengths double")
+        p.add_argument("--samples", type=_positive, default=default(1), help="samples per depth bucket and length")
         p.add_argument("--buckets", type=_positive, default=5, help="depth buckets")
-        p.add_argument("--filler", choices=("repeat", "words"), default="repeat",
+        p.add_argument("--filler", choices=("repeat", "words"), default=default("repeat"),
                        help="repeated sentences or random dictionary words")
         p.add_argument("--words-file", help="word list for --filler words (default: Debian's wamerican)")
         p.add_argument("--seed", type=int, default=0, help="seed of keys, depths and words")
-        p.add_argument("--batch-size", type=_positive, help="prompts per generate call (default: buckets x samples)")
+        p.add_argument("--batch-size", type=_positive,
+                       help="prompts per generate call (default: buckets x samples in equal batches of at most 32)")
+        p.add_argument("--baseline", metavar="LABEL",
+                       help="policy the others are compared with, same prompts (default: the first Sink, else the "
+                            "first policy)")
 
-    p = command("compare", "the main job: passkey retrieval under Sink vs Cascade caches of the same size")
-    passkey_options(p)
-    p.add_argument("--cache-size", type=_positive, default=PAIR["cache_size"], help="non-sink tokens of each cache")
-    p.add_argument("--sinks", type=int, default=PAIR["sinks"], help="sink tokens of each cache")
-    p.add_argument("--cascades", type=_positive, default=PAIR["cascades"], help="Cascade's sub-caches")
-    p.add_argument("--stride", type=_positive, default=PAIR["stride"], help="prefill chunk (tokens)")
+    p = command("compare", "the main job: passkey retrieval under Sink vs Cascade caches of the same size; "
+                           "defaults depend on the machine (see MAIN_JOB in jcascade/cli.py)")
+    passkey_options(p, main_job=True)
+    p.add_argument("--cache-size", type=_positive, help="non-sink tokens of each cache")
+    p.add_argument("--sinks", type=int, help="sink tokens of each cache")
+    p.add_argument("--cascades", type=_positive, help="Cascade's sub-caches")
+    p.add_argument("--stride", type=_positive, help="prefill chunk (tokens)")
     p.set_defaults(run=cmd_compare)
 
     p = command("passkey", "passkey retrieval over context lengths x key depths x policies")
     policy_option(p, pair)
     passkey_options(p)
+    p.add_argument("--retention", action="store_true",
+                   help="also record how many of the key's tokens each layer and KV head holds when the question "
+                        "is fed")
     p.set_defaults(run=cmd_passkey)
 
     p = command("perplexity", "streaming perplexity over public-domain books (papers/000 §4.2)")
@@ -412,6 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: paradise_lost)")
     p.add_argument("--max-tokens", type=_length, help="stream at most this many tokens of each book (default: all)")
     p.add_argument("--bucket", type=_positive, default=256, help="positions per point of the curve")
+    p.add_argument("--block", type=_positive, default=BLOCK,
+                   help="tokens per block of the bootstrap intervals (blocks of each book are redrawn)")
+    p.add_argument("--baseline", metavar="LABEL",
+                   help="policy the others are compared with (default: the first Sink, else the first policy)")
     p.set_defaults(run=cmd_perplexity)
 
     p = command("attention-map", "which positions each query sees while a book streams through a cache")

@@ -238,6 +238,17 @@ def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperatur
         decode_policy = P.Full(stride=policy.stride)
         state = model.init_cache(decode_policy, num_samples, max_tokens=max_new_tokens)
         last_hidden = jnp.broadcast_to(last_hidden, (num_samples, last_hidden.shape[-1]))
+    return decode(model, decode_policy, state, last_hidden, rng, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_p=top_p, eos_id=eos_id, implementation=implementation,
+                  prefixes=prefixes)
+
+
+def decode(model: CausalLM, policy, state: cache.CacheState, last_hidden: jax.Array, rng: jax.Array, *,
+           max_new_tokens: int, temperature: float, top_p: float, eos_id: int | None,
+           implementation: str | None = None, prefixes=()) -> jax.Array:
+    """The decode loop after a prefilled cache: samples the first token from last_hidden [B, hidden] (the
+    prompt's last hidden state), then feeds one token per step. Returns int32 [B, max_new_tokens] as
+    `generate` does. Traceable; `generate` is the checked entry point."""
     B = last_hidden.shape[0]
     rng, first_rng = jax.random.split(rng)
     first = _sample(model.logits(last_hidden), first_rng, temperature, top_p)
@@ -251,7 +262,7 @@ def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperatur
 
     def body(s: _DecodeState):
         active = (~s.done).astype(jnp.int32)
-        hidden, new_cache = model(decode_policy, s.cache, s.last[:, None], active, implementation, prefixes)
+        hidden, new_cache = model(policy, s.cache, s.last[:, None], active, implementation, prefixes)
         rng, key = jax.random.split(s.rng)
         nxt = jnp.where(s.done, pad, _sample(model.logits(hidden[:, 0]), key, temperature, top_p))
         done = s.done | (nxt == eos_id) if eos_id is not None else s.done

