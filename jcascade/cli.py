@@ -34,7 +34,7 @@ DEFAULT_OUT = "jcascade-out"
 PAIR = dict(cache_size=512, sinks=64, cascades=4, stride=256)  # the default policies of passkey / perplexity
 # The main job's settings (`jcascade compare`), chosen by measurement: see benchmarks/RESULTS.md, "The main job".
 MAIN_JOB = {
-    "cpu": dict(cache_size=384, sinks=64, cascades=2, stride=192, min_length=768, max_length=768, samples=16,
+    "cpu": dict(cache_size=384, sinks=64, cascades=2, stride=192, min_length=768, max_length=768, samples=24,
                 filler="repeat"),
     "gpu": dict(cache_size=768, sinks=64, cascades=2, stride=384, min_length=1536, max_length=1536, samples=100,
                 filler="repeat"),
