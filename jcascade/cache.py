@@ -315,6 +315,19 @@ def append_fill(state: CacheState) -> jax.Array:
     return jnp.sum(state.pos[:, 0, :] >= 0, axis=-1).astype(jnp.int32)
 
 
+CLOCK_LIMIT = 2**31 - 1  # tokens a row can receive: its clock (`seen`) and positions are int32
+
+
+def check_clock(seen: jax.Array, n: jax.Array) -> None:
+    """Raises ValueError (when the values are concrete) if a row's token clock would pass CLOCK_LIMIT."""
+    if concrete(seen, n):
+        after = np.asarray(seen, np.int64) + np.asarray(n, np.int64)
+        if after.max() > CLOCK_LIMIT:
+            rows = np.flatnonzero(after > CLOCK_LIMIT).tolist()
+            raise ValueError(f"rows {rows} would receive more than {CLOCK_LIMIT} tokens, the limit of the int32 token "
+                             "clock: start a new cache (init_cache) for a longer stream")
+
+
 def _check_overflow(policy: P.Policy, placed: jax.Array, n: jax.Array, capacity: int) -> None:
     if concrete(placed, n):
         over = np.asarray(placed) + np.asarray(n) - capacity
@@ -376,6 +389,7 @@ def update(
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     B, T, H, _ = k.shape
     n = check_lengths(lengths, B, T)
+    check_clock(state.seen, n)
     cap = state.capacity
     if P.uses_scores(policy):
         if not isinstance(scores, Scores):

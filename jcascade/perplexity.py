@@ -56,6 +56,9 @@ def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState,
     if tokens.ndim != 1 or tokens.size < 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be an int array of shape [S] with S >= 2, got {tokens.dtype}{list(tokens.shape)}")
     S, T = tokens.size, policy.stride
+    if S > jc.cache.CLOCK_LIMIT:
+        raise ValueError(f"tokens: a stream of {S} tokens is longer than the int32 token clock allows "
+                         f"({jc.cache.CLOCK_LIMIT}); split it")
     state = model.init_cache(policy, 1, max_tokens=S)
     padded = np.zeros(-(-S // T) * T + 1, np.int32)
     padded[:S] = tokens
