@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from jcascade import pallas_kernels, selection
 from jcascade import policies as P
@@ -329,6 +330,9 @@ def check_clock(seen: jax.Array, n: jax.Array) -> None:
 
 
 def _check_overflow(policy: P.Policy, placed: jax.Array, n: jax.Array, capacity: int) -> None:
+    """Raises on concrete inputs when a row would hold more than `capacity` tokens. Under `jit` it cannot
+    raise (the row's attention then returns NaN); under `jax.experimental.checkify.checkify` it becomes a
+    checkify error naming the first such row and how many tokens it would hold."""
     if concrete(placed, n):
         over = np.asarray(placed) + np.asarray(n) - capacity
         if over.max() > 0:
@@ -336,6 +340,11 @@ def _check_overflow(policy: P.Policy, placed: jax.Array, n: jax.Array, capacity:
                 f"{type(policy).__name__} cache of {capacity} slots overflows by {over.tolist()} tokens per row "
                 "(give init_cache a larger max_tokens)"
             )
+        return
+    total = placed + n
+    checkify.debug_check(jnp.all(total <= capacity), f"{type(policy).__name__} cache of {capacity} slots overflows: "
+                         "row {row} would hold {tokens} tokens (give init_cache a larger max_tokens)",
+                         row=jnp.argmax(total), tokens=jnp.max(total))
 
 
 def check_chunk(name: str, x: jax.Array, state: CacheState) -> None:

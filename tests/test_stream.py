@@ -37,3 +37,30 @@ def test_the_token_clock_refuses_to_wrap():
         jc.update(policy, state, k, k, scores)
     with pytest.raises(ValueError, match="longer than the int32 token clock"):
         perplexity.stream(None, policy, np.broadcast_to(np.int32(0), (jc.cache.CLOCK_LIMIT + 1,)))
+
+
+def test_a_full_cache_overflowing_under_jit_is_nan_or_a_checkify_error():
+    """Unchecked, the overflowed row's attention is NaN (the other rows are untouched); under checkify the
+    same jitted step reports the row and how many tokens it would hold."""
+    import jax
+    from jax.experimental import checkify
+
+    policy = jc.Full(stride=8)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 6, 1, 4)), jnp.float32) for _ in range(3))
+
+    @jax.jit
+    def two_chunks(q, k, v, lengths):
+        state = jc.init_cache(policy, batch=2, num_kv_heads=1, head_dim=4, max_tokens=8)
+        state = jc.update(policy, state, k, v, None, lengths)
+        state = jc.update(policy, state, k, v, None, lengths)
+        return jc.attend(policy, state, q, k, v, lengths)[0]
+
+    lengths = jnp.array([3, 6])  # row 0 holds 6 tokens after two chunks, row 1 would hold 12 of 8
+    out = np.asarray(two_chunks(q, k, v, lengths))
+    assert np.isnan(out[1]).all() and np.isfinite(out[0]).all()
+    error, _ = checkify.checkify(two_chunks)(q, k, v, lengths)
+    with pytest.raises(checkify.JaxRuntimeError, match="Full cache of 8 slots overflows: row 1 would hold 12 tokens"):
+        error.throw()
+    error, _ = checkify.checkify(two_chunks)(q, k, v, jnp.array([3, 4]))
+    error.throw()  # no overflow: no error
