@@ -271,10 +271,6 @@ def accuracy_table(results: Sequence[PasskeyResult]) -> dict[str, dict[int, dict
     return table
 
 
-def _retention_mean(r: PasskeyResult) -> float:
-    return float(np.mean(r.retention))
-
-
 def estimates(results: Sequence[PasskeyResult], value: Callable[[PasskeyResult], float] = lambda r: r.accuracy
               ) -> dict[str, dict[int, stats.Estimate]]:
     """{policy: {context_length: mean of value(trial) with its 95 % interval}}: a bootstrap over trials,
@@ -290,7 +286,7 @@ def estimates(results: Sequence[PasskeyResult], value: Callable[[PasskeyResult],
 
 def retention_estimates(results: Sequence[PasskeyResult]) -> dict[str, dict[int, stats.Estimate]]:
     """`estimates` of the key tokens the question sees (mean over layers and KV heads per trial)."""
-    return estimates([r for r in results if r.retention is not None], _retention_mean)
+    return estimates([r for r in results if r.retention is not None], lambda r: float(np.mean(r.retention)))
 
 
 def retention_by_layer(results: Sequence[PasskeyResult]) -> dict[str, dict[int, list[float]]]:
