@@ -32,7 +32,7 @@ def passkey_table(run: pathlib.Path, full: pathlib.Path | None) -> str:
     full_data = json.loads((full / "passkey.json").read_text()) if full and full.exists() else None
     labels = list(data["policies"])
     head = [short(k) for k in labels] + (["Full"] if full_data else [])
-    diffs = {k: v for k, v in data["differences"].items()}
+    diffs = data["differences"]
     lines = ["| context | " + " | ".join(head) + " | " + " | ".join(f"{short(k)} - Sink" for k in diffs)
              + " | held: " + " / ".join(short(k) for k in labels) + " |",
              "|---" * (2 + len(head) + len(diffs)) + "|"]

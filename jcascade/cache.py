@@ -331,8 +331,9 @@ def check_clock(seen: jax.Array, n: jax.Array) -> None:
 
 def _check_overflow(policy: P.Policy, placed: jax.Array, n: jax.Array, capacity: int) -> None:
     """Raises on concrete inputs when a row would hold more than `capacity` tokens. Under `jit` it cannot
-    raise (the row's attention then returns NaN); under `jax.experimental.checkify.checkify` it becomes a
-    checkify error naming the first such row and how many tokens it would hold."""
+    raise (Full then returns NaN for the row's attention, the other policies drop the excess tokens);
+    under `jax.experimental.checkify.checkify` it becomes a checkify error naming the first such row and
+    how many tokens it would hold."""
     if concrete(placed, n):
         over = np.asarray(placed) + np.asarray(n) - capacity
         if over.max() > 0:

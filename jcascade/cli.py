@@ -369,10 +369,11 @@ def cmd_perplexity(args) -> None:
     width = max(24, *(len(k) for k in policies))
     print(f"\nStreaming perplexity, {name}, {len(books) - len(skipped)} books, {seconds:.0f} s\n")
     print("book".ljust(28) + "tokens".rjust(9) + "".join(k.rjust(width + 2) for k in policies))
+    intervals = {(r.book, r.policy): r.interval() for r in results}
     for book in dict.fromkeys(r.book for r in results):
-        mine = {r.policy: r for r in results if r.book == book}
-        print(book[:27].ljust(28) + f"{next(iter(mine.values())).tokens:9d}"
-              + "".join(mine[k].interval().format().rjust(width + 2) for k in policies))
+        tokens = next(r.tokens for r in results if r.book == book)
+        print(book[:27].ljust(28) + f"{tokens:9d}"
+              + "".join(intervals[book, k].format().rjust(width + 2) for k in policies))
     print("all".ljust(28) + f"{next(iter(summary.values()))['tokens']:9d}"
           + "".join(stats.Estimate(**summary[k]["interval"]).format().rjust(width + 2) for k in policies))
     print(f"(perplexity [95 % interval]: bootstrap over blocks of {args.block} tokens of each book)")
@@ -383,7 +384,7 @@ def cmd_perplexity(args) -> None:
             "seconds": seconds, "policies": {k: repr(v) for k, v in policies.items()}, "capacities": capacities,
             "skipped": skipped, "summary": summary, "baseline": baseline,
             "differences": {k: e.as_dict() for k, e in differences.items()},
-            "books": [dataclasses.asdict(r) | {"perplexity": r.perplexity, "interval": r.interval().as_dict()}
+            "books": [dataclasses.asdict(r) | {"perplexity": r.perplexity, "interval": intervals[r.book, r.policy].as_dict()}
                       for r in results]}),
         plots.perplexity_curves(summary, out / "perplexity.png", capacities, f"Streaming perplexity ({name})"),
     ]
