@@ -81,7 +81,7 @@ def bench_chunk(a, impl, cudnn):
     valid = jnp.ones((1, HKV, S), bool)
     positions = jnp.zeros((1, 1, S), jnp.int32)
     lengths = jnp.array([T], jnp.int32)
-    weights = jc.attention.query_weights(jc.Cascade(cache_size=a.cache), lengths, T)
+    weights = jc.Cascade(cache_size=a.cache).query_weights(lengths, T)
     useful = 4 * T * (S + (T + 1) / 2) * D * HQ  # QK^T + PV of the causal chunk over the cache
     rows = []
     for cfg in a.configs:
@@ -224,7 +224,7 @@ def bench_decode(a, impl, bandwidth):
         ks = jax.random.split(jax.random.key(8), 3)
         q, k, v = rand(ks[0], (batch, 1, HQ, D)), rand(ks[1], (batch, 1, HKV, D)), rand(ks[2], (batch, 1, HKV, D))
         lengths = jnp.ones((batch,), jnp.int32)
-        weights = jc.attention.query_weights(policy, lengths, 1)
+        weights = policy.query_weights(lengths, 1)
         positions = caches[0].pos[:, :1]
         valid = caches[0].pos >= 0
         kv_bytes = 2 * batch * HKV * S * D * 2

@@ -5,21 +5,21 @@
     state = jc.init_cache(policy, batch=B, num_kv_heads=Hkv, head_dim=D, dtype=jnp.bfloat16)
     out, scores = jc.attend(policy, state, q, k, v, rope=jc.RoPE(500000.0))
     state = jc.update(policy, state, k, v, scores)
+
+A new policy subclasses `jc.Policy` (see `jcascade.policies.base` and the README's "Writing a policy").
 """
+
+import importlib.util
+
+if importlib.util.find_spec("jcascade.pallas_kernels") is None:  # a source tree on sys.path, not installed
+    raise ImportError("jcascade is not installed: its models/ and pallas_kernels/ folders join the jcascade "
+                      "package at install time; run `pip install -e .` in the repository root")
 
 from jcascade.attention import attend
 from jcascade.generation import generate, prefill, score
-from jcascade.cache import (
-    CacheState,
-    Scores,
-    cached_kv,
-    cached_positions,
-    cached_scores,
-    init_cache,
-    update,
-)
-from jcascade.policies import H2O, Cascade, Full, PyramidKV, Recycled, Sink, SlidingWindow, SnapKV
-from jcascade.selection import compress
+from jcascade.cache import compress, init_cache, update
+from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores
+from jcascade.policies import H2O, Cascade, Full, Policy, PyramidKV, Recycled, RingPolicy, Sink, SlidingWindow, SnapKV
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, save_converted
 from jcascade.rope import Llama3Scaling, RoPE
@@ -32,8 +32,10 @@ __all__ = [
     "H2O",
     "Llama3Scaling",
     "ModelConfig",
+    "Policy",
     "PyramidKV",
     "Recycled",
+    "RingPolicy",
     "RoPE",
     "Scores",
     "SharedPrefix",

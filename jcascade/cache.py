@@ -1,69 +1,21 @@
-"""Cache state and the cascading-cache update (DESIGN §2-4).
+"""`init_cache`, `update` and `compress`: the cache operations every policy shares (DESIGN §2-3).
 
-Slot layout of every bounded cache: [sinks | ring 0 | ... | ring N-1] (`policies.RingLayout`). K/V stay
-where they were written: rings are circular buffers, nothing is concatenated, shifted or sorted.
-
-Where a token goes never depends on scores, only on the row's clock t (non-sink tokens seen): the ring
-metadata (fill counts, ring heads) is a closed-form function of t (`schedule.py`). Scores only decide
-*which* token sits in a ring's newest slot. So the state stores K, V, score and original position per
-slot plus one token counter per row.
-
-`update` inserts a chunk with one vectorised pass per ring, with no loop over tokens: the arrivals of
-ring i form units (a write, plus the compare that may follow it), each unit keeps its first strict
-maximum, and the units a ring pushes out are the arrivals of ring i+1. Every decision is made on
-scores and slot indices; K/V then move once, by one gather and one scatter.
+They check their arguments, then call the policy's hooks (`jcascade.policies.base.Policy`); the state
+and the slot machinery live in `jcascade.slots`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.experimental import checkify
 
-from jcascade import pallas_kernels, selection
-from jcascade import policies as P
-from jcascade.pallas_kernels.insert import insert_one
-from jcascade.schedule import ring_schedules
-
-INT32_MAX = np.iinfo(np.int32).max
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class CacheState:
-    """KV cache of one layer (or of L layers stacked on a leading axis).
-
-    k, v:  [B, Hkv, capacity, D] un-rotated keys/values, in the library's slot order.
-    score: f32 [B, Hkv, capacity] EMA attention score per slot (0 for policies that keep none).
-    pos:   int32 [B, Hkv, capacity] original token index per slot, -1 for an empty slot.
-    seen:  int32 [B] number of tokens each row has received.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    score: jax.Array
-    pos: jax.Array
-    seen: jax.Array
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[-2]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Scores:
-    """EMA increments returned by `attend` (DESIGN §3): cache f32 [B, Hkv, capacity], chunk f32 [B, Hkv, T]."""
-
-    cache: jax.Array
-    chunk: jax.Array
+from jcascade import slots
+from jcascade.policies import Policy, check_policy
+from jcascade.slots import CacheState, Scores
 
 
 def init_cache(
-    policy: P.Policy,
+    policy: Policy,
     batch: int,
     num_kv_heads: int,
     head_dim: int,
@@ -72,26 +24,21 @@ def init_cache(
     max_tokens: int | None = None,
     num_layers: int | None = None,
 ) -> CacheState:
-    """An empty cache. `max_tokens` is the number of tokens a `Full`, `SnapKV`, `PyramidKV` or `Recycled`
-    cache can receive (required there, unused by the bounded policies); SnapKV/PyramidKV need only the
-    prompt's (`jcascade.compress` makes room for decoding).
+    """An empty cache. `max_tokens` is the number of tokens a cache of a policy that is not `bounded`
+    (Full, SnapKV, PyramidKV, Recycled) can receive (required there, unused by the bounded policies);
+    SnapKV/PyramidKV need only the prompt's (`jcascade.compress` makes room for decoding).
 
     With `num_layers`, every array gets a leading layer axis (scan over it to run a model).
     """
-    P.check_policy(policy)
+    check_policy(policy)
     for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
-    if isinstance(policy, P.APPEND_POLICIES):
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(
-                f"init_cache: a {type(policy).__name__} cache needs max_tokens, a positive int; got {max_tokens!r}"
-            )
-        capacity = max_tokens
-        if isinstance(policy, P.Recycled):
-            capacity += policy.top_k + policy.refresh_every
-    else:
-        capacity = policy.layout().capacity
+    if not policy.bounded and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(
+            f"init_cache: a {type(policy).__name__} cache needs max_tokens, a positive int; got {max_tokens!r}"
+        )
+    capacity = policy.cache_slots(max_tokens)
     lead = () if num_layers is None else (num_layers,)
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
         raise ValueError(f"init_cache: num_layers must be a positive int or None, got {num_layers!r}")
@@ -105,276 +52,8 @@ def init_cache(
     )
 
 
-def cached_positions(state: CacheState) -> jax.Array:
-    """int32 [B, Hkv, capacity]: original token index held by each slot, -1 for empty slots."""
-    return state.pos
-
-
-def cached_scores(state: CacheState) -> jax.Array:
-    """f32 [B, Hkv, capacity]: EMA score of each slot (same slot order as `cached_positions`)."""
-    return state.score
-
-
-def cached_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
-    """(k, v), each [B, Hkv, capacity, D], un-rotated, same slot order as `cached_positions`."""
-    return state.k, state.v
-
-
-def layout_of(policy: P.Policy, state: CacheState) -> P.RingLayout:
-    layout = policy.layout(state.capacity)
-    if layout.capacity != state.capacity:
-        raise ValueError(
-            f"state has capacity {state.capacity} but {policy} needs {layout.capacity}: "
-            "was it made by init_cache with another policy?"
-        )
-    return layout
-
-
-def slot_ranks(layout: P.RingLayout, seen: jax.Array) -> jax.Array:
-    """int32 [B, capacity]: rank of each slot's token in age order among held tokens (DESIGN §4).
-
-    Sinks come first (sink j -> j), then ring N-1 oldest to newest, ..., ring 0 newest last. Empty slots
-    get -1. The rank is the RoPE position of `positions="cache"`.
-    """
-    S0, W = layout.sinks, layout.ring_size
-    sink_slots = jnp.arange(S0, dtype=jnp.int32)
-    held_sinks = jnp.minimum(seen, S0)
-    ranks = [jnp.where(sink_slots[None] < held_sinks[:, None], sink_slots[None], -1)]
-    t = jnp.maximum(seen - S0, 0)
-    scheds = ring_schedules(layout)
-    fills = [s.fill(t) for s in scheds]
-    older = held_sinks  # tokens older than ring i: sinks and rings i+1..N-1
-    ring_ranks = []
-    for i in reversed(range(layout.num_rings)):
-        oldest = (scheds[i].writes(t) - fills[i]) % W
-        age = (jnp.arange(W, dtype=jnp.int32)[None] - oldest[:, None]) % W
-        ring_ranks.append(jnp.where(age < fills[i][:, None], older[:, None] + age, -1))
-        older = older + fills[i]
-    ranks.extend(reversed(ring_ranks))
-    return jnp.concatenate(ranks, axis=-1)
-
-
-def tokens_held(layout: P.RingLayout, seen: jax.Array) -> jax.Array:
-    """int32 [B]: number of tokens a row holds."""
-    t = jnp.maximum(seen - layout.sinks, 0)
-    held = jnp.minimum(seen, layout.sinks)
-    for s in ring_schedules(layout):
-        held = held + s.fill(t)
-    if layout.heavy:  # the one ring pushes out every token past its first W
-        held = held + jnp.minimum(jnp.maximum(t - layout.ring_size, 0), layout.heavy)
-    return held
-
-
-# ---------------------------------------------------------------------------------------------------
-# The update.
-
-
-def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x [B, H, S], idx [B, H or 1, M] (clipped to range) -> [B, H, M]."""
-    idx = jnp.broadcast_to(jnp.clip(idx, 0, x.shape[-1] - 1), (*x.shape[:2], idx.shape[-1]))
-    return jnp.take_along_axis(x, idx, axis=-1)
-
-
-def _compact(x: jax.Array, keep: jax.Array, size: int) -> jax.Array:
-    """Moves x[..., k] with keep[b, (h,) k] to the front, in order: x [B, H, M], keep [B, M] or
-    [B, H, M] -> [B, H, size]."""
-    keep = keep if keep.ndim == 3 else keep[:, None, :]
-    dest = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, size)
-    B, H = x.shape[:2]
-    bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-    return jnp.zeros((B, H, size), x.dtype).at[bi, hi, dest].set(x, mode="drop")
-
-
-def _shift_left(x: jax.Array, fill) -> jax.Array:
-    """x[..., k+1] at position k, `fill` at the end."""
-    return jnp.concatenate([x[..., 1:], jnp.full((*x.shape[:-1], 1), fill, x.dtype)], axis=-1)
-
-
-def _insertions(layout: P.RingLayout, score: jax.Array, held: jax.Array, chunk_score: jax.Array, seen, n):
-    """Where each chunk token and each moving resident goes (DESIGN §3, step 2).
-
-    score: f32 [B, H, cap] resident scores after step 1; held: bool [B, H, cap] slots holding a token;
-    chunk_score: f32 [B, H, T]; seen, n: int32 [B].
-    Sources are codes into [old slots (0..cap-1) | chunk tokens (cap..cap+T-1)].
-    Returns dest int32 [B, H, L] (cap = no write), src int32 [B, H, L], mu f32 [B, H, L]: slot
-    dest[b, h, l] receives item src[b, h, l] with score mu[b, h, l]. Destinations of a (row, head) are
-    distinct.
-    """
-    S0, W, cap = layout.sinks, layout.ring_size, layout.capacity
-    B, H, T = chunk_score.shape
-    need = jnp.clip(S0 - seen, 0, n)  # chunk tokens that become sinks
-    dests, srcs, mus = [], [], []
-
-    if S0:
-        d = jnp.arange(min(S0, T), dtype=jnp.int32)[None]
-        dests.append(jnp.where(d < need[:, None], seen[:, None] + d, cap))
-        srcs.append(jnp.broadcast_to((cap + d)[:, None], (B, H, d.shape[-1])))
-        mus.append(chunk_score[..., : d.shape[-1]])
-
-    # Arrivals of ring 0: the non-sink chunk tokens, clocks t0, t0+1, ...
-    t0 = jnp.maximum(seen - S0, 0)
-    k = jnp.arange(T, dtype=jnp.int32)[None]
-    valid = k < (n - need)[:, None]  # [B, M]
-    clock = t0[:, None] + k
-    a_src = jnp.broadcast_to((cap + jnp.minimum(need[:, None] + k, T - 1))[:, None], (B, H, T))
-    a_mu = _take(chunk_score, (need[:, None] + k)[:, None])
-
-    for i, sched in enumerate(ring_schedules(layout)):
-        M = a_src.shape[-1]
-        base = S0 + i * W
-        first_write = sched.writes(t0)  # [B] ring writes before this chunk (write k goes to slot k mod W)
-        arrival = sched.arrivals(t0)[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
-        is_fill = valid & (arrival < W)
-        is_accept = valid & ~is_fill & sched.accepting(clock)
-        is_compare = valid & ~is_fill & ~is_accept
-        starts = is_fill | is_accept
-        unit = jnp.cumsum(starts, axis=-1) - 1  # chunk-local write index of each arrival's unit
-        num_units = unit[:, -1] + 1
-
-        # A unit is a fill or accept plus the compare that may follow it; the first strict max stays.
-        next_wins = _shift_left(is_compare, False)[:, None] & (_shift_left(a_mu, -jnp.inf) > a_mu)
-        w_src = jnp.where(next_wins, _shift_left(a_src, 0), a_src)
-        w_mu = jnp.where(next_wins, _shift_left(a_mu, 0.0), a_mu)
-        app_src, app_mu = _compact(w_src, starts, M), _compact(w_mu, starts, M)
-
-        # A compare arriving first plays against the ring's newest resident.
-        res_code = base + (first_write - 1) % W  # [B]
-        res_mu = _take(score, res_code[:, None, None])[..., 0]  # [B, H]
-        res_wins = is_compare[:, :1] & (a_mu[..., 0] > res_mu)
-        res_src = jnp.where(res_wins, a_src[..., 0], res_code[:, None])
-        res_mu = jnp.where(res_wins, a_mu[..., 0], res_mu)
-
-        # Slots written in this chunk: the last min(W, units) unit winners, and the resident.
-        d = jnp.arange(min(W, M), dtype=jnp.int32)[None]
-        u = num_units[:, None] - 1 - d
-        dests.append(jnp.where(d < jnp.minimum(num_units, W)[:, None], base + (first_write[:, None] + u) % W, cap))
-        srcs.append(_take(app_src, u[:, None]))
-        mus.append(_take(app_mu, u[:, None]))
-        dests.append(jnp.where(is_compare[:, 0] & (num_units < W), res_code, cap)[:, None])
-        srcs.append(res_src[..., None])
-        mus.append(res_mu[..., None])
-
-        if i + 1 == layout.num_rings and not layout.heavy:
-            break
-        # Each accept pushes out the item written W writes earlier: the arrivals of ring i+1.
-        evicted = first_write[:, None] + unit - W  # ring write index of the evictee
-        in_chunk = (evicted >= first_write[:, None])[:, None]
-        is_res = (evicted == first_write[:, None] - 1)[:, None]
-        old_code = (base + evicted % W)[:, None]
-        e_src = jnp.where(in_chunk, _take(app_src, (evicted - first_write[:, None])[:, None]),
-                          jnp.where(is_res, res_src[..., None], old_code))
-        e_mu = jnp.where(in_chunk, _take(app_mu, (evicted - first_write[:, None])[:, None]),
-                         jnp.where(is_res, res_mu[..., None], _take(score, old_code)))
-        a_src = _compact(e_src, is_accept, M)
-        a_mu = _compact(e_mu, is_accept, M)
-        clock = _compact(clock[:, None], is_accept, M)[:, 0]
-        valid = jnp.arange(M)[None] < jnp.sum(is_accept, axis=-1, keepdims=True)
-
-    dest = jnp.broadcast_to(jnp.concatenate(dests, -1)[:, None], (B, H, sum(d.shape[-1] for d in dests)))
-    src, mu = jnp.concatenate(srcs, -1), jnp.concatenate(mus, -1)
-    if layout.heavy:  # the last ring's evictees (now the arrivals a_*) compete for the heavy slots
-        heavy_dest, heavy_src, heavy_mu = _heavy_insertions(layout, score, held, a_src, a_mu, valid)
-        dest = jnp.concatenate([dest, heavy_dest], -1)
-        src, mu = jnp.concatenate([src, heavy_src], -1), jnp.concatenate([mu, heavy_mu], -1)
-    return dest, src, mu
-
-
-def _heavy_insertions(layout: P.RingLayout, score, held, cand_src, cand_mu, cand_valid):
-    """H2O: the heavy slots keep the top `heavy` scores among their residents and the candidates
-    (residents first, so they win ties); winning candidates take the slots of the residents that lost
-    or of empty slots. Returns dest/src/mu [B, H, M] like `_insertions`."""
-    B, H, M = cand_src.shape
-    base, cap = layout.capacity - layout.heavy, layout.capacity
-    residents = jnp.where(held[..., base:], score[..., base:], -jnp.inf)
-    key = jnp.concatenate([residents, jnp.where(cand_valid[:, None, :], cand_mu, -jnp.inf)], -1)
-    _, top = jax.lax.top_k(key, layout.heavy)
-    bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-    chosen = jnp.zeros(key.shape, bool).at[bi, hi, top].set(True) & (key > -jnp.inf)
-    slots = jnp.broadcast_to(base + jnp.arange(layout.heavy, dtype=jnp.int32), (B, H, layout.heavy))
-    free_slots = _compact(slots, ~chosen[..., : layout.heavy], layout.heavy)
-    new = chosen[..., layout.heavy :]
-    rank = jnp.cumsum(new, axis=-1) - 1
-    return jnp.where(new, _take(free_slots, rank), cap), cand_src, cand_mu
-
-
-def _gather_items(old: jax.Array, chunk: jax.Array, src: jax.Array) -> jax.Array:
-    """Rows src [B, H, L] of [old [B, H, cap, ...] | chunk [B, H, T, ...]] -> [B, H, L, ...]."""
-    cap, T = old.shape[2], chunk.shape[2]
-    extra = (1,) * (old.ndim - 3)
-    from_chunk = (src >= cap).reshape(*src.shape, *extra)
-    old_idx = jnp.clip(src, 0, cap - 1).reshape(*src.shape, *extra)
-    chunk_idx = jnp.clip(src - cap, 0, T - 1).reshape(*src.shape, *extra)
-    return jnp.where(
-        from_chunk,
-        jnp.take_along_axis(chunk, chunk_idx, axis=2),
-        jnp.take_along_axis(old, old_idx, axis=2),
-    )
-
-
-def append_fill(state: CacheState) -> jax.Array:
-    """int32 [B]: slots a row of an append cache (Full, SnapKV, PyramidKV) holds; they are its first ones."""
-    return jnp.sum(state.pos[:, 0, :] >= 0, axis=-1).astype(jnp.int32)
-
-
-CLOCK_LIMIT = 2**31 - 1  # tokens a row can receive: its clock (`seen`) and positions are int32
-
-
-def check_clock(seen: jax.Array, n: jax.Array) -> None:
-    """Raises ValueError (when the values are concrete) if a row's token clock would pass CLOCK_LIMIT."""
-    if concrete(seen, n):
-        after = np.asarray(seen, np.int64) + np.asarray(n, np.int64)
-        if after.max() > CLOCK_LIMIT:
-            rows = np.flatnonzero(after > CLOCK_LIMIT).tolist()
-            raise ValueError(f"rows {rows} would receive more than {CLOCK_LIMIT} tokens, the limit of the int32 token "
-                             "clock: start a new cache (init_cache) for a longer stream")
-
-
-def _check_overflow(policy: P.Policy, placed: jax.Array, n: jax.Array, capacity: int) -> None:
-    """Raises on concrete inputs when a row would hold more than `capacity` tokens. Under `jit` it cannot
-    raise (Full then returns NaN for the row's attention, the other policies drop the excess tokens);
-    under `jax.experimental.checkify.checkify` it becomes a checkify error naming the first such row and
-    how many tokens it would hold."""
-    if concrete(placed, n):
-        over = np.asarray(placed) + np.asarray(n) - capacity
-        if over.max() > 0:
-            raise ValueError(
-                f"{type(policy).__name__} cache of {capacity} slots overflows by {over.tolist()} tokens per row "
-                "(give init_cache a larger max_tokens)"
-            )
-        return
-    total = placed + n
-    checkify.debug_check(jnp.all(total <= capacity), f"{type(policy).__name__} cache of {capacity} slots overflows: "
-                         "row {row} would hold {tokens} tokens (give init_cache a larger max_tokens)",
-                         row=jnp.argmax(total), tokens=jnp.max(total))
-
-
-def check_chunk(name: str, x: jax.Array, state: CacheState) -> None:
-    B, H, _, D = state.k.shape
-    if x.ndim != 4 or x.shape[0] != B or x.shape[2:] != (H, D):
-        raise ValueError(f"{name} must have shape [batch={B}, T, num_kv_heads={H}, head_dim={D}], got {x.shape}")
-
-
-def concrete(*arrays) -> bool:
-    """Whether every array has a value now (not traced under jit), so that it can be validated."""
-    return not any(isinstance(x, jax.core.Tracer) for x in arrays)
-
-
-def check_lengths(lengths, batch: int, chunk_len: int) -> jax.Array:
-    """int32 [B] valid-token counts (a prefix of each chunk row); None means the whole chunk."""
-    if lengths is None:
-        return jnp.full((batch,), chunk_len, jnp.int32)
-    lengths = jnp.asarray(lengths)
-    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"lengths must be an int array of shape [batch={batch}], got {lengths.dtype}{list(lengths.shape)}")
-    if concrete(lengths):
-        bad = np.asarray(lengths)
-        if bad.min() < 0 or bad.max() > chunk_len:
-            raise ValueError(f"lengths must lie in [0, chunk length {chunk_len}], got {bad.tolist()}")
-    return lengths.astype(jnp.int32)
-
-
 def update(
-    policy: P.Policy,
+    policy: Policy,
     state: CacheState,
     k: jax.Array,
     v: jax.Array,
@@ -388,20 +67,19 @@ def update(
     k, v: [B, T, Hkv, D] un-rotated chunk keys/values (the chunk `attend` just saw); scores: what
     `attend` returned (None for policies that keep no scores); lengths: int32 [B] valid tokens per row
     (a prefix of the chunk; padding leaves the state untouched). Pure and jit-able.
-    implementation: as for `attend`. A single-token update (decode) on Triton runs the in-place
-    insertion kernel; everything else runs the vectorised XLA formulation.
+    implementation: as for `attend`. A single-token update (decode) of a ring cache on Triton runs the
+    in-place insertion kernel; everything else runs the vectorised XLA formulation.
     """
-    P.check_policy(policy)
-    layout = layout_of(policy, state)
-    check_chunk("k", k, state)
-    check_chunk("v", v, state)
+    check_policy(policy)
+    slots.check_chunk("k", k, state)
+    slots.check_chunk("v", v, state)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     B, T, H, _ = k.shape
-    n = check_lengths(lengths, B, T)
-    check_clock(state.seen, n)
+    n = slots.check_lengths(lengths, B, T)
+    slots.check_clock(state.seen, n)
     cap = state.capacity
-    if P.uses_scores(policy):
+    if policy.keeps_scores:
         if not isinstance(scores, Scores):
             raise ValueError(f"{type(policy).__name__} selects by score: pass the Scores that attend returned")
         if scores.cache.shape != (B, H, cap) or scores.chunk.shape != (B, H, T):
@@ -409,43 +87,22 @@ def update(
                 f"scores must be Scores(cache=[{B}, {H}, {cap}], chunk=[{B}, {H}, {T}]), got "
                 f"cache={list(scores.cache.shape)}, chunk={list(scores.chunk.shape)}"
             )
-        if isinstance(policy, P.Recycled):
-            full_region, _ = selection.recycled_regions(policy, cap)
-            _check_overflow(policy, state.seen, n, full_region)
-            return selection.recycled_update(policy, state, k, v, scores, n)
-        live = (state.pos >= 0) & (n > 0)[:, None, None]
-        if isinstance(policy, P.Cascade):
-            decay = jnp.power(jnp.float32(policy.gamma), n.astype(jnp.float32))[:, None, None]
-            score = jnp.where(live & (jnp.arange(cap) >= layout.sinks), decay * state.score + scores.cache, state.score)
-        elif isinstance(policy, P.H2O):  # accumulates without decay
-            score = jnp.where(live, state.score + scores.cache, state.score)
-        else:  # SnapKV, PyramidKV: the newest chunk's window attention replaces the old
-            score = jnp.where(live, scores.cache, state.score)
-        chunk_score = scores.chunk.astype(jnp.float32)
-    else:
-        if scores is not None:
-            raise ValueError(f"{type(policy).__name__} keeps no scores: pass scores=None")
-        score = state.score
-        chunk_score = jnp.zeros((B, H, T), jnp.float32)
-    # Append caches place token `seen` at the row's first free slot (compression leaves fewer slots).
-    placed = append_fill(state) if isinstance(policy, P.APPEND_POLICIES) else state.seen
-    if isinstance(policy, P.APPEND_POLICIES):
-        _check_overflow(policy, placed, n, cap)
+    elif scores is not None:
+        raise ValueError(f"{type(policy).__name__} keeps no scores: pass scores=None")
+    return policy.update(state, k, v, scores, n, implementation)
 
-    backend, interpret = pallas_kernels.resolve(implementation)
-    if T == 1 and backend == "triton" and not layout.heavy:
-        score, pos, new_k, new_v = insert_one(layout, score, state.pos, state.k, state.v, chunk_score, k, v,
-                                              placed, n, state.seen, interpret=interpret)
-        return CacheState(k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + n)
-    dest, src, mu = _insertions(layout, score, state.pos >= 0, chunk_score, placed, n)
-    ck, cv = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, H, T, D]
-    chunk_pos = state.seen[:, None, None] + jnp.arange(T, dtype=jnp.int32)
-    bi, hi, di = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], dest
-    write = lambda x, val: x.at[bi, hi, di].set(val.astype(x.dtype), mode="drop")
-    return CacheState(
-        k=write(state.k, _gather_items(state.k, ck.astype(state.k.dtype), src)),
-        v=write(state.v, _gather_items(state.v, cv.astype(state.v.dtype), src)),
-        score=write(score, mu),
-        pos=write(state.pos, _gather_items(state.pos, jnp.broadcast_to(chunk_pos, (B, H, T)), src)),
-        seen=state.seen + n,
-    )
+
+def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
+    """The post-prompt compression of SnapKV / PyramidKV (`Policy.compress`).
+
+    state: the append cache after the prompt (its last chunk being the observation window), one layer
+    or L layers stacked on a leading axis. room: slots to leave for the tokens decoded afterwards.
+    Returns a cache holding, per (row, KV head), the kept tokens in position order followed by empty slots.
+    """
+    check_policy(policy)
+    if not policy.observation_window:
+        raise TypeError(f"compress applies to SnapKV and PyramidKV (policies with an observation window), got "
+                        f"{type(policy).__name__}")
+    if isinstance(room, bool) or not isinstance(room, int) or room < 0:
+        raise ValueError(f"room must be an int >= 0, got {room!r}")
+    return policy.compress(state, room)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import pathlib
 import sys
@@ -47,10 +48,10 @@ MAIN_JOB = {
 
 
 def policy_classes() -> dict[str, type]:
-    """Lower-case name -> policy class, for every public policy of jcascade (a dataclass with a stride)."""
+    """Lower-case name -> policy class, for every concrete policy that jcascade exports."""
     classes = (getattr(jc, name) for name in jc.__all__)
-    return {cls.__name__.lower(): cls for cls in classes if isinstance(cls, type) and dataclasses.is_dataclass(cls)
-            and "stride" in {f.name for f in dataclasses.fields(cls)}}
+    return {cls.__name__.lower(): cls for cls in classes
+            if isinstance(cls, type) and issubclass(cls, jc.Policy) and not inspect.isabstract(cls)}
 
 
 def _convert(cls: type, field: str, hint, text: str):

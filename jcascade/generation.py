@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade import cache
-from jcascade import policies as P
-from jcascade.selection import compress
+from jcascade import cache, slots
+from jcascade.policies import Full, check_policy
 from jcascade.shared import share_prefix
 from jcascade.models.decoder import CausalLM
 
@@ -30,8 +29,8 @@ def _check_tokens(model: CausalLM, tokens, lengths):
     B, S = tokens.shape
     if S == 0:
         raise ValueError("tokens is empty: a prompt needs at least one token")
-    lengths = cache.check_lengths(lengths, B, S)
-    if cache.concrete(tokens, lengths):  # under a user's jit these checks cannot run
+    lengths = slots.check_lengths(lengths, B, S)
+    if slots.concrete(tokens, lengths):  # under a user's jit these checks cannot run
         ids, n = np.asarray(tokens), np.asarray(lengths)
         bad = ids[(np.arange(S)[None, :] < n[:, None]) & ((ids < 0) | (ids >= model.config.vocab_size))]
         if bad.size:
@@ -42,10 +41,10 @@ def _check_tokens(model: CausalLM, tokens, lengths):
 
 
 def _check_positions(model: CausalLM, policy, total: int) -> None:
-    """Warns when a policy that keeps every prompt token will use positions past the model's trained ones
-    (allowed: showing what happens there is part of evaluating context extension)."""
+    """Warns when a policy that is not bounded (it may keep every prompt token) will use positions past the
+    model's trained ones (allowed: showing what happens there is part of evaluating context extension)."""
     limit = model.config.max_position_embeddings
-    if isinstance(policy, P.APPEND_POLICIES) and total > limit:
+    if not policy.bounded and total > limit:
         warnings.warn(f"{total} tokens exceed the model's {limit} trained positions; {type(policy).__name__} keeps "
                       "every prompt token at its position, so expect degraded output (a bounded policy such as "
                       "Cascade stays within them)", stacklevel=3)
@@ -73,7 +72,7 @@ def _last_valid(hidden: jax.Array, n: jax.Array, fallback: jax.Array) -> jax.Arr
     return jnp.where((n > 0)[:, None], here, fallback)
 
 
-def prefill(model: CausalLM, policy, state: cache.CacheState, tokens: jax.Array, lengths: jax.Array,
+def prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
             implementation: str | None = None, targets: jax.Array | None = None):
     """Feeds right-padded tokens [B, S] in stride chunks. Returns the cache, the final hidden state at each
     row's last valid token [B, hidden] (zeros for rows with length 0) and, when `targets` [B, S] is given,
@@ -100,15 +99,13 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
             targets: jax.Array | None = None):
     """A fresh cache through the prompt, ready for `room` more tokens: `prefill`'s (state, last, logps).
 
-    SnapKV / PyramidKV feed each row's last `window` tokens as a chunk of their own (the observation
-    window), then compress."""
+    Policies with an observation window (SnapKV, PyramidKV) feed each row's last `observation_window`
+    tokens as a chunk of their own, then compress."""
     B, S = tokens.shape
-    compressing = isinstance(policy, (P.SnapKV, P.PyramidKV))
-    state = model.init_cache(policy, B, max_tokens=S + (0 if compressing else room)) \
-        if isinstance(policy, P.APPEND_POLICIES) else model.init_cache(policy, B)
-    if not compressing:
+    w = policy.observation_window
+    state = model.init_cache(policy, B, max_tokens=S + (0 if w else room))
+    if not w:
         return prefill(model, policy, state, tokens, lengths, implementation, targets)
-    w = policy.window
     window = jnp.minimum(w, lengths)
     state, last, logps = prefill(model, policy, state, tokens, lengths - window, implementation, targets)
     at = jnp.clip(lengths[:, None] - window[:, None] + jnp.arange(w)[None, :], 0, S - 1)  # [B, w]
@@ -118,7 +115,7 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
         in_window = jnp.arange(w)[None, :] < window[:, None]
         window_logps = token_log_probs(model, hidden, jnp.take_along_axis(targets, at, axis=1))
         logps = logps.at[jnp.arange(B)[:, None], jnp.where(in_window, at, S)].set(window_logps, mode="drop")
-    return compress(policy, state, room), last, logps
+    return cache.compress(policy, state, room), last, logps
 
 
 def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | None = None,
@@ -129,12 +126,13 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     entry t is log p(tokens[:, t + 1] | tokens[:, :t + 1]); entries past a row's length are 0.
     prefix: None feeds everything in stride chunks. An int P treats tokens[:, :P] as a prompt (prefilled
     as `generate` does) and feeds the rest one token per step, as decoding would see it (teacher
-    forcing); SnapKV, PyramidKV (compression after the prompt) and Recycled (decode-time recycling) need it.
+    forcing); policies that act after a prompt (`needs_prompt`: SnapKV, PyramidKV compress, Recycled
+    recycles while decoding) need it.
     """
-    P.check_policy(policy)
+    check_policy(policy)
     tokens, lengths = _check_tokens(model, tokens, lengths)
     S = tokens.shape[1]
-    if prefix is None and isinstance(policy, (P.SnapKV, P.PyramidKV, P.Recycled)):
+    if prefix is None and policy.needs_prompt:
         raise ValueError(f"{type(policy).__name__} acts after a prompt: pass prefix=<prompt length> to score")
     if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix <= S):
         raise ValueError(f"prefix must be None or an int in [1, {S}], got {prefix!r}")
@@ -165,7 +163,7 @@ def _score(model, tokens, policy, lengths, prefix, implementation):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _DecodeState:
-    cache: cache.CacheState
+    cache: slots.CacheState
     last: jax.Array  # int32 [B] the token to feed next
     out: jax.Array  # int32 [B, max_new_tokens]
     done: jax.Array  # bool [B]
@@ -201,7 +199,8 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     queries attend to in one multi-query pass, while each sample's own tokens go to a Full cache
     (`jcascade.shared`). This equals generating from num_samples copies of the prompt whenever the policy
     would not evict during decoding (Full, SnapKV, PyramidKV; any policy while prompt and new tokens fit
-    its cache); otherwise the prompt's cache is frozen as it was after the prompt. Not for Recycled.
+    its cache); otherwise the prompt's cache is frozen as it was after the prompt. Needs a `shareable`
+    policy (not Recycled).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -209,15 +208,16 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
     if temperature > 0 and rng is None:
         raise ValueError("rng (a jax.random key) is required when temperature > 0")
-    P.check_policy(policy)
+    check_policy(policy)
     tokens, lengths = _check_tokens(model, tokens, lengths)
     if num_samples is not None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
         if tokens.shape[0] != 1:
             raise ValueError(f"num_samples continues one prompt: tokens must have batch 1, got {tokens.shape[0]}")
-        if isinstance(policy, P.Recycled):
-            raise ValueError("num_samples does not support Recycled (its recycled set is chosen per sample)")
+        if not policy.shareable:
+            raise ValueError(f"num_samples does not support {type(policy).__name__} (its cache cannot be shared by "
+                             "the samples)")
     _check_positions(model, policy, tokens.shape[1] + max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng
     return _generate(model, tokens, policy, lengths, rng, max_new_tokens=max_new_tokens,
@@ -235,7 +235,7 @@ def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperatur
     else:  # the prompt's cache, shared; each sample's tokens in a Full cache of its own
         prompt_state, last_hidden, _ = _prompt(model, policy, tokens, lengths, 0, implementation)
         prefixes = (jax.vmap(lambda layer: share_prefix(policy, layer))(prompt_state),)
-        decode_policy = P.Full(stride=policy.stride)
+        decode_policy = Full(stride=policy.stride)
         state = model.init_cache(decode_policy, num_samples, max_tokens=max_new_tokens)
         last_hidden = jnp.broadcast_to(last_hidden, (num_samples, last_hidden.shape[-1]))
     return decode(model, decode_policy, state, last_hidden, rng, max_new_tokens=max_new_tokens,
@@ -243,7 +243,7 @@ def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperatur
                   prefixes=prefixes)
 
 
-def decode(model: CausalLM, policy, state: cache.CacheState, last_hidden: jax.Array, rng: jax.Array, *,
+def decode(model: CausalLM, policy, state: slots.CacheState, last_hidden: jax.Array, rng: jax.Array, *,
            max_new_tokens: int, temperature: float, top_p: float, eos_id: int | None,
            implementation: str | None = None, prefixes=()) -> jax.Array:
     """The decode loop after a prefilled cache: samples the first token from last_hidden [B, hidden] (the

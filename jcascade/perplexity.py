@@ -22,17 +22,17 @@ import numpy as np
 import jcascade as jc
 from jcascade import stats
 from jcascade.generation import token_log_probs
-from jcascade.policies import APPEND_POLICIES
 
 
 def cache_capacity(policy) -> int | None:
-    """Slots of a bounded policy's cache (sinks included); None for policies that keep every token."""
-    return None if isinstance(policy, APPEND_POLICIES) else policy.layout().capacity
+    """Slots of a bounded policy's cache (sinks included); None for policies that are not bounded."""
+    return policy.cache_slots(None) if policy.bounded else None
 
 
 def check_streaming(policy) -> None:
-    """Raises ValueError for policies that act only after a prompt (SnapKV, PyramidKV, Recycled)."""
-    if isinstance(policy, (jc.SnapKV, jc.PyramidKV, jc.Recycled)):
+    """Raises ValueError for policies that act only after a prompt (`needs_prompt`: SnapKV, PyramidKV, Recycled)."""
+    jc.policies.check_policy(policy)
+    if policy.needs_prompt:
         raise ValueError(f"{type(policy).__name__} compresses or recycles after a prompt; streaming a book "
                          "needs a streaming policy (Full, Sink, Cascade, SlidingWindow, H2O)")
 
@@ -56,9 +56,9 @@ def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState,
     if tokens.ndim != 1 or tokens.size < 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be an int array of shape [S] with S >= 2, got {tokens.dtype}{list(tokens.shape)}")
     S, T = tokens.size, policy.stride
-    if S > jc.cache.CLOCK_LIMIT:
+    if S > jc.slots.CLOCK_LIMIT:
         raise ValueError(f"tokens: a stream of {S} tokens is longer than the int32 token clock allows "
-                         f"({jc.cache.CLOCK_LIMIT}); split it")
+                         f"({jc.slots.CLOCK_LIMIT}); split it")
     state = model.init_cache(policy, 1, max_tokens=S)
     padded = np.zeros(-(-S // T) * T + 1, np.int32)
     padded[:S] = tokens

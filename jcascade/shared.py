@@ -15,10 +15,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jcascade import attention, cache
-from jcascade import pallas_kernels
-from jcascade import policies as P
+from jcascade import pallas_kernels, slots
 from jcascade.pallas_kernels.states import merge
+from jcascade.policies import Policy, check_policy
 from jcascade.rope import rotate_chunk
 
 
@@ -41,13 +40,13 @@ class SharedPrefix:
     length: jax.Array
 
 
-def share_prefix(policy: P.Policy, state: cache.CacheState, offset: jax.Array | int = 0) -> SharedPrefix:
+def share_prefix(policy: Policy, state: slots.CacheState, offset: jax.Array | int = 0) -> SharedPrefix:
     """The cache `state` (one layer; its batch rows become the prefix rows), as `policy` positions it,
     shifted by `offset` (int32 [P] or int: positions of the levels before it)."""
-    P.check_policy(policy)
-    if isinstance(policy, P.Recycled):
-        raise ValueError("Recycled cannot be a shared prefix: its recycled set is chosen per request")
-    key_pos, start = attention.chunk_positions(policy, state)
+    check_policy(policy)
+    if not policy.shareable:
+        raise ValueError(f"{type(policy).__name__} cannot be a shared prefix (its cache is chosen per request)")
+    key_pos, start = policy.key_positions(state)
     offset = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), start.shape)
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     return SharedPrefix(k=state.k, v=state.v, valid=state.pos >= 0, key_pos=key_pos, length=start + offset)
@@ -69,8 +68,8 @@ def _rows_per_prefix(prefix: SharedPrefix, batch: int) -> int:
 
 
 def attend_shared(
-    policy: P.Policy,
-    state: cache.CacheState,
+    policy: Policy,
+    state: slots.CacheState,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -87,18 +86,18 @@ def attend_shared(
     [B, T, Hkv, D] un-rotated, lengths as for `attend`. prefixes: levels, outermost first (each made by
     `share_prefix` with the offset of the levels before it). Returns out [B, T, Hq, D] (q.dtype).
     """
-    P.check_policy(policy)
-    if P.uses_scores(policy):
+    check_policy(policy)
+    if policy.keeps_scores:
         raise ValueError(f"the per-request cache under a shared prefix must keep no scores (Full, SlidingWindow, "
                          f"Sink), got {type(policy).__name__}")
-    cache.check_chunk("k", k, state)
-    cache.check_chunk("v", v, state)
+    slots.check_chunk("k", k, state)
+    slots.check_chunk("v", v, state)
     B, T, Hkv, D = k.shape
-    n = cache.check_lengths(lengths, B, T)
+    n = slots.check_lengths(lengths, B, T)
     fan_out = [_rows_per_prefix(prefix, B) for prefix in prefixes]
     # the innermost level's end is where the requests' own tokens start
     offset = jnp.repeat(prefixes[-1].length, fan_out[-1]) if prefixes else jnp.zeros((B,), jnp.int32)
-    key_pos, start = attention.chunk_positions(policy, state)
+    key_pos, start = policy.key_positions(state)
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     start = start + offset
     q, k = rotate_chunk(rope, q, k, start)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jcascade import attention, cache, shared
+from jcascade import attention, cache, shared, slots
 from jcascade.models.config import ModelConfig
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -79,14 +79,14 @@ class CausalLM(nnx.Module):
     def dtype(self):
         return self.embed[...].dtype
 
-    def init_cache(self, policy, batch: int, max_tokens: int | None = None) -> cache.CacheState:
+    def init_cache(self, policy, batch: int, max_tokens: int | None = None) -> slots.CacheState:
         """An empty cache for every layer (leading layer axis), in the model's dtype."""
         cfg = self.config
         return cache.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                 max_tokens=max_tokens, num_layers=cfg.num_layers)
 
-    def __call__(self, policy, state: cache.CacheState, tokens: jax.Array, lengths: jax.Array,
-                 implementation: str | None = None, prefixes: tuple = ()) -> tuple[jax.Array, cache.CacheState]:
+    def __call__(self, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
+                 implementation: str | None = None, prefixes: tuple = ()) -> tuple[jax.Array, slots.CacheState]:
         """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row;
         prefixes: `jcascade.SharedPrefix` levels (layers stacked) that the rows' histories begin with.
         Returns the final-norm hidden states [B, T, hidden] and the updated cache."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from jcascade.pallas_kernels import gpu, reference, states, tpu
+from . import gpu, reference, schedule, states, tpu
 
 IMPLEMENTATIONS = ("xla", "pallas", "triton", "mosaic_tpu")
 
@@ -59,4 +59,5 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=Non
     return gpu.prefix_attention(*args, config=config if config is not None else gpu.GpuConfig(), interpret=interpret)
 
 
-__all__ = ["IMPLEMENTATIONS", "chunk_attention", "prefix_attention", "gpu", "reference", "resolve", "states", "tpu"]
+__all__ = ["IMPLEMENTATIONS", "chunk_attention", "prefix_attention", "gpu", "reference", "resolve", "schedule", "states",
+           "tpu"]

@@ -28,8 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jcascade.pallas_kernels import states
-from jcascade.rope import RoPE
+from . import states
 
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity": keeps inf - inf out of the online softmax
@@ -280,18 +279,26 @@ def _decode_kernel(len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref, sin_ref, 
     lse_ref[...] = jnp.where(seen_any, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
 
 
+def fuses_rope(rope) -> bool:
+    """Whether the kernels rotate cached keys themselves: when `rope` has `inv_freq(head_dim)` (as
+    `jcascade.RoPE`), it is taken to rotate the pairs (x[i], x[i + D/2]) by position * inv_freq[i] (the
+    rotate-half convention). Any other callable rotates the keys outside the kernel."""
+    return callable(getattr(rope, "inv_freq", None))
+
+
 def rope_tables(rope, positions: jax.Array, head_dim: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., head_dim // 2] of `jcascade.RoPE` at integer positions, float32 angles, in `dtype`."""
+    """cos, sin [..., head_dim // 2] at integer positions (angle = position * rope.inv_freq(head_dim), in float32),
+    in `dtype`."""
     angle = positions.astype(F32)[..., None] * jnp.asarray(rope.inv_freq(head_dim))
     return jnp.cos(angle).astype(dtype), jnp.sin(angle).astype(dtype)
 
 
 def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, weights, reduction, rope, cfg, interpret):
-    """T == 1. q, k already rotated; cache keys rotated in the kernel when rope is a `jcascade.RoPE`."""
+    """T == 1. q, k already rotated; cache keys rotated in the kernel when `fuses_rope(rope)`."""
     B, _, Hq, D = q.shape
     Hkv, S = k.shape[2], k_cache.shape[2]
     G = Hq // Hkv
-    fuse = isinstance(rope, RoPE)  # the kernel applies RoPE's formula; other callables rotate outside
+    fuse = fuses_rope(rope)
     if rope is not None and not fuse:
         k_cache = rope(k_cache, cache_positions)
     gp = max(16, pl.next_power_of_2(G))
@@ -377,7 +384,7 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
     P, R, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    fuse = isinstance(rope, RoPE)
+    fuse = fuses_rope(rope)
     if rope is not None and not fuse:
         k_cache = rope(k_cache, cache_positions)
     rows = R * G

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jcascade.policies import RingLayout
-from jcascade.schedule import ring_schedules
+from .schedule import RingLayout, ring_schedules
 
 
 def _insert_kernel(seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, pos_ref, k_ref, v_ref,

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jcascade.pallas_kernels import states
+from . import states
 
 MASK = -0.7 * float(np.finfo(np.float32).max)
 F32 = jnp.float32

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jcascade as jc
-from jcascade import cache as C
+from jcascade import slots as C
 from oracle import CascadeOracle, sink_window_positions
 
 UPDATE = jax.jit(jc.update, static_argnums=0)

@@ -1,4 +1,9 @@
-"""Policy validation at construction, and the RoPE helper."""
+"""Policy validation at construction, the RoPE helper, and the package's import guard."""
+
+import pathlib
+import subprocess
+import sys
+import sysconfig
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +83,14 @@ def test_llama3_scaling_keeps_high_and_divides_low_frequencies():
         jc.Llama3Scaling(low_freq_factor=4.0, high_freq_factor=1.0)
     with pytest.raises(ValueError, match="even head_dim"):
         jc.RoPE().inv_freq(7)
+
+
+def test_an_uninstalled_source_tree_says_how_to_install():
+    """From the repository root without the package installed, `import jcascade` finds the bare folder,
+    whose models/ and pallas_kernels/ are not yet mapped into it: the import says so instead of failing on
+    a circular import."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    code = f"import sys; sys.path[:0] = [{str(root)!r}, {sysconfig.get_paths()['purelib']!r}]; import jcascade"
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 1
+    assert "jcascade is not installed" in done.stderr and "pip install -e ." in done.stderr

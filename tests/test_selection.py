@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 import jcascade as jc
 import tiny
-from jcascade.selection import prefix_budget
 from oracle import np_rope
 
 THETA = 100.0
@@ -155,7 +154,7 @@ def test_pyramid_budgets_follow_the_reference_code(budget, window, beta, num_lay
         return
     policy = jc.PyramidKV(budget=budget, window=window, beta=beta)
     for layer in range(num_layers):
-        got = int(prefix_budget(policy, jnp.array([q_len]), layer, num_layers)[0])
+        got = int(policy.prefix_budget(jnp.array([q_len]), layer, num_layers)[0])
         want = reference_kept_prefix(policy, q_len, layer, num_layers)
         assert got == (q_len if want is None else want)
 

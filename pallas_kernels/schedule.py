@@ -1,4 +1,4 @@
-"""The closed-form ring schedule of the cascading cache (DESIGN §3).
+"""The slot layout of ring caches and the closed-form ring schedule of the cascading cache (DESIGN §3).
 
 Where a token goes never depends on scores, only on its row's clock t (non-sink tokens seen before it):
 Fill phase (t < C = N * W): every ring accepts, so the cache fills like one sliding window and holds
@@ -17,7 +17,30 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jcascade.policies import RingLayout
+
+@dataclasses.dataclass(frozen=True)
+class RingLayout:
+    """Slot layout of a ring cache: [sinks | ring 0 | ring 1 | ... | ring N-1 | heavy].
+
+    Ring 0 receives every non-sink token; ring i+1 receives the tokens ring i evicts. Ring i, once full,
+    accepts (appends and evicts its oldest) on clocks t with t mod 2**i == 0; otherwise the incoming
+    token replaces the ring's newest token only if its score is strictly larger (DESIGN §3). `heavy`
+    slots after the rings receive tokens the last ring evicts, as the policy chooses (H2O). A layout of
+    sinks only is an append cache: tokens fill the slots in order and are never evicted.
+    """
+
+    sinks: int
+    ring_size: int
+    num_rings: int
+    heavy: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.ring_size * self.num_rings + self.heavy
+
+    @property
+    def appends(self) -> bool:
+        return self.num_rings == 0 and self.heavy == 0
 
 
 def multiples_in(lo: int, t: jax.Array, period: int) -> jax.Array:

@@ -1,0 +1,18 @@
+"""Cache policies: frozen, hashable dataclasses (static under `jit`), validated at construction.
+
+Every policy implements the protocol of `jcascade.policies.base.Policy`; one module per family:
+window (Full, SlidingWindow, Sink), cascade, h2o, snapkv (SnapKV, PyramidKV), recycled. "Writing a
+policy" in the README shows a new one in a file of its own.
+"""
+
+from jcascade.pallas_kernels.schedule import RingLayout
+from jcascade.policies.base import Policy, check_policy
+from jcascade.policies.cascade import Cascade
+from jcascade.policies.h2o import H2O
+from jcascade.policies.recycled import Recycled
+from jcascade.policies.ring import RingPolicy
+from jcascade.policies.snapkv import PyramidKV, SnapKV
+from jcascade.policies.window import Full, Sink, SlidingWindow
+
+__all__ = ["Cascade", "Full", "H2O", "Policy", "PyramidKV", "Recycled", "RingLayout", "RingPolicy", "Sink",
+           "SlidingWindow", "SnapKV", "check_policy"]

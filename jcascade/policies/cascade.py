@@ -1,0 +1,74 @@
+"""The Cascading KV Cache (papers/000): sinks + cascading rings of EMA-scored tokens (DESIGN §3)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jcascade.pallas_kernels.schedule import RingLayout
+from jcascade.policies.base import HEAD_REDUCTIONS, POSITION_MODES, check_choice, check_int
+from jcascade.policies.ring import RingPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Cascade(RingPolicy):
+    """Cascading KV cache (papers/000): `sinks` + `num_cascades` rings of cache_size/num_cascades slots.
+
+    Tokens carry an EMA attention score with decay `gamma`; scores of the query heads sharing a KV head
+    are reduced by `head_reduction` ("max", as in the paper, or "mean"). Defaults are the paper's:
+    64 sinks, 4 cascades, gamma 0.9999, max reduction, cache-index positions, stride 4096.
+    """
+
+    keeps_scores = True
+    cache_size: int
+    sinks: int = 64
+    num_cascades: int = 4
+    gamma: float = 0.9999
+    head_reduction: Literal["max", "mean"] = "max"
+    positions: Literal["cache", "original"] = "cache"
+    stride: int = 4096
+
+    def __post_init__(self):
+        check_int(self, "cache_size", self.cache_size, 1)
+        check_int(self, "sinks", self.sinks, 0)
+        check_int(self, "num_cascades", self.num_cascades, 1)
+        if self.cache_size % self.num_cascades:
+            raise ValueError(
+                f"Cascade.cache_size ({self.cache_size}) must be divisible by "
+                f"Cascade.num_cascades ({self.num_cascades})"
+            )
+        if self.num_cascades > 30:
+            raise ValueError(
+                f"Cascade.num_cascades must be <= 30 (ring i accepts every 2**i tokens of an int32 "
+                f"clock), got {self.num_cascades}"
+            )
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)):
+            raise ValueError(f"Cascade.gamma must be a float in (0, 1), got {self.gamma!r}")
+        if not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"Cascade.gamma must be in (0, 1), got {self.gamma}")
+        check_choice(self, "head_reduction", self.head_reduction, HEAD_REDUCTIONS)
+        check_choice(self, "positions", self.positions, POSITION_MODES)
+        check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(
+            sinks=self.sinks,
+            ring_size=self.cache_size // self.num_cascades,
+            num_rings=self.num_cascades,
+        )
+
+    def query_weights(self, lengths: jax.Array, chunk_len: int) -> jax.Array:
+        """w_q = (1 - gamma) * gamma**(n - 1 - q) for q < n (DESIGN §3), 0 for padding queries, so that a chunk
+        of n tokens moves the EMA exactly as n single-token steps would."""
+        q = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]
+        age = (lengths[:, None] - 1 - q).astype(jnp.float32)
+        w = jnp.float32(1.0 - self.gamma) * jnp.power(jnp.float32(self.gamma), age)
+        return jnp.where(q < lengths[:, None], w, 0.0)
+
+    def accumulate(self, score, increments, live, n, layout):
+        """The EMA: non-sink residents decay by gamma**n and gain their increments; sinks keep their score."""
+        decay = jnp.power(jnp.float32(self.gamma), n.astype(jnp.float32))[:, None, None]
+        return jnp.where(live & (jnp.arange(score.shape[-1]) >= layout.sinks), decay * score + increments, score)

@@ -1,0 +1,69 @@
+"""H2O (Zhang et al. 2023): the newest tokens plus the heavy hitters of accumulated attention."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jcascade.pallas_kernels.schedule import RingLayout
+from jcascade.policies.base import HEAD_REDUCTIONS, POSITION_MODES, check_choice, check_int
+from jcascade.policies.ring import RingPolicy
+from jcascade.slots import compact, take
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(RingPolicy):
+    """Heavy-Hitter Oracle (papers/004's baseline, Zhang et al. 2023): the `recent` newest tokens plus the
+    `heavy` tokens with the largest accumulated attention (the plain sum over every query since the token
+    arrived, not an EMA), reduced over the query heads of a KV head by `head_reduction`.
+
+    Evicts during strided prefill and decode. Within a chunk, scores are those `attend` returned for it;
+    the heavy set keeps the top `heavy` of its residents and the tokens the recent window pushes out,
+    residents winning ties. Positions default to cache-index (the rolling positions of H2O's streaming
+    code); "original" is available. Layout: one ring of `recent` slots, then `heavy` heavy slots.
+    """
+
+    keeps_scores = True
+    heavy: int
+    recent: int
+    head_reduction: Literal["max", "mean"] = "mean"
+    positions: Literal["cache", "original"] = "cache"
+    stride: int = 4096
+
+    def __post_init__(self):
+        check_int(self, "heavy", self.heavy, 1)
+        check_int(self, "recent", self.recent, 1)
+        check_choice(self, "head_reduction", self.head_reduction, HEAD_REDUCTIONS)
+        check_choice(self, "positions", self.positions, POSITION_MODES)
+        check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=0, ring_size=self.recent, num_rings=1, heavy=self.heavy)
+
+    def query_weights(self, lengths: jax.Array, chunk_len: int) -> jax.Array:
+        """Accumulated attention: every valid query counts once."""
+        return (jnp.arange(chunk_len, dtype=jnp.int32)[None, :] < lengths[:, None]).astype(jnp.float32)
+
+    def accumulate(self, score, increments, live, n, layout):
+        """Accumulates without decay."""
+        return jnp.where(live, score + increments, score)
+
+    def place_evicted(self, layout: RingLayout, score, held, src, mu, valid):
+        """The heavy slots keep the top `heavy` scores among their residents and the tokens the ring
+        evicts (residents first, so they win ties); winning evictees take the slots of the residents that
+        lost or of empty slots."""
+        B, H, M = src.shape
+        base, cap = layout.capacity - layout.heavy, layout.capacity
+        residents = jnp.where(held[..., base:], score[..., base:], -jnp.inf)
+        key = jnp.concatenate([residents, jnp.where(valid[:, None, :], mu, -jnp.inf)], -1)
+        _, top = jax.lax.top_k(key, layout.heavy)
+        bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+        chosen = jnp.zeros(key.shape, bool).at[bi, hi, top].set(True) & (key > -jnp.inf)
+        heavy_slots = jnp.broadcast_to(base + jnp.arange(layout.heavy, dtype=jnp.int32), (B, H, layout.heavy))
+        free_slots = compact(heavy_slots, ~chosen[..., : layout.heavy], layout.heavy)
+        new = chosen[..., layout.heavy :]
+        rank = jnp.cumsum(new, axis=-1) - 1
+        return jnp.where(new, take(free_slots, rank), cap), src, mu

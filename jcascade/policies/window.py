@@ -1,0 +1,74 @@
+"""The policies that keep no scores: Full (every token), SlidingWindow and Sink (StreamingLLM)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jcascade.pallas_kernels.schedule import RingLayout
+from jcascade.policies.base import POSITION_MODES, check_choice, check_int
+from jcascade.policies.ring import RingPolicy
+from jcascade.slots import CacheState, Scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(RingPolicy):
+    """Keeps every token (quadratic attention): the reference policy.
+
+    Its capacity is the `max_tokens` given to `init_cache`. A row that receives more tokens than that
+    loses them: `update` raises when it can see this (concrete inputs), and under `jit` `attend`
+    returns NaN for such rows, so an overflow never passes silently.
+    """
+
+    bounded = False
+    stride: int = 4096
+
+    def __post_init__(self):
+        check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
+
+    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
+               implementation: str | None) -> tuple[jax.Array, Scores | None]:
+        out, scores = super().attend(state, q, k, v, lengths, rope, implementation)
+        return jnp.where((state.seen > state.capacity)[:, None, None, None], jnp.nan, out), scores
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow(RingPolicy):
+    """The `window` most recent tokens (no sinks). `positions`: see DESIGN §4."""
+
+    window: int
+    positions: Literal["cache", "original"] = "cache"
+    stride: int = 4096
+
+    def __post_init__(self):
+        check_int(self, "window", self.window, 1)
+        check_choice(self, "positions", self.positions, POSITION_MODES)
+        check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=0, ring_size=self.window, num_rings=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sink(RingPolicy):
+    """StreamingLLM: the first `sinks` tokens plus the `window` most recent ones (= Cascade with N=1)."""
+
+    window: int
+    sinks: int = 64
+    positions: Literal["cache", "original"] = "cache"
+    stride: int = 4096
+
+    def __post_init__(self):
+        check_int(self, "window", self.window, 1)
+        check_int(self, "sinks", self.sinks, 0)
+        check_choice(self, "positions", self.positions, POSITION_MODES)
+        check_int(self, "stride", self.stride, 1)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=self.sinks, ring_size=self.window, num_rings=1)
