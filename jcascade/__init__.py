@@ -20,6 +20,7 @@ from jcascade.generation import generate, prefill, score
 from jcascade.cache import compress, init_cache, update
 from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores
 from jcascade.policies import H2O, Cascade, Full, Policy, PyramidKV, Recycled, RingPolicy, Sink, SlidingWindow, SnapKV
+from jcascade.resume import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, save_converted
 from jcascade.rope import Llama3Scaling, RoPE
@@ -51,10 +52,12 @@ __all__ = [
     "generate",
     "init_cache",
     "load_pretrained",
+    "load_stream",
     "load_tokenizer",
     "merge_attention",
     "prefill",
     "save_converted",
+    "save_stream",
     "score",
     "share_prefix",
     "update",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import inspect
 import json
 import pathlib
@@ -145,6 +146,26 @@ def _bar(total: int, desc: str):
 
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
                 file=sys.stderr)
+
+
+def _checkpointing(args, name: str, identity: dict):
+    """The run's checkpoints in --out/checkpoint-<name> (--checkpoint-every, --resume), or None."""
+    from jcascade.resume import Checkpointing
+
+    directory = pathlib.Path(args.out) / f"checkpoint-{name}"
+    if args.checkpoint_every is None:
+        if args.resume:
+            raise ValueError("--resume continues a run made with --checkpoint-every N: pass that option again")
+        return None
+    exists = directory.exists()
+    if args.resume and not exists:
+        raise ValueError(f"--resume: no checkpoint in {directory}")
+    if exists and not args.resume:
+        raise ValueError(f"{directory} holds the checkpoint of an earlier run: pass --resume to continue it, or "
+                         "remove it")
+    skip = ("run", "resume", "checkpoint_every", "out")
+    run = {k: v for k, v in vars(args).items() if k not in skip} | identity
+    return Checkpointing(directory, args.checkpoint_every, run)
 
 
 def _write_json(out: pathlib.Path, name: str, payload: dict) -> pathlib.Path:
@@ -282,12 +303,14 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
     print(f"{title}\nmodel {name}; filler {args.filler}; context lengths {lengths}; {args.buckets} depth buckets x "
           f"{args.samples} samples; policies:\n" + "\n".join(f"  {k}: {v}" for k, v in policies.items()),
           file=sys.stderr)
+    checkpointing = _checkpointing(args, "passkey", {"model": name, "policies": {k: repr(v) for k, v in
+                                                                              policies.items()}})
     start = time.perf_counter()
     with _bar(total, "passkey") as bar:
         results = passkey.sweep(model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler,
                                 words=words, seed=args.seed, num_buckets=args.buckets,
                                 batch_size=args.batch_size or equal_batches(per_length), retention=retention,
-                                progress=bar.update)
+                                progress=bar.update, checkpointing=checkpointing)
     seconds = time.perf_counter() - start
     by_bucket = passkey.accuracy_table(results)
     accuracy = passkey.estimates(results)
@@ -317,6 +340,8 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
         plots.passkey_heatmaps(by_bucket, out / "passkey_depth.png", args.buckets),
     ]
     print("\nwrote " + ", ".join(map(str, written)))
+    if checkpointing is not None:
+        checkpointing.clear()
     if differences:
         print("\n" + "\n".join(format_differences(differences, baseline, "better")))
 
@@ -355,10 +380,13 @@ def cmd_perplexity(args) -> None:
     capacities = {k: perplexity.cache_capacity(p) for k, p in policies.items()}
     longest = max([c for c in capacities.values() if c is not None], default=1)
     total = len(policies) * sum(len(t) for t in books.values() if len(t) > longest)
+    checkpointing = _checkpointing(args, "perplexity", {
+        "model": name, "policies": {k: repr(v) for k, v in policies.items()},
+        "books": {b: [len(t), hashlib.sha256(t.tobytes()).hexdigest()] for b, t in books.items()}})
     start = time.perf_counter()
     with _bar(total, "perplexity") as bar:
         results, skipped = perplexity.perplexity(model, books, policies, bucket=args.bucket, block=args.block,
-                                                 progress=bar.update)
+                                                 progress=bar.update, checkpointing=checkpointing)
     seconds = time.perf_counter() - start
     if skipped:
         print(f"skipped (not longer than the {longest}-token cache): {', '.join(skipped)}", file=sys.stderr)
@@ -390,6 +418,8 @@ def cmd_perplexity(args) -> None:
         plots.perplexity_curves(summary, out / "perplexity.png", capacities, f"Streaming perplexity ({name})"),
     ]
     print("\nwrote " + ", ".join(map(str, written)))
+    if checkpointing is not None:
+        checkpointing.clear()
     for label, difference in differences.items():
         print(f"perplexity {stats.verdict(difference, label, baseline, 'worse')}")
 
@@ -451,6 +481,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON and PNG results")
         return p
 
+    def checkpoint_options(p):
+        p.add_argument("--checkpoint-every", type=_length, metavar="TOKENS",
+                       help="save the run's progress to --out/checkpoint-<command> every this many tokens "
+                            "(removed when the run finishes)")
+        p.add_argument("--resume", action="store_true",
+                       help="continue the run saved by --checkpoint-every in --out (same arguments): the results "
+                            "equal an uninterrupted run's")
+
     def policy_option(p, default: str):
         p.add_argument("--policy", action="append", metavar="SPEC",
                        help=f"NAME[:FIELD=VALUE,...], repeatable; see `jcascade --help` (default: {default})")
@@ -487,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--baseline", metavar="LABEL",
                        help="policy the others are compared with, same prompts (default: the first Sink, else the "
                             "first policy)")
+        checkpoint_options(p)
 
     p = command("compare", "the main job: passkey retrieval under Sink vs Cascade caches of the same size; "
                            "defaults depend on the machine (see MAIN_JOB in jcascade/cli.py)")
@@ -516,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per block of the bootstrap intervals (blocks of each book are redrawn)")
     p.add_argument("--baseline", metavar="LABEL",
                    help="policy the others are compared with (default: the first Sink, else the first policy)")
+    checkpoint_options(p)
     p.set_defaults(run=cmd_perplexity)
 
     p = command("attention-map", "which positions each query sees while a book streams through a cache")

@@ -123,7 +123,9 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     """Per-token log-likelihoods log p(x_t | x_<t) under `policy`, streamed at constant memory.
 
     tokens: int [B, S] (right-padded, `lengths` [B] valid tokens per row). Returns float32 [B, S - 1]:
-    entry t is log p(tokens[:, t + 1] | tokens[:, :t + 1]); entries past a row's length are 0.
+    entry t is log p(tokens[:, t + 1] | tokens[:, :t + 1]); entries past a row's length are 0. Non-finite
+    entries (a NaN or Inf in the inputs or weights) are reported by a RuntimeWarning naming their rows and
+    positions (`warn_nonfinite`; not under a user's jit).
     prefix: None feeds everything in stride chunks. An int P treats tokens[:, :P] as a prompt (prefilled
     as `generate` does) and feeds the rest one token per step, as decoding would see it (teacher
     forcing); policies that act after a prompt (`needs_prompt`: SnapKV, PyramidKV compress, Recycled
@@ -137,7 +139,23 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix <= S):
         raise ValueError(f"prefix must be None or an int in [1, {S}], got {prefix!r}")
     _check_positions(model, policy, S)
-    return _score(model, tokens, policy, lengths, prefix, implementation)
+    logps = _score(model, tokens, policy, lengths, prefix, implementation)
+    if slots.concrete(logps):  # under a user's jit there is nothing to look at yet
+        warn_nonfinite(np.asarray(logps), np.asarray(lengths) - 1)
+    return logps
+
+
+def warn_nonfinite(logps: np.ndarray, valid: np.ndarray) -> None:
+    """Warns (RuntimeWarning) with the positions of the non-finite entries among each row's first valid[b]
+    log-probabilities (logps [B, S]). A NaN or Inf in the inputs or weights reaches every later token of
+    its row through the cache, and no other row (tests/test_nonfinite.py)."""
+    bad = ~np.isfinite(logps) & (np.arange(logps.shape[1])[None, :] < valid[:, None])
+    rows = [(b, np.flatnonzero(bad[b])) for b in np.flatnonzero(bad.any(axis=1))]
+    if rows:
+        shown = "; ".join(f"row {b}: {len(at)} from position {at[0]} ({', '.join(map(str, at[:5]))}"
+                          f"{', ...' if len(at) > 5 else ''})" for b, at in rows)
+        warnings.warn(f"non-finite log-probabilities (NaN or Inf in the inputs or weights): {shown}", RuntimeWarning,
+                      stacklevel=3)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "prefix", "implementation"))

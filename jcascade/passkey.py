@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
-from jcascade import stats
+from jcascade import resume, stats
 from jcascade.generation import decode
 from jcascade.perplexity import cache_capacity
 from jcascade.texts import REPEAT_SENTENCES
@@ -222,13 +222,16 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
 def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Sequence[int], *,
           samples: int = 1, filler: str = "repeat", words: Sequence[str] | None = None, seed: int = 0,
           num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8, retention: bool = False,
-          progress: Callable[[int], None] | None = None) -> list[PasskeyResult]:
+          progress: Callable[[int], None] | None = None,
+          checkpointing: resume.Checkpointing | None = None) -> list[PasskeyResult]:
     """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy).
 
     Greedy answers (`answer`); every batch is padded to [batch_size, context_length] (rows repeated,
     lengths per row), so each (policy, context length) compiles once. `retention` also records which key
     tokens each layer and KV head still holds when the question is fed. `progress(n)` is called with the
-    number of prompt tokens of each finished batch (padding rows excluded).
+    number of prompt tokens of each finished batch (padding rows excluded). `checkpointing` saves the
+    results so far every `checkpointing.every` prompt tokens and continues from its last checkpoint, if
+    any (the batches it holds are not run again; the results equal an uninterrupted run's).
     """
     for name, value, least in (("samples", samples, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),
                                ("max_new_tokens", max_new_tokens, 1)):
@@ -237,7 +240,13 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
     if not policies:
         raise ValueError("policies must name at least one policy")
     builder = PromptBuilder(tokenizer, filler, words)
-    results = []
+    results, resumed, batches, tokens_done = [], 0, 0, 0
+    found = checkpointing.resume() if checkpointing is not None else None
+    if found is not None:
+        saved = found[1]
+        results, resumed = [PasskeyResult(**r) for r in saved["results"]], saved["batches"]
+        if progress is not None:
+            progress(saved["tokens"])
     for length in context_lengths:
         batch = prompts(builder, length, samples, seed, num_buckets)
         for label, policy in policies.items():
@@ -248,6 +257,10 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                 for r, p in enumerate(rows):
                     tokens[r, : len(p.tokens)] = p.tokens
                 lengths = np.array([len(p.tokens) for p in rows], np.int32)
+                fed = int(lengths[: len(part)].sum())  # prompt tokens, padding rows excluded
+                batches, tokens_done = batches + 1, tokens_done + fed
+                if batches <= resumed:
+                    continue
                 out, held = answer(model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
                                    eos_id=tokenizer.eos_token_id, retention=retention)
                 for i, p in enumerate(part):
@@ -256,7 +269,10 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                                                  len(p.tokens), text, digit_accuracy(text, p.key),
                                                  len(p.key_positions), None if held is None else held[i].tolist()))
                 if progress is not None:
-                    progress(int(lengths[: len(part)].sum()))
+                    progress(fed)
+                if checkpointing is not None and checkpointing.due(fed):
+                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results], "batches": batches,
+                                              "tokens": tokens_done})
     return results
 
 

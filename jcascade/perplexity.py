@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
-from jcascade import stats
-from jcascade.generation import token_log_probs
+from jcascade import resume, stats
+from jcascade.generation import token_log_probs, warn_nonfinite
 
 
 def cache_capacity(policy) -> int | None:
@@ -43,13 +43,20 @@ def _step(model, policy, state, chunk, targets, n):
     return state, token_log_probs(model, hidden, targets)
 
 
+StreamPoint = tuple[jc.CacheState, np.ndarray, int]  # (cache, log-probs so far [S - 1], next position)
+
+
 def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState, int], None] | None = None,
-           progress: Callable[[int], None] | None = None) -> np.ndarray:
+           progress: Callable[[int], None] | None = None, start: StreamPoint | None = None,
+           after_chunk: Callable[[StreamPoint], None] | None = None) -> np.ndarray:
     """Streams one token sequence [S] through `model` under `policy` in `policy.stride` chunks.
 
     Returns float32 [S - 1], entry t = log p(tokens[t + 1] | tokens[:t + 1]).
     watch(state, first) is called before each chunk with the cache its queries see (leading layer axis,
-    batch 1) and the chunk's first position; progress(n) after each chunk with its token count.
+    batch 1) and the chunk's first position; progress(n) after each chunk with its token count;
+    after_chunk(point) after each chunk but the last with the point to continue from, which `start`
+    accepts (the stream then goes on exactly as it would have: checkpoints, `jcascade.resume`).
+    Non-finite log-probabilities are reported by a RuntimeWarning (`generation.warn_nonfinite`).
     """
     check_streaming(policy)
     tokens = np.asarray(tokens)
@@ -59,11 +66,17 @@ def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState,
     if S > jc.slots.CLOCK_LIMIT:
         raise ValueError(f"tokens: a stream of {S} tokens is longer than the int32 token clock allows "
                          f"({jc.slots.CLOCK_LIMIT}); split it")
-    state = model.init_cache(policy, 1, max_tokens=S)
+    if start is None:
+        state, logps, begin = model.init_cache(policy, 1, max_tokens=S), np.zeros(S - 1, np.float32), 0
+    else:
+        state, logps, begin = start
+        logps = np.array(logps, np.float32)
+        if logps.shape != (S - 1,) or begin % T or not 0 < begin < S:
+            raise ValueError(f"start does not belong to this stream of {S} tokens in chunks of {T}: log-probs "
+                             f"{list(logps.shape)}, position {begin}")
     padded = np.zeros(-(-S // T) * T + 1, np.int32)
     padded[:S] = tokens
-    logps = np.zeros(S - 1, np.float32)
-    for first in range(0, S, T):
+    for first in range(begin, S, T):
         n = min(T, S - first)
         if watch is not None:
             watch(state, first)
@@ -74,6 +87,9 @@ def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState,
         logps[first: first + m] = np.asarray(logp)[0, :m]
         if progress is not None:
             progress(n)
+        if after_chunk is not None and first + n < S:
+            after_chunk((state, logps, first + n))
+    warn_nonfinite(logps[None], np.array([S - 1]))
     return logps
 
 
@@ -108,11 +124,14 @@ BLOCK = 4096  # tokens per bootstrap block: log-likelihoods of tokens this far a
 
 
 def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, object], *, bucket: int = 256,
-               block: int = BLOCK, progress: Callable[[int], None] | None = None
-               ) -> tuple[list[BookPerplexity], list[str]]:
+               block: int = BLOCK, progress: Callable[[int], None] | None = None,
+               checkpointing: resume.Checkpointing | None = None) -> tuple[list[BookPerplexity], list[str]]:
     """Streams every book (name -> tokens [S]) longer than the largest bounded cache under every policy.
 
     Returns the results and the names of the books skipped as not longer than the cache.
+    checkpointing: saves the finished results and the running stream (its cache and log-probs) every
+    `checkpointing.every` tokens, and continues from its last checkpoint, if any: the results are then
+    identical to an uninterrupted run's.
     """
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ValueError(f"bucket must be a positive int, got {bucket!r}")
@@ -120,13 +139,35 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
         check_streaming(policy)
     capacities = [c for c in map(cache_capacity, policies.values()) if c is not None]
     longest = max(capacities, default=1)
-    results, skipped = [], []
+    results, skipped, running = [], [], None
+    found = checkpointing.resume() if checkpointing is not None else None
+    if found is not None:
+        arrays, saved = found
+        results = [BookPerplexity(**r) for r in saved["results"]]
+        if arrays is not None:
+            running = (saved["book"], saved["policy"],
+                       (jc.CacheState(**arrays["cache"]), np.asarray(arrays["logps"]), saved["position"]))
+        if progress is not None:
+            progress(sum(r.tokens for r in results) + (running[2][2] if running else 0))
+    finished = {(r.book, r.policy) for r in results}
+
+    def save(name: str, label: str, point: StreamPoint) -> None:
+        state, logps, position = point
+        if checkpointing.due(policies[label].stride):
+            checkpointing.save({"cache": vars(state), "logps": logps},
+                               {"results": [dataclasses.asdict(r) for r in results], "book": name, "policy": label,
+                                "position": position})
+
     for name, tokens in books.items():
         if len(tokens) <= longest:
             skipped.append(name)
             continue
         for label, policy in policies.items():
-            nll = -stream(model, policy, tokens, progress=progress)
+            if (name, label) in finished:
+                continue
+            start = running[2] if running is not None and running[:2] == (name, label) else None
+            after_chunk = None if checkpointing is None else functools.partial(save, name, label)
+            nll = -stream(model, policy, tokens, progress=progress, start=start, after_chunk=after_chunk)
             edges = np.arange(0, nll.size, bucket)
             curve = np.add.reduceat(nll, edges) / np.diff(np.append(edges, nll.size))
             block_nll, _ = stats.blocks(nll, block)

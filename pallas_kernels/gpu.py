@@ -274,7 +274,7 @@ def _decode_kernel(len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref, sin_ref, 
 
     init = (jnp.zeros((gp, D), F32), jnp.full((gp,), MASK, F32), jnp.zeros((gp,), F32))
     acc, m, l = lax.fori_loop(0, split // bk, body, init)
-    seen_any = m > 0.5 * MASK
+    seen_any = ~(m <= 0.5 * MASK)  # NaN counts as seen: it propagates
     o_ref[...] = jnp.where(seen_any[:, None], acc / l[:, None], 0.0)
     lse_ref[...] = jnp.where(seen_any, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
 
@@ -360,11 +360,11 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     if not want_logits:
         return out, lse_out, None, None
     logits = outs[2][:, :, :G]  # [B, Hkv, G, S]
-    finite = jnp.isfinite(lse)
-    safe = jnp.where(finite, lse, 0.0)[..., None]
+    held = ~jnp.isneginf(lse)  # NaN stays NaN
+    safe = jnp.where(held, lse, 0.0)[..., None]
     w0 = weights[:, 0][:, None, None, None]
-    p_cache = jnp.where(finite[..., None] & (logits > 0.5 * MASK), jnp.exp(logits - safe), 0.0) * w0
-    p_self = jnp.where(finite, jnp.exp(self_logit - safe[..., 0]), 0.0) * w0[..., 0]
+    p_cache = jnp.where(held[..., None] & (logits > 0.5 * MASK), jnp.exp(logits - safe), 0.0) * w0
+    p_self = jnp.where(held, jnp.exp(self_logit - safe[..., 0]), 0.0) * w0[..., 0]
     reduce = jnp.max if reduction == "max" else jnp.mean
     return out, lse_out, reduce(p_cache, axis=2), reduce(p_self, axis=2)[..., None]
 

@@ -54,15 +54,16 @@ def chunk_attention(
     s_cache = jnp.where(rows & cache_valid[:, :, None, None, :], s_cache, -jnp.inf)
     s_chunk = jnp.where(rows & causal, s_chunk, -jnp.inf)
     m = jnp.maximum(s_cache.max(-1, initial=-jnp.inf), s_chunk.max(-1))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+    m = jnp.where(jnp.isneginf(m), 0.0, m)[..., None]  # NaN stays NaN: a non-finite key poisons its query
     e_cache, e_chunk = jnp.exp(s_cache - m), jnp.exp(s_chunk - m)
     denom = e_cache.sum(-1, keepdims=True) + e_chunk.sum(-1, keepdims=True)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    p_cache = jnp.where(denom > 0, e_cache / safe, 0.0)
-    p_chunk = jnp.where(denom > 0, e_chunk / safe, 0.0)
+    empty = denom == 0
+    safe = jnp.where(empty, 1.0, denom)
+    p_cache = jnp.where(empty, 0.0, e_cache / safe)
+    p_chunk = jnp.where(empty, 0.0, e_chunk / safe)
     out = jnp.einsum("bhgts,bhsd->bthgd", p_cache, v_cache.astype(f32), precision=HIGHEST)
     out = out + jnp.einsum("bhgtj,bjhd->bthgd", p_chunk, v.astype(f32), precision=HIGHEST)
-    lse = jnp.where(denom > 0, m + jnp.log(safe), -jnp.inf)[..., 0].reshape(B, Hq, T)
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(safe))[..., 0].reshape(B, Hq, T)
     out = out.reshape(B, T, Hq, D).astype(q.dtype)
     if query_weights is None:
         return out, lse, None, None
@@ -90,7 +91,7 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=Non
     s = jnp.einsum("prhgd,phsd->phgrs", qg, k_cache.astype(f32), precision=HIGHEST)
     s = jnp.where(cache_valid[:, :, None, None, :], s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
-    finite = jnp.isfinite(lse)
-    p = jnp.where(finite[..., None], jnp.exp(s - jnp.where(finite, lse, 0.0)[..., None]), 0.0)
+    empty = jnp.isneginf(lse)
+    p = jnp.where(empty[..., None], 0.0, jnp.exp(s - jnp.where(empty, 0.0, lse)[..., None]))
     out = jnp.einsum("phgrs,phsd->prhgd", p, v_cache.astype(f32), precision=HIGHEST)
     return out.reshape(P, R, Hq, D), lse.transpose(0, 3, 1, 2).reshape(P, R, Hq)

@@ -2,7 +2,8 @@
 
 An attention state over a key set is the softmax-normalised output v [..., D] and the log-sum-exp lse
 [...] of its logits (natural log). States over disjoint key sets merge exactly; the empty set is the
-identity (0, -inf), and merging with it never produces NaN.
+identity (0, -inf), and merging with it never produces NaN; a NaN state (a non-finite key or query) stays
+NaN.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import jax.numpy as jnp
 def merge(v_a: jax.Array, lse_a: jax.Array, v_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(v, lse) of the union of two disjoint key sets. v_* [..., D] (any float dtype), lse_* f32 [...]."""
     lse = jnp.logaddexp(lse_a, lse_b)
-    finite = jnp.isfinite(lse)
-    safe = jnp.where(finite, lse, 0.0)
-    w_a = jnp.where(finite, jnp.exp(lse_a - safe), 0.0)[..., None]
-    w_b = jnp.where(finite, jnp.exp(lse_b - safe), 0.0)[..., None]
+    empty = jnp.isneginf(lse)
+    safe = jnp.where(empty, 0.0, lse)
+    w_a = jnp.where(empty, 0.0, jnp.exp(lse_a - safe))[..., None]
+    w_b = jnp.where(empty, 0.0, jnp.exp(lse_b - safe))[..., None]
     v = w_a * v_a.astype(jnp.float32) + w_b * v_b.astype(jnp.float32)
     return v, lse
 
@@ -25,7 +26,7 @@ def merge(v_a: jax.Array, lse_a: jax.Array, v_b: jax.Array, lse_b: jax.Array) ->
 def merge_all(v: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """Merges the states stacked along `axis` of lse (and the same axis of v, which has D last)."""
     total = jax.nn.logsumexp(lse, axis=axis, keepdims=True)
-    finite = jnp.isfinite(total)
-    weights = jnp.where(finite, jnp.exp(lse - jnp.where(finite, total, 0.0)), 0.0)
+    empty = jnp.isneginf(total)
+    weights = jnp.where(empty, 0.0, jnp.exp(lse - jnp.where(empty, 0.0, total)))
     out = jnp.sum(weights[..., None] * v.astype(jnp.float32), axis=axis)
     return out, jnp.squeeze(total, axis)

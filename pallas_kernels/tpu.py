@@ -93,7 +93,7 @@ def _segment_kernel(len_ref, q_ref, k_ref, v_ref, *refs, causal, T, S, scale):
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
         m, l = m_sc[...], l_sc[...]
-        seen_any = m > 0.5 * MASK
+        seen_any = ~(m <= 0.5 * MASK)  # NaN counts as seen: it propagates
         o_ref[...] = jnp.where(seen_any, acc_sc[...] / l, 0.0).reshape(G, bq, D)
         lse_ref[...] = jnp.where(seen_any, m + jnp.log(l), -jnp.inf).reshape(G, bq)
 

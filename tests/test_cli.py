@@ -5,16 +5,10 @@ import json
 import pytest
 
 import jcascade as jc
-import tiny
 from jcascade import cli
 
 SINK = "sink:window=32,sinks=4,stride=32"
 CASCADE = "cascade:cache_size=32,sinks=4,stride=32"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(tiny.save(tmp_path_factory.mktemp("tiny-model")))
 
 
 @pytest.fixture(scope="module")
