@@ -3,7 +3,9 @@
 Both architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query attention with rotary
 positions (Qwen2 adds q/k/v biases), and a SwiGLU MLP. The L layers' weights are stacked on a leading
 axis and run under `lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
-`jcascade.attend` then `jcascade.update` on its slice of the cache, so every policy works unchanged.
+`jcascade.attend` then `jcascade.update` on its slice of the cache, so every policy works unchanged. The
+stacked cache is the scan's carry: a layer reads its slice and writes it back in place (dynamic update
+slice), so the cache is held once (tests/test_memory.py) and only one layer's slice is copied at a time.
 
 Weights use the x @ W convention (W is [in, out], the transpose of PyTorch's Linear weight).
 """
@@ -95,8 +97,10 @@ class CausalLM(nnx.Module):
         rope = cfg.rope
         weights = {name: p[...] for name, p in self.layers.items()}
 
-        def layer(x, inputs):
-            w, layer_state, layer_prefixes = inputs
+        def layer(carry, inputs):
+            x, state = carry
+            w, index, layer_prefixes = inputs
+            layer_state = jax.tree.map(lambda a: a[index], state)
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
             q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
             if cfg.qkv_bias:
@@ -115,10 +119,11 @@ class CausalLM(nnx.Module):
             x = x + (o + w["bo"] if cfg.o_bias else o)
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-            return x, layer_state
+            return (x, jax.tree.map(lambda a, new: a.at[index].set(new), state, layer_state)), None
 
         x = jnp.take(self.embed[...], tokens, axis=0)
-        x, state = jax.lax.scan(layer, x, (weights, state, tuple(prefixes)))
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, state), _ = jax.lax.scan(layer, (x, state), (weights, layers, tuple(prefixes)))
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), state
 
     def logits(self, hidden: jax.Array) -> jax.Array:
