@@ -140,7 +140,9 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
         raise ValueError(f"prefix must be None or an int in [1, {S}], got {prefix!r}")
     _check_positions(model, policy, S)
     logps = _score(model, tokens, policy, lengths, prefix, implementation)
-    if slots.concrete(logps):  # under a user's jit there is nothing to look at yet
+    # checked on the device; rows and positions come to the host only when something is non-finite (padding
+    # entries are 0), and not under a user's jit, where there is nothing to look at yet
+    if slots.concrete(logps) and not bool(jnp.isfinite(logps).all()):
         warn_nonfinite(np.asarray(logps), np.asarray(lengths) - 1)
     return logps
 
