@@ -139,16 +139,16 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
         check_streaming(policy)
     capacities = [c for c in map(cache_capacity, policies.values()) if c is not None]
     longest = max(capacities, default=1)
-    results, skipped, running = [], [], None
+    results, skipped, running = [], [], {}  # running: (book, policy label) -> the point its stream resumes at
     found = checkpointing.resume() if checkpointing is not None else None
     if found is not None:
         arrays, saved = found
         results = [BookPerplexity(**r) for r in saved["results"]]
         if arrays is not None:
-            running = (saved["book"], saved["policy"],
-                       (jc.CacheState(**arrays["cache"]), np.asarray(arrays["logps"]), saved["position"]))
+            cache = jc.CacheState(**arrays["cache"])
+            running[saved["book"], saved["policy"]] = (cache, np.asarray(arrays["logps"]), saved["position"])
         if progress is not None:
-            progress(sum(r.tokens for r in results) + (running[2][2] if running else 0))
+            progress(sum(r.tokens for r in results) + sum(point[2] for point in running.values()))
     finished = {(r.book, r.policy) for r in results}
 
     def save(name: str, label: str, point: StreamPoint) -> None:
@@ -165,9 +165,9 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
         for label, policy in policies.items():
             if (name, label) in finished:
                 continue
-            start = running[2] if running is not None and running[:2] == (name, label) else None
             after_chunk = None if checkpointing is None else functools.partial(save, name, label)
-            nll = -stream(model, policy, tokens, progress=progress, start=start, after_chunk=after_chunk)
+            nll = -stream(model, policy, tokens, progress=progress, start=running.get((name, label)),
+                          after_chunk=after_chunk)
             edges = np.arange(0, nll.size, bucket)
             curve = np.add.reduceat(nll, edges) / np.diff(np.append(edges, nll.size))
             block_nll, _ = stats.blocks(nll, block)
