@@ -149,8 +149,9 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
 
 def warn_nonfinite(logps: np.ndarray, valid: np.ndarray) -> None:
     """Warns (RuntimeWarning) with the positions of the non-finite entries among each row's first valid[b]
-    log-probabilities (logps [B, S]). A NaN or Inf in the inputs or weights reaches every later token of
-    its row through the cache, and no other row (tests/test_nonfinite.py)."""
+    log-probabilities (logps [B, S]). A NaN or Inf in the inputs or weights reaches the tokens of its row
+    from the start of its chunk until everything it touched has left the cache (never, under Full), and no
+    other row (tests/test_nonfinite.py)."""
     bad = ~np.isfinite(logps) & (np.arange(logps.shape[1])[None, :] < valid[:, None])
     rows = [(b, np.flatnonzero(bad[b])) for b in np.flatnonzero(bad.any(axis=1))]
     if rows:

@@ -79,7 +79,7 @@ class Checkpointing:
     directory: pathlib.Path
     every: int
     run: dict
-    _since: int = 0
+    _since: int = dataclasses.field(default=0, init=False, repr=False)  # tokens since the last checkpoint
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:

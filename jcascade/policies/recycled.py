@@ -104,13 +104,10 @@ class Recycled(Policy):
             out, inc_cache, inc_chunk = full_attention()
             return out, Scores(cache=inc_cache, chunk=inc_chunk)
 
-        pos = state.pos[..., M:]
-        held = pos >= 0
-        if self.positions == "original":
-            key_pos, start = pos, state.seen
-        else:  # rank among the attended tokens
-            key_pos, start = slots.rank_by_position(pos), jnp.sum(held[:, 0], axis=-1).astype(jnp.int32)
-        small, _, _, _ = run(held, key_pos, start, state.k[..., M:, :], state.v[..., M:, :], None)
+        attended = dataclasses.replace(state, k=state.k[..., M:, :], v=state.v[..., M:, :], score=state.score[..., M:],
+                                       pos=state.pos[..., M:])  # the recycled copies and the new tokens
+        key_pos, start = super().key_positions(attended)  # "cache": rank among the attended tokens
+        small, _, _, _ = run(attended.pos >= 0, key_pos, start, attended.k, attended.v, None)
         zeros = (jnp.zeros((B, Hkv, state.capacity), jnp.float32), jnp.zeros((B, Hkv, T), jnp.float32))
 
         def with_full():
