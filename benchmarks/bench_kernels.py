@@ -263,7 +263,8 @@ def main():
     a.configs = [G(), G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3),
                  G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3),
                  G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2)]
-    a.decode_configs = [G(decode_block_k=32), G(decode_num_warps=8), G(decode_block_k=32, decode_num_warps=8)]
+    a.decode_configs = [G(decode_block_k=bk, decode_num_warps=warps, decode_num_stages=stages, decode_programs=programs)
+                        for bk in (32, 64) for warps in (4, 8) for stages in (2, 3) for programs in (512, 2048)]
     gib = 4.0
     if a.tiny:
         a.chunk, a.cache, a.sinks, a.tokens = 32, 64, 4, 256

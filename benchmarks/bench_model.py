@@ -82,7 +82,8 @@ def bench_prefill(a, model, policy, peak):
     segment = a.segment
     state = model.init_cache(policy, 1)
     lengths = jnp.array([segment], jnp.int32)
-    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2], donate_argnums=1)
+    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2], donate_argnums=1,
+                  compiler_options=jc.COMPILER_OPTIONS)
     tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
     t0 = time.perf_counter()
     compiled = run.lower(model, state, tokens[0]).compile()
@@ -125,7 +126,7 @@ def bench_decode(a, model, policy, bandwidth):
             hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32))
             return state, jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
 
-        run = jax.jit(step, donate_argnums=1)
+        run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
         last = jnp.zeros((batch,), jnp.int32)
         t0 = time.perf_counter()
         compiled = run.lower(model, state, last).compile()
@@ -153,6 +154,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--only", default="ab", help="a: prefill, b: decode (compile times come with each)")
     p.add_argument("--batches", default="1,16,32", help="decode batch sizes")
+    p.add_argument("--cache-size", type=int, default=16384, help="Cascade cache size (64: weights and fixed costs only)")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
@@ -161,7 +163,7 @@ def main():
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
         peak, bandwidth = matmul_peak(256), copy_bandwidth(1 << 20)
     else:
-        cfg, policy = LLAMA31_8B, jc.Cascade(cache_size=16384, sinks=64, num_cascades=4, stride=4096)
+        cfg, policy = LLAMA31_8B, jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096)
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 32768, [32768, 131072, 1 << 20], batches, 20
         peak, bandwidth = matmul_peak(8192), copy_bandwidth(1 << 31)
     device = jax.devices()[0]

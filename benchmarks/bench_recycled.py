@@ -64,7 +64,8 @@ def main():
         row = dict(policy=name, spec=repr(policy))
         for steps in (1, new):
             run = jax.jit(lambda model, tokens, policy=policy, steps=steps: jc.generate(model, tokens, policy,
-                                                                                       max_new_tokens=steps))
+                                                                                       max_new_tokens=steps),
+                          compiler_options=jc.COMPILER_OPTIONS)
             t0 = time.perf_counter()
             compiled = run.lower(model, tokens).compile()
             row[f"compile_s_{steps}"] = time.perf_counter() - t0

@@ -18,7 +18,8 @@ if importlib.util.find_spec("jcascade.pallas_kernels") is None:  # a source tree
 from jcascade.attention import attend
 from jcascade.generation import generate, prefill, score
 from jcascade.cache import compress, init_cache, update
-from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores
+from jcascade.compilation import COMPILER_OPTIONS
+from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
 from jcascade.policies import H2O, Cascade, Full, Policy, PyramidKV, Recycled, RingPolicy, Sink, SlidingWindow, SnapKV
 from jcascade.resume import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
@@ -26,6 +27,7 @@ from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokeniz
 from jcascade.rope import Llama3Scaling, RoPE
 
 __all__ = [
+    "COMPILER_OPTIONS",
     "CacheState",
     "CausalLM",
     "Cascade",
@@ -61,4 +63,5 @@ __all__ = [
     "score",
     "share_prefix",
     "update",
+    "write_kv",
 ]

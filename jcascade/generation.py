@@ -9,14 +9,13 @@ inside a user's `jit`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade import cache, slots
+from jcascade import cache, compilation, slots
 from jcascade.policies import Full, check_policy
 from jcascade.shared import share_prefix
 from jcascade.models.decoder import CausalLM
@@ -161,7 +160,7 @@ def warn_nonfinite(logps: np.ndarray, valid: np.ndarray) -> None:
                       stacklevel=3)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "prefix", "implementation"))
+@compilation.jit(static_argnames=("policy", "prefix", "implementation"))
 def _score(model, tokens, policy, lengths, prefix, implementation):
     B, S = tokens.shape
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
@@ -246,8 +245,8 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
                      implementation=implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id",
-                                             "num_samples", "implementation"))
+@compilation.jit(static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id",
+                            "num_samples", "implementation"))
 def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperature, top_p, eos_id, num_samples,
               implementation):
     if num_samples is None:

@@ -14,7 +14,6 @@ generator, so prompts do not depend on which policies or lengths are swept with 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
-from jcascade import resume, stats
+from jcascade import compilation, resume, stats
 from jcascade.generation import decode
 from jcascade.perplexity import cache_capacity
 from jcascade.texts import REPEAT_SENTENCES
@@ -169,7 +168,7 @@ class PasskeyResult:
     retention: list[list[float]] | None  # [layer][KV head]: fraction of them the question sees; None if not asked
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "head", "rest", "max_new_tokens", "eos_id"))
+@compilation.jit(static_argnames=("policy", "head", "rest", "max_new_tokens", "eos_id"))
 def _answer_and_retention(model, policy, tokens, lengths, chunk_starts, key_positions, *, head, rest,
                           max_new_tokens, eos_id):
     """Greedy answers as `jc.generate` gives them, and which key tokens the question sees.

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
-from jcascade import resume, stats
+from jcascade import compilation, resume, stats
 from jcascade.generation import token_log_probs, warn_nonfinite
 
 
@@ -37,7 +37,7 @@ def check_streaming(policy) -> None:
                          "needs a streaming policy (Full, Sink, Cascade, SlidingWindow, H2O)")
 
 
-@functools.partial(jax.jit, static_argnames="policy")
+@compilation.jit(static_argnames="policy")
 def _step(model, policy, state, chunk, targets, n):
     hidden, state = model(policy, state, chunk, n)
     return state, token_log_probs(model, hidden, targets)
@@ -154,7 +154,7 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
     def save(name: str, label: str, point: StreamPoint) -> None:
         state, logps, position = point
         if checkpointing.due(policies[label].stride):
-            checkpointing.save({"cache": vars(state), "logps": logps},
+            checkpointing.save({"cache": {field: x for field, x in vars(state).items() if x is not None}, "logps": logps},
                                {"results": [dataclasses.asdict(r) for r in results], "book": name, "policy": label,
                                 "position": position})
 

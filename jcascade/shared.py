@@ -102,7 +102,7 @@ def attend_shared(
     start = start + offset
     q, k = rotate_chunk(rope, q, k, start)
     out, lse, _, _ = pallas_kernels.chunk_attention(q, k, v, state.k, state.v, state.pos >= 0, key_pos, n, None,
-                                                    "max", rope, implementation=implementation)
+                                                    "max", rope, layer=state.layer, implementation=implementation)
     out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)  # lse [B, T, Hq]
     Hq = q.shape[2]
     for prefix, per_row in zip(prefixes, fan_out):

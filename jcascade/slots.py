@@ -39,6 +39,10 @@ class CacheState:
     score: f32 [B, Hkv, capacity] EMA attention score per slot (0 for policies that keep none).
     pos:   int32 [B, Hkv, capacity] original token index per slot, -1 for an empty slot.
     seen:  int32 [B] number of tokens each row has received.
+    layer: None, or an int32 scalar when this is one layer of a model's stacked cache as its layer loop
+           sees it: k and v are then the whole stack [L, B, Hkv, capacity, D], read and written in place
+           at `layer` (`cached_kv`, `write_kv`, the kernels' `layer` argument), and the other fields are
+           the layer's own. Nothing is copied out of the stack or back.
     """
 
     k: jax.Array
@@ -46,6 +50,7 @@ class CacheState:
     score: jax.Array
     pos: jax.Array
     seen: jax.Array
+    layer: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -72,8 +77,20 @@ def cached_scores(state: CacheState) -> jax.Array:
 
 
 def cached_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
-    """(k, v), each [B, Hkv, capacity, D], un-rotated, same slot order as `cached_positions`."""
-    return state.k, state.v
+    """(k, v), each [B, Hkv, capacity, D], un-rotated, same slot order as `cached_positions` (the state's
+    layer of a stacked cache when `state.layer` is set)."""
+    if state.layer is None:
+        return state.k, state.v
+    return state.k[state.layer], state.v[state.layer]
+
+
+def write_kv(state: CacheState, index: tuple, k: jax.Array, v: jax.Array) -> CacheState:
+    """The state with its (layer's) k and v set to `k`, `v` at `index` (a NumPy-style index tuple into
+    [B, Hkv, capacity, D], `()` for all of it; out-of-range scatter indices are dropped). With `state.layer`
+    set this is one scatter into the stack: only the written rows move."""
+    index = index if state.layer is None else (state.layer, *index)
+    put = lambda x, val: x.at[index].set(val.astype(x.dtype), mode="drop")
+    return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v))
 
 
 def rank_by_position(pos: jax.Array) -> jax.Array:
@@ -290,7 +307,7 @@ def check_overflow(policy, placed: jax.Array, n: jax.Array, capacity: int) -> No
 
 
 def check_chunk(name: str, x: jax.Array, state: CacheState) -> None:
-    B, H, _, D = state.k.shape
+    B, H, _, D = state.k.shape[-4:]
     if x.ndim != 4 or x.shape[0] != B or x.shape[2:] != (H, D):
         raise ValueError(f"{name} must have shape [batch={B}, T, num_kv_heads={H}, head_dim={D}], got {x.shape}")
 
@@ -328,16 +345,18 @@ def insert(layout: RingLayout, state: CacheState, k: jax.Array, v: jax.Array, sc
     backend, interpret = pallas_kernels.resolve(implementation)
     if T == 1 and backend == "triton" and not layout.heavy:
         score, pos, new_k, new_v = insert_one(layout, score, state.pos, state.k, state.v, chunk_score, k, v,
-                                              placed, n, state.seen, interpret=interpret)
-        return CacheState(k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + n)
+                                              placed, n, state.seen, layer=state.layer, interpret=interpret)
+        return dataclasses.replace(state, k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + n)
     dest, src, mu = _insertions(layout, score, state.pos >= 0, chunk_score, placed, n, place_evicted)
     ck, cv = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, H, T, D]
     chunk_pos = state.seen[:, None, None] + jnp.arange(T, dtype=jnp.int32)
-    bi, hi, di = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], dest
-    write = lambda x, val: x.at[bi, hi, di].set(val.astype(x.dtype), mode="drop")
-    return CacheState(
-        k=write(state.k, _gather_items(state.k, ck.astype(state.k.dtype), src)),
-        v=write(state.v, _gather_items(state.v, cv.astype(state.v.dtype), src)),
+    index = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], dest)
+    write = lambda x, val: x.at[index].set(val.astype(x.dtype), mode="drop")
+    old_k, old_v = cached_kv(state)
+    state = write_kv(state, index, _gather_items(old_k, ck.astype(old_k.dtype), src),
+                     _gather_items(old_v, cv.astype(old_v.dtype), src))
+    return dataclasses.replace(
+        state,
         score=write(score, mu),
         pos=write(state.pos, _gather_items(state.pos, jnp.broadcast_to(chunk_pos, (B, H, T)), src)),
         seen=state.seen + n,

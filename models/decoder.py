@@ -4,8 +4,10 @@ Both architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query
 positions (Qwen2 adds q/k/v biases), and a SwiGLU MLP. The L layers' weights are stacked on a leading
 axis and run under `lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
 `jcascade.attend` then `jcascade.update` on its slice of the cache, so every policy works unchanged. The
-stacked cache is the scan's carry: a layer reads its slice and writes it back in place (dynamic update
-slice), so the cache is held once (tests/test_memory.py) and only one layer's slice is copied at a time.
+stacked cache is the scan's carry and is never sliced: each layer sees the whole K/V stack with its layer
+index (`CacheState.layer`), the kernels and scatters read and write that layer in place, and only the
+small per-slot arrays (scores, positions) are sliced and written back. The cache is held once
+(tests/test_memory.py) and a decode step moves no K/V beyond what it reads and inserts.
 
 Weights use the x @ W convention (W is [in, out], the transpose of PyTorch's Linear weight).
 """
@@ -100,7 +102,8 @@ class CausalLM(nnx.Module):
         def layer(carry, inputs):
             x, state = carry
             w, index, layer_prefixes = inputs
-            layer_state = jax.tree.map(lambda a: a[index], state)
+            layer_state = slots.CacheState(k=state.k, v=state.v, score=state.score[index], pos=state.pos[index],
+                                           seen=state.seen[index], layer=index)
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
             q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
             if cfg.qkv_bias:
@@ -114,12 +117,18 @@ class CausalLM(nnx.Module):
                 scores = None
             else:
                 out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope, implementation=implementation)
+            # Every read of the K/V stack by the attention precedes the update's in-place writes (else XLA
+            # copies the stack to keep an unordered read valid).
+            out, layer_state = jax.lax.optimization_barrier((out, layer_state))
             layer_state = cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
             o = out.reshape(B, T, -1) @ w["wo"]
             x = x + (o + w["bo"] if cfg.o_bias else o)
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-            return (x, jax.tree.map(lambda a, new: a.at[index].set(new), state, layer_state)), None
+            state = slots.CacheState(k=layer_state.k, v=layer_state.v, score=state.score.at[index].set(layer_state.score),
+                                     pos=state.pos.at[index].set(layer_state.pos),
+                                     seen=state.seen.at[index].set(layer_state.seen))
+            return (x, state), None
 
         x = jnp.take(self.embed[...], tokens, axis=0)
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)

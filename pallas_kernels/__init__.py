@@ -37,15 +37,20 @@ def resolve(implementation: str | None) -> tuple[str, bool]:
 
 
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, *, implementation: str | None = None, config=None):
-    """Dispatches to an implementation; `config` is a `gpu.GpuConfig` or `tpu.TpuConfig` (block sizes)."""
+                    head_reduction="max", rope=None, *, layer=None, implementation: str | None = None, config=None):
+    """Dispatches to an implementation; `config` is a `gpu.GpuConfig` or `tpu.TpuConfig` (block sizes).
+    layer: None, or an int32 scalar when k_cache and v_cache are a model's stacked cache [L, B, Hkv, S, D]:
+    the call attends to that layer (the Triton decode kernel reads it in place, the others take its slice)."""
     backend, interpret = resolve(implementation)
+    if backend == "triton":
+        return gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
+                                   head_reduction, rope, layer, config=config or gpu.GpuConfig(), interpret=interpret)
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
     args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
     if backend == "xla":
         return reference.chunk_attention(*args)
-    module = gpu if backend == "triton" else tpu
-    config = config if config is not None else (gpu.GpuConfig() if backend == "triton" else tpu.TpuConfig())
-    return module.chunk_attention(*args, config=config, interpret=interpret)
+    return tpu.chunk_attention(*args, config=config or tpu.TpuConfig(), interpret=interpret)
 
 
 def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *,

@@ -19,9 +19,11 @@ from jax.experimental.pallas import triton as plgpu
 from .schedule import RingLayout, ring_schedules
 
 
-def _insert_kernel(seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, pos_ref, k_ref, v_ref,
-                   mu_out, pos_out, k_out, v_out, *, layout: RingLayout, barrier: bool):
+def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, pos_ref, k_ref,
+                   v_ref, mu_out, pos_out, k_out, v_out, *, layout: RingLayout, barrier: bool):
     S0, W = layout.sinks, layout.ring_size
+    layer, b, h = layer_ref[0], pl.program_id(0), pl.program_id(1)
+    row = lambda ref, slot: ref.at[layer, b, h, slot, :]  # a slot of this program's (layer, row, head) in the stack
     D = k_ref.shape[-1]
     seen = seen_ref[...]
     present = n_ref[...] > 0
@@ -31,15 +33,15 @@ def _insert_kernel(seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v
     # Phase A: read everything that phase B may overwrite (rings occupy disjoint slots).
     oldest = [S0 + i * W + s.writes(t) % W for i, s in enumerate(scheds)]
     newest = [S0 + i * W + (s.writes(t) - 1) % W for i, s in enumerate(scheds)]
-    evicted = [(plgpu.load(k_ref.at[w, :]), plgpu.load(v_ref.at[w, :]), mu_ref[w], pos_ref[w]) for w in oldest]
+    evicted = [(plgpu.load(row(k_ref, w)), plgpu.load(row(v_ref, w)), mu_ref[w], pos_ref[w]) for w in oldest]
     newest_mu = [mu_ref[z] for z in newest]
     if barrier:
         plgpu.debug_barrier()
 
     def write(slot, item, pred):
         k, v, mu, pos = item
-        plgpu.store(k_out.at[slot, :], k, mask=jnp.broadcast_to(pred, (D,)))
-        plgpu.store(v_out.at[slot, :], v, mask=jnp.broadcast_to(pred, (D,)))
+        plgpu.store(row(k_out, slot), k, mask=jnp.broadcast_to(pred, (D,)))
+        plgpu.store(row(v_out, slot), v, mask=jnp.broadcast_to(pred, (D,)))
         plgpu.store(mu_out.at[slot], mu, mask=pred)
         plgpu.store(pos_out.at[slot], pos, mask=pred)
 
@@ -58,16 +60,19 @@ def _insert_kernel(seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v
 
 
 def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, new_v, seen, n, position, *,
-               interpret: bool = False):
+               layer=None, interpret: bool = False):
     """In-place single-token insertion. mu f32 / pos int32 [B, H, cap] (mu after decay and accumulate);
-    k_cache, v_cache [B, H, cap, D]; chunk_mu f32 [B, H, 1]; new_k, new_v [B, 1, H, D]; seen int32 [B]
-    the row's slot clock (tokens placed so far), n int32 [B] 1 or 0 (padding), position int32 [B] the
-    token's original position (= seen, except in compressed append caches).
-    Returns the new (mu, pos, k_cache, v_cache)."""
-    B, H, cap, D = k_cache.shape
+    k_cache, v_cache [B, H, cap, D], or a stack [L, B, H, cap, D] of which layer `layer` (int32 scalar) is
+    written; chunk_mu f32 [B, H, 1]; new_k, new_v [B, 1, H, D]; seen int32 [B] the row's slot clock
+    (tokens placed so far), n int32 [B] 1 or 0 (padding), position int32 [B] the token's original position
+    (= seen, except in compressed append caches).
+    Returns the new (mu, pos, k_cache, v_cache), k_cache and v_cache of the shape given."""
+    stacked = layer is not None
+    if not stacked:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    _, B, H, cap, D = k_cache.shape
     row = lambda b, h: (b,)
     slots = lambda b, h: (b, h, 0)
-    rows = lambda b, h: (b, h, 0, 0)
     specs = [
         pl.BlockSpec((None,), row),
         pl.BlockSpec((None,), row),
@@ -77,17 +82,19 @@ def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, n
         pl.BlockSpec((None, None, None, D), lambda b, h: (b, 0, h, 0)),
         pl.BlockSpec((None, None, cap), slots),
         pl.BlockSpec((None, None, cap), slots),
-        pl.BlockSpec((None, None, cap, D), rows),
-        pl.BlockSpec((None, None, cap, D), rows),
+        pl.BlockSpec(),  # the whole stack: each program addresses its own (layer, row, head)
+        pl.BlockSpec(),
     ]
-    return pl.pallas_call(
+    mu, pos, k_cache, v_cache = pl.pallas_call(
         functools.partial(_insert_kernel, layout=layout, barrier=not interpret),
         grid=(B, H),
-        in_specs=specs,
+        in_specs=[pl.BlockSpec(), *specs],
         out_specs=specs[6:],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mu, pos, k_cache, v_cache)],
-        input_output_aliases={6: 0, 7: 1, 8: 2, 9: 3},
+        input_output_aliases={7: 0, 8: 1, 9: 2, 10: 3},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jcascade_insert_one",
-    )(seen, n, position, chunk_mu, new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype), mu, pos, k_cache, v_cache)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), seen, n, position, chunk_mu, new_k.astype(k_cache.dtype),
+      new_v.astype(v_cache.dtype), mu, pos, k_cache, v_cache)
+    return (mu, pos, k_cache, v_cache) if stacked else (mu, pos, k_cache[0], v_cache[0])

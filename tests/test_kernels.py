@@ -159,6 +159,56 @@ def test_single_token_insertion_kernel_equals_xla_update(policy):
     assert int(np.asarray(xla.seen).max()) > xla.capacity
 
 
+@pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic_tpu"])
+@pytest.mark.parametrize("T", [1, 9])
+def test_a_stacked_cache_is_read_at_its_layer(implementation, T):
+    """With `layer`, the kernels take a model's stacked cache [L, ...] and attend to that layer exactly as
+    to the layer alone (the Triton decode kernel reads the stack in place)."""
+    rng = np.random.default_rng(T)
+    inputs = random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True)
+    stacked = dict(inputs)
+    for name in ("k_cache", "v_cache"):
+        others = jnp.asarray(rng.normal(size=(3, *inputs[name].shape)), jnp.float32)
+        stacked[name] = others.at[1].set(inputs[name])
+    config = SMALL.get(implementation)
+    run = jax.jit(lambda x, layer: pk.chunk_attention(**x, rope=jc.RoPE(10000.0), layer=layer,
+                                                      implementation=implementation, config=config))
+    for got, want in zip(run(stacked, jnp.int32(1)), run(inputs, None)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize("policy", [
+    jc.Cascade(cache_size=12, sinks=2, num_cascades=3, gamma=0.5),
+    jc.H2O(heavy=6, recent=4),
+    jc.Recycled(top_k=4, refresh_every=3),
+], ids=["cascade", "h2o", "recycled"])
+def test_updates_write_only_their_layer_of_a_stack(implementation, policy):
+    """`update` on a layer view of a stacked cache (`CacheState.layer`) writes that layer of the K/V stack
+    as the layer alone would be written, in decode steps and chunks, and leaves the other layers alone."""
+    rng = np.random.default_rng(4)
+    B, H, D, L = 2, 2, 16, 3
+    alone = jc.init_cache(policy, B, H, D, max_tokens=64)
+    others = lambda: jnp.asarray(rng.normal(size=(L, *alone.k.shape)), jnp.float32)
+    stack_k, stack_v = others(), others()
+    view = jc.CacheState(k=stack_k.at[1].set(alone.k), v=stack_v.at[1].set(alone.v), score=alone.score, pos=alone.pos,
+                         seen=alone.seen, layer=jnp.int32(1))
+    update = jax.jit(jc.update, static_argnums=0, static_argnames="implementation")
+    for T in [3, 1, 1, 3, 1, 1, 1, 3, 1, 1, 1, 3, 1, 1]:
+        k = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+        lengths = jnp.asarray([T, rng.integers(0, T + 1)], jnp.int32)
+        scores = jc.Scores(jnp.asarray(rng.choice([0.0, 0.25, 0.5], (B, H, alone.capacity)), jnp.float32),
+                           jnp.asarray(rng.choice([0.0, 0.5, 1.0], (B, H, T)), jnp.float32))
+        alone = update(policy, alone, k, -k, scores, lengths, implementation=implementation)
+        view = update(policy, view, k, -k, scores, lengths, implementation=implementation)
+        for name in ("score", "pos", "seen"):
+            np.testing.assert_array_equal(np.asarray(getattr(view, name)), np.asarray(getattr(alone, name)))
+        for got, want, before in ((view.k, alone.k, stack_k), (view.v, alone.v, stack_v)):
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want))
+            np.testing.assert_array_equal(np.asarray(got[::2]), np.asarray(before[::2]))
+    assert int(view.layer) == 1 and int(alone.seen[0]) == 22  # past the ring caches' capacities
+
+
 def test_insertion_kernel_lowers_for_gpu():
     from jcascade.pallas_kernels.insert import insert_one
 

@@ -111,7 +111,7 @@ class Policy(abc.ABC):
         q, k = rotate_chunk(rope, q, k, start)
         out, _, inc_cache, inc_chunk = pallas_kernels.chunk_attention(
             q, k, v, state.k, state.v, state.pos >= 0, key_pos, lengths, weights, self.head_reduction, rope,
-            implementation=implementation,
+            layer=state.layer, implementation=implementation,
         )
         return out, None if inc_cache is None else Scores(cache=inc_cache, chunk=inc_chunk)
 

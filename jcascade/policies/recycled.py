@@ -90,24 +90,25 @@ class Recycled(Policy):
         full = self._full_step_rows(self._since_refresh(state), T)
         slot = jnp.arange(state.capacity)
 
-        def run(valid, key_pos, start, k_cache, v_cache, w):
+        def run(valid, key_pos, start, k_cache, v_cache, layer, w):
             qr, kr = rotate_chunk(rope, q, k, start)
             return pallas_kernels.chunk_attention(qr, kr, v, k_cache, v_cache, valid, key_pos, n, w, "max", rope,
-                                                  implementation=implementation)
+                                                  layer=layer, implementation=implementation)
 
         def full_attention():
             valid = (state.pos >= 0) & (slot < M)
-            out, _, inc_cache, inc_chunk = run(valid, state.pos, state.seen, state.k, state.v, weights)
+            out, _, inc_cache, inc_chunk = run(valid, state.pos, state.seen, state.k, state.v, state.layer, weights)
             return out, inc_cache, inc_chunk
 
         if T > 1:
             out, inc_cache, inc_chunk = full_attention()
             return out, Scores(cache=inc_cache, chunk=inc_chunk)
 
-        attended = dataclasses.replace(state, k=state.k[..., M:, :], v=state.v[..., M:, :], score=state.score[..., M:],
-                                       pos=state.pos[..., M:])  # the recycled copies and the new tokens
+        layer_k, layer_v = slots.cached_kv(state)
+        attended = CacheState(k=layer_k[..., M:, :], v=layer_v[..., M:, :], score=state.score[..., M:],
+                              pos=state.pos[..., M:], seen=state.seen)  # the recycled copies and the new tokens
         key_pos, start = super().key_positions(attended)  # "cache": rank among the attended tokens
-        small, _, _, _ = run(attended.pos >= 0, key_pos, start, attended.k, attended.v, None)
+        small, _, _, _ = run(attended.pos >= 0, key_pos, start, attended.k, attended.v, None, None)
         zeros = (jnp.zeros((B, Hkv, state.capacity), jnp.float32), jnp.zeros((B, Hkv, T), jnp.float32))
 
         def with_full():
@@ -132,15 +133,15 @@ class Recycled(Policy):
         full = self._full_step_rows(since, T) & (n > 0)
         bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
         j = jnp.arange(T, dtype=jnp.int32)[None, :]
-        ck, cv = jnp.swapaxes(k, 1, 2).astype(state.k.dtype), jnp.swapaxes(v, 1, 2).astype(state.v.dtype)
+        ck, cv = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         chunk_pos = jnp.broadcast_to((state.seen[:, None] + j)[:, None, :], (B, H, T))
         chunk_score = jnp.where(full[:, None, None], scores.chunk, 0.0)
 
         def write(st, dest, score):
             dest = jnp.broadcast_to(dest[:, None, :], (B, H, T))
             put = lambda x, val: x.at[bi, hi, dest].set(val.astype(x.dtype), mode="drop")
-            return dataclasses.replace(st, k=put(st.k, ck), v=put(st.v, cv), score=put(st.score, score),
-                                       pos=put(st.pos, chunk_pos))
+            st = slots.write_kv(st, (bi, hi, dest), ck, cv)
+            return dataclasses.replace(st, score=put(st.score, score), pos=put(st.pos, chunk_pos))
 
         fresh_scores = jnp.where(full[:, None, None] & (jnp.arange(state.capacity) < M), scores.cache, state.score)
         state = dataclasses.replace(state, score=fresh_scores)
@@ -163,12 +164,14 @@ class Recycled(Policy):
             new_pos = jnp.concatenate([jnp.where(chosen, take(st.pos), -1),
                                        jnp.full((B, H, self.refresh_every), -1)], -1)
             new_score = jnp.concatenate([take(st.score), jnp.zeros((B, H, self.refresh_every), jnp.float32)], -1)
-            new_k = jnp.concatenate([take(st.k), jnp.zeros_like(st.k[..., recent:, :])], -2)
-            new_v = jnp.concatenate([take(st.v), jnp.zeros_like(st.v[..., recent:, :])], -2)
+            old_k, old_v = slots.cached_kv(st)
+            new_k = jnp.concatenate([take(old_k), jnp.zeros_like(old_k[..., recent:, :])], -2)
+            new_v = jnp.concatenate([take(old_v), jnp.zeros_like(old_v[..., recent:, :])], -2)
+            st = slots.write_kv(st, (slice(None), slice(None), region),
+                                jnp.where(pick[..., None], new_k, old_k[..., region, :]),
+                                jnp.where(pick[..., None], new_v, old_v[..., region, :]))
             return dataclasses.replace(
                 st,
-                k=st.k.at[..., region, :].set(jnp.where(pick[..., None], new_k, st.k[..., region, :])),
-                v=st.v.at[..., region, :].set(jnp.where(pick[..., None], new_v, st.v[..., region, :])),
                 score=st.score.at[..., region].set(jnp.where(pick, new_score, st.score[..., region])),
                 pos=st.pos.at[..., region].set(jnp.where(pick, new_pos, st.pos[..., region])),
             )

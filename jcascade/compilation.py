@@ -1,0 +1,34 @@
+"""The XLA options jcascade compiles with, and the `jit` that applies them.
+
+On GPU, XLA's Triton GEMM emitter reads the weights of a decode step's matrix-vector products at about
+1.2 TB/s on an H200, cuBLAS at about 3.3 TB/s (benchmarks/RESULTS.md, "Whole model" b): decode at batch
+1-32 runs 1.2-1.6x faster with Triton GEMMs off, and prefill is not slower. The options are XLA debug
+options, ignored by the other backends. Only the outermost `jax.jit` of a program may carry them: a user
+who jits a pipeline around `jc.generate` passes `compiler_options=jc.COMPILER_OPTIONS` to that jit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def jit(fun=None, **jit_kwargs):
+    """`jax.jit` (same arguments) that compiles with `COMPILER_OPTIONS` when called with concrete arguments
+    and inlines as a plain jit when an argument is traced (inside a user's jit, vmap or grad). The
+    wrapper's `top_level` is the former jitted function (e.g. to count its compilations)."""
+    if fun is None:
+        return functools.partial(jit, **jit_kwargs)
+    top_level = jax.jit(fun, compiler_options=COMPILER_OPTIONS, **jit_kwargs)
+    nested = jax.jit(fun, **jit_kwargs)
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+        return (nested if traced else top_level)(*args, **kwargs)
+
+    call.top_level = top_level
+    return call
