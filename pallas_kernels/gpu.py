@@ -44,11 +44,11 @@ class GpuConfig:
     score_block_q: int = 64  # queries per scores step
     score_block_k: int = 64  # keys per scores program
     decode_block_k: int = 64  # keys per decode step
-    decode_programs: int = 512  # aim for about this many decode programs (split-K)
+    decode_programs: int = 256  # aim for about this many decode programs (split-K)
     num_warps: int = 4
     num_stages: int = 2
     decode_num_warps: int = 4
-    decode_num_stages: int = 3  # H200, batch 32: 0.99 of the copy bandwidth; (32 keys, 2 stages): 0.69
+    decode_num_stages: int = 3  # H200: 0.49 / 0.97 of the copy bandwidth at batch 1 / 32 (RESULTS.md, kernels d)
 
     def params(self, decode: bool = False) -> plgpu.CompilerParams:
         if decode:
@@ -367,7 +367,7 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
 
     # Epilogue: the new token's own key, then every split, merged exactly.
     qf = q.reshape(B, Hkv, G, D).astype(F32)
-    self_logit = jnp.einsum("bhgd,bhd->bhg", qf, k[:, 0].astype(F32), precision=lax.Precision.HIGHEST) * D**-0.5
+    self_logit = jnp.sum(qf * k[:, 0, :, None, :].astype(F32), axis=-1) * D**-0.5  # a fused reduction, not a GEMM launch
     self_logit = jnp.where((lengths > 0)[:, None, None], self_logit, -jnp.inf)
     self_v = jnp.broadcast_to(v[:, 0, :, None, :].astype(F32), (B, Hkv, G, D))
     v_all = jnp.concatenate([o_parts, self_v[:, :, None]], axis=2)
