@@ -3,7 +3,7 @@
 Both architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query attention with rotary
 positions (Qwen2 adds q/k/v biases), and a SwiGLU MLP. The L layers' weights are stacked on a leading
 axis and run under `lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
-`jcascade.attend` then `jcascade.update` on its slice of the cache, so every policy works unchanged. The
+`jcascade.attend` then `jcascade.update` on its view of the cache, so every policy works unchanged. The
 stacked cache is the scan's carry and is never sliced: each layer sees the whole K/V stack with its layer
 index (`CacheState.layer`), the kernels and scatters read and write that layer in place, and only the
 small per-slot arrays (scores, positions) are sliced and written back. The cache is held once
@@ -125,7 +125,8 @@ class CausalLM(nnx.Module):
             x = x + (o + w["bo"] if cfg.o_bias else o)
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-            state = slots.CacheState(k=layer_state.k, v=layer_state.v, score=state.score.at[index].set(layer_state.score),
+            state = slots.CacheState(k=layer_state.k, v=layer_state.v,
+                                     score=state.score.at[index].set(layer_state.score),
                                      pos=state.pos.at[index].set(layer_state.pos),
                                      seen=state.seen.at[index].set(layer_state.seen))
             return (x, state), None
