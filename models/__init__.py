@@ -1,7 +1,7 @@
 """Flax Llama / Qwen2 models and weight loading (installed as `jcascade.models`)."""
 
 from jcascade.models.config import ModelConfig
-from jcascade.models.decoder import CausalLM
+from jcascade.models.decoder import CausalLM, shard
 from jcascade.models.loading import load_pretrained, load_tokenizer, save_converted
 from jcascade.models.packaged import QWEN25_CODER_05B_INSTRUCT, SMOLLM2_135M_INSTRUCT, PackagedModel, fetch
 
@@ -15,4 +15,5 @@ __all__ = [
     "load_pretrained",
     "load_tokenizer",
     "save_converted",
+    "shard",
 ]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jcascade import attention, cache, shared, slots
+from jcascade.models import sharding
 from jcascade.models.config import ModelConfig
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -62,6 +63,7 @@ class CausalLM(nnx.Module):
             if tuple(weights[name].shape) != shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, the config needs {shape}")
         self.config = config
+        self.mesh = None  # set by `jcascade.models.shard`: caches are then made with the mesh's shardings
         self.embed = nnx.Param(weights["embed"])
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
@@ -83,11 +85,23 @@ class CausalLM(nnx.Module):
     def dtype(self):
         return self.embed[...].dtype
 
+    def weights(self) -> dict[str, jax.Array]:
+        """Every weight by name (the names and shapes of `weight_shapes`)."""
+        weights = {"embed": self.embed[...], "final_norm": self.final_norm[...],
+                   **{name: p[...] for name, p in self.layers.items()}}
+        if self.lm_head is not None:
+            weights["lm_head"] = self.lm_head[...]
+        return weights
+
     def init_cache(self, policy, batch: int, max_tokens: int | None = None) -> slots.CacheState:
-        """An empty cache for every layer (leading layer axis), in the model's dtype."""
+        """An empty cache for every layer (leading layer axis), in the model's dtype; on a sharded model's
+        mesh, rows over "data" and KV heads over "model"."""
         cfg = self.config
-        return cache.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                max_tokens=max_tokens, num_layers=cfg.num_layers)
+        state = cache.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                 max_tokens=max_tokens, num_layers=cfg.num_layers)
+        if self.mesh is None:
+            return state
+        return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, self.mesh), self.mesh)
 
     def __call__(self, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
                  implementation: str | None = None, prefixes: tuple = ()) -> tuple[jax.Array, slots.CacheState]:
@@ -140,3 +154,19 @@ class CausalLM(nnx.Module):
         """float32 [..., vocab] from final hidden states [..., hidden]."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+
+def shard(model: CausalLM, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:
+    """The model with its weights placed on `mesh` (axes ("data", "model")) by `sharding.RULES`, overridden
+    per weight name by `rules`; its caches (`init_cache`, and so `generate`, `score`, `prefill`) get rows
+    over "data" and KV heads over "model"."""
+    return on_mesh(model.config, model.weights(), mesh, rules)
+
+
+def on_mesh(config: ModelConfig, weights: dict, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:
+    """A model whose weights (device or host arrays) go straight to their shards on `mesh` (see `shard`)."""
+    specs = sharding.weight_specs(config, mesh, rules)
+    model = CausalLM(config, {name: jax.device_put(w, jax.sharding.NamedSharding(mesh, specs[name]))
+                              for name, w in weights.items()})
+    model.mesh = mesh
+    return model

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcascade.models.config import ModelConfig
-from jcascade.models.decoder import CausalLM, weight_shapes
+from jcascade.models.decoder import CausalLM, on_mesh, weight_shapes
 from jcascade.rope import Llama3Scaling
 
 CONVERTED_CONFIG = "jcascade-config.json"
@@ -153,12 +153,8 @@ def save_converted(model: CausalLM, directory: str | pathlib.Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.asdict(model.config)
     (directory / CONVERTED_CONFIG).write_text(json.dumps(cfg, indent=2))
-    weights = {"embed": model.embed[...], "final_norm": model.final_norm[...],
-               **{name: p[...] for name, p in model.layers.items()}}
-    if model.lm_head is not None:
-        weights["lm_head"] = model.lm_head[...]
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(directory / "weights", weights, force=True)
+    checkpointer.save(directory / "weights", model.weights(), force=True)
     checkpointer.wait_until_finished()
 
 
@@ -171,10 +167,12 @@ def _read_converted(directory: pathlib.Path) -> tuple[ModelConfig, dict]:
     return ModelConfig(**raw), ocp.StandardCheckpointer().restore(directory / "weights")
 
 
-def load_pretrained(path: str | pathlib.Path, dtype=None) -> CausalLM:
+def load_pretrained(path: str | pathlib.Path, dtype=None, mesh=None) -> CausalLM:
     """A model from a Hugging Face directory, a .gguf file, or a directory written by `save_converted`.
 
     dtype: parameter and activation dtype; None gives bfloat16 on GPU/TPU and float32 on the CPU.
+    mesh: a mesh with axes ("data", "model"): each weight goes from host memory straight to its shards
+    (as `jcascade.models.shard` places them), never whole onto one device.
     """
     path = pathlib.Path(path)
     if path.is_file() and path.suffix == ".gguf":
@@ -186,7 +184,9 @@ def load_pretrained(path: str | pathlib.Path, dtype=None) -> CausalLM:
     else:
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
     dtype = dtype or _default_dtype()
-    return CausalLM(cfg, {name: jnp.asarray(w, dtype) for name, w in weights.items()})
+    if mesh is None:
+        return CausalLM(cfg, {name: jnp.asarray(w, dtype) for name, w in weights.items()})
+    return on_mesh(cfg, {name: np.asarray(w).astype(dtype) for name, w in weights.items()}, mesh)
 
 
 def load_tokenizer(path: str | pathlib.Path):

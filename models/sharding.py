@@ -1,0 +1,80 @@
+"""Tensor and data parallelism: a model's weights and caches placed on a mesh with axes ("data", "model").
+
+Every cache decision is per (batch row, KV head), so rows go over "data" and KV heads over "model" with no
+communication inside `attend` / `update`; the projections split the usual Megatron way (q/k/v and gate/up
+by output columns, o and down by input rows, the embedding and LM head by vocabulary), so XLA adds one
+reduction after each row-split product. Under `jit` the rest follows by sharding propagation.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jcascade import slots
+from jcascade.models.config import ModelConfig
+
+AXES = ("data", "model")
+
+# Weight name -> the mesh axis of each dimension (layer weights include their leading layer axis).
+RULES: dict[str, tuple] = {
+    "embed": ("model", None), "lm_head": (None, "model"), "final_norm": (None,),
+    "attn_norm": (None, None), "mlp_norm": (None, None),
+    "wq": (None, None, "model"), "wk": (None, None, "model"), "wv": (None, None, "model"),
+    "bq": (None, "model"), "bk": (None, "model"), "bv": (None, "model"),
+    "wo": (None, "model", None), "bo": (None, None),
+    "w_gate": (None, None, "model"), "w_up": (None, None, "model"), "w_down": (None, "model", None),
+}
+ATTENTION = ("wq", "wk", "wv", "bq", "bk", "bv", "wo")  # split by heads: all of them or none
+MLP = ("w_gate", "w_up", "w_down")
+
+
+def check_mesh(mesh: Mesh) -> None:
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES}, got "
+                         f"{getattr(mesh, 'axis_names', type(mesh).__name__)}")
+
+
+def weight_specs(config: ModelConfig, mesh: Mesh, rules: dict[str, tuple] | None = None) -> dict[str, PartitionSpec]:
+    """The PartitionSpec of every weight name under `rules` (default `RULES`, overridable per name). A
+    group whose size does not divide by the "model" axis (attention: both head counts; MLP: the
+    intermediate size; the vocabulary) is replicated along it, with one warning naming it."""
+    check_mesh(mesh)
+    rules = RULES | (rules or {})
+    m = mesh.shape["model"]
+    splits = {"attention": config.num_heads % m == 0 and config.num_kv_heads % m == 0,
+              "MLP": config.intermediate_size % m == 0, "vocabulary": config.vocab_size % m == 0}
+    replicated = [f"{group} ({size})" for group, size in
+                  (("attention", f"{config.num_heads} / {config.num_kv_heads} heads"),
+                   ("MLP", f"intermediate size {config.intermediate_size}"),
+                   ("vocabulary", f"{config.vocab_size} tokens")) if not splits[group]]
+    if replicated:
+        warnings.warn(f"not divisible by the mesh's model axis ({m}), replicated along it: {', '.join(replicated)}",
+                      stacklevel=3)
+    group = lambda name: "attention" if name in ATTENTION else "MLP" if name in MLP else \
+        "vocabulary" if name in ("embed", "lm_head") else None
+    specs = {}
+    for name, axes in rules.items():
+        if group(name) is not None and not splits[group(name)]:
+            axes = tuple(None if a == "model" else a for a in axes)
+        specs[name] = PartitionSpec(*axes)
+    return specs
+
+
+def cache_specs(batch: int, num_kv_heads: int, mesh: Mesh) -> slots.CacheState:
+    """PartitionSpecs of a stacked cache: rows over "data", KV heads over "model" (replicated along an axis
+    that does not divide them)."""
+    rows = "data" if batch % mesh.shape["data"] == 0 else None
+    heads = "model" if num_kv_heads % mesh.shape["model"] == 0 else None
+    slot = PartitionSpec(None, rows, heads, None)
+    return slots.CacheState(k=PartitionSpec(None, rows, heads, None, None), v=PartitionSpec(None, rows, heads, None, None),
+                            score=slot, pos=slot, seen=PartitionSpec(None, rows))
+
+
+def place(tree, specs, mesh: Mesh):
+    """`tree` with every leaf constrained to its spec: device_put on concrete arrays, a sharding constraint
+    under jit."""
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.lax.with_sharding_constraint(tree, shardings)
