@@ -113,6 +113,21 @@ class CausalLM(nnx.Module):
         rope = cfg.rope
         weights = {name: p[...] for name, p in self.layers.items()}
 
+        def attend_and_update(layer_state, q, k, v, lengths):
+            out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope, implementation=implementation)
+            out, layer_state = _ordered(out, layer_state)
+            return out, cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
+
+        if self.mesh is not None and sharding.divides(self.mesh, B, cfg.num_kv_heads):
+            # every cache decision is per (row, KV head): each device runs attend and update (and so the
+            # Pallas kernels) on its own rows and heads, with no communication
+            rows_heads = sharding.layer_specs(self.mesh)
+            attend_and_update = jax.shard_map(
+                attend_and_update, mesh=self.mesh, check_vma=False,
+                in_specs=(rows_heads["state"], rows_heads["chunk"], rows_heads["chunk"], rows_heads["chunk"],
+                          rows_heads["lengths"]),
+                out_specs=(rows_heads["chunk"], rows_heads["state"]))
+
         def layer(carry, inputs):
             x, state = carry
             w, index, layer_prefixes = inputs
@@ -126,15 +141,12 @@ class CausalLM(nnx.Module):
             k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
             if layer_prefixes:
-                out = shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes, lengths, rope,
-                                           implementation=implementation)
-                scores = None
+                out, layer_state = _ordered(shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes,
+                                                                 lengths, rope, implementation=implementation),
+                                            layer_state)
+                layer_state = cache.update(policy, layer_state, k, v, None, lengths, implementation=implementation)
             else:
-                out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope, implementation=implementation)
-            # Every read of the K/V stack by the attention precedes the update's in-place writes (else XLA
-            # copies the stack to keep an unordered read valid).
-            out, layer_state = jax.lax.optimization_barrier((out, layer_state))
-            layer_state = cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
+                out, layer_state = attend_and_update(layer_state, q, k, v, lengths)
             o = out.reshape(B, T, -1) @ w["wo"]
             x = x + (o + w["bo"] if cfg.o_bias else o)
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
@@ -154,6 +166,13 @@ class CausalLM(nnx.Module):
         """float32 [..., vocab] from final hidden states [..., hidden]."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+
+def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.CacheState]:
+    """(out, state) as one value: every read of the K/V stack by the attention that made `out` precedes the
+    update's in-place writes to `state`, and nothing downstream recomputes `out` from the stack (else XLA
+    copies the stack to keep an unordered read valid; tests/test_memory.py)."""
+    return jax.lax.optimization_barrier((out, state))
 
 
 def shard(model: CausalLM, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:

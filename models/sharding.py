@@ -3,7 +3,9 @@
 Every cache decision is per (batch row, KV head), so rows go over "data" and KV heads over "model" with no
 communication inside `attend` / `update`; the projections split the usual Megatron way (q/k/v and gate/up
 by output columns, o and down by input rows, the embedding and LM head by vocabulary), so XLA adds one
-reduction after each row-split product. Under `jit` the rest follows by sharding propagation.
+reduction after each row-split product. The decoder runs each layer's attend and update under
+`shard_map` with `layer_specs` (so the Pallas kernels see their shard) when the rows and KV heads divide;
+the rest follows by sharding propagation under `jit`.
 """
 
 from __future__ import annotations
@@ -71,6 +73,21 @@ def cache_specs(batch: int, num_kv_heads: int, mesh: Mesh) -> slots.CacheState:
     slot = PartitionSpec(None, rows, heads, None)
     return slots.CacheState(k=PartitionSpec(None, rows, heads, None, None), v=PartitionSpec(None, rows, heads, None, None),
                             score=slot, pos=slot, seen=PartitionSpec(None, rows))
+
+
+def divides(mesh: Mesh, batch: int, num_kv_heads: int) -> bool:
+    """Whether rows split evenly over "data" and KV heads over "model" (then attend/update run per shard)."""
+    return batch % mesh.shape["data"] == 0 and num_kv_heads % mesh.shape["model"] == 0
+
+
+def layer_specs(mesh: Mesh) -> dict:
+    """PartitionSpecs of one layer's attend/update arguments when `divides`: the layer's view of the cache
+    (the K/V stack, its own scores, positions and clock), chunk tensors [B, T, heads, D] and lengths [B]."""
+    slot = PartitionSpec("data", "model", None)
+    stack = PartitionSpec(None, "data", "model", None, None)
+    return dict(state=slots.CacheState(k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec("data"),
+                                       layer=PartitionSpec()),
+                chunk=PartitionSpec("data", None, "model", None), lengths=PartitionSpec("data"))
 
 
 def place(tree, specs, mesh: Mesh):

@@ -1,6 +1,6 @@
-"""A sharded model (weights by `jc.models.shard`, caches with rows over "data" and KV heads over "model")
-gives what one device gives, on 8 emulated CPU devices in a subprocess (the device count is fixed when jax
-starts)."""
+"""A sharded model (weights by `jc.models.shard`, caches with rows over "data" and KV heads over "model",
+each layer's attend/update under shard_map) gives what one device gives, on 8 emulated CPU devices in a
+subprocess (the device count is fixed when jax starts)."""
 
 import json
 import os
@@ -29,6 +29,8 @@ def test_sharded_score_and_generate_equal_one_device():
     assert "replicated along it" in results["warning"]
     assert len(results["readme_out"]) == 8  # the README's snippet ran as written
     assert results["loaded_as_sharded"]  # jc.load_pretrained(path, mesh=) places weights as shard() does
+    kernels = results["kernels"]  # Triton kernels per shard (interpret mode) against one device's XLA attention
+    assert kernels["score_max_abs_diff"] <= 1e-4 and kernels["generate_equal"], kernels
 
 
 def test_a_mesh_needs_the_data_and_model_axes():
@@ -81,6 +83,15 @@ def main():
                               generate_equal=bool((generated == gen(sharded, policy)).all()),
                               cache_spec=str(cache.k.sharding.spec),
                               expected_cache_spec=str(jax.sharding.PartitionSpec(None, "data", "model", None, None))))
+    # the Pallas kernels (Triton, interpret mode) run per shard under shard_map
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    sharded, policy = jc.models.shard(model, mesh), policies[0]
+    score, generated = one_device[type(policy).__name__]
+    kernels = dict(score_max_abs_diff=float(jnp.max(jnp.abs(
+                       score - jc.score(sharded, tokens, policy, lengths=lengths, implementation="triton")))),
+                   generate_equal=bool((generated == jc.generate(sharded, tokens[:, :24], policy, max_new_tokens=6,
+                                                                  lengths=jnp.minimum(lengths, 24),
+                                                                  implementation="triton")).all()))
     # the decode step of a sharded generate moves no cache between devices
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     sharded = jc.models.shard(model, mesh)
@@ -103,7 +114,8 @@ def main():
     namespace = {}
     exec(compile(snippet, "README.md", "exec"), namespace)  # as written
     print(json.dumps(dict(cases=cases, cache_all_gathers=gathers, warning=" ".join(str(w.message) for w in caught),
-                          readme_out=np.asarray(namespace["out"]).tolist(), loaded_as_sharded=loaded_as_sharded)))
+                          readme_out=np.asarray(namespace["out"]).tolist(), loaded_as_sharded=loaded_as_sharded,
+                          kernels=kernels)))
 
 
 if __name__ == "__main__":
