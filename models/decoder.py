@@ -118,10 +118,10 @@ class CausalLM(nnx.Module):
             out, layer_state = _ordered(out, layer_state)
             return out, cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
 
-        if self.mesh is not None and sharding.divides(self.mesh, B, cfg.num_kv_heads):
+        rows_heads = None if self.mesh is None else sharding.layer_specs(B, cfg.num_kv_heads, self.mesh)
+        if rows_heads is not None:
             # every cache decision is per (row, KV head): each device runs attend and update (and so the
             # Pallas kernels) on its own rows and heads, with no communication
-            rows_heads = sharding.layer_specs(self.mesh)
             attend_and_update = jax.shard_map(
                 attend_and_update, mesh=self.mesh, check_vma=False,
                 in_specs=(rows_heads["state"], rows_heads["chunk"], rows_heads["chunk"], rows_heads["chunk"],

@@ -71,23 +71,21 @@ def cache_specs(batch: int, num_kv_heads: int, mesh: Mesh) -> slots.CacheState:
     rows = "data" if batch % mesh.shape["data"] == 0 else None
     heads = "model" if num_kv_heads % mesh.shape["model"] == 0 else None
     slot = PartitionSpec(None, rows, heads, None)
-    return slots.CacheState(k=PartitionSpec(None, rows, heads, None, None), v=PartitionSpec(None, rows, heads, None, None),
-                            score=slot, pos=slot, seen=PartitionSpec(None, rows))
+    stack = PartitionSpec(None, rows, heads, None, None)
+    return slots.CacheState(k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec(None, rows))
 
 
-def divides(mesh: Mesh, batch: int, num_kv_heads: int) -> bool:
-    """Whether rows split evenly over "data" and KV heads over "model" (then attend/update run per shard)."""
-    return batch % mesh.shape["data"] == 0 and num_kv_heads % mesh.shape["model"] == 0
-
-
-def layer_specs(mesh: Mesh) -> dict:
-    """PartitionSpecs of one layer's attend/update arguments when `divides`: the layer's view of the cache
-    (the K/V stack, its own scores, positions and clock), chunk tensors [B, T, heads, D] and lengths [B]."""
-    slot = PartitionSpec("data", "model", None)
-    stack = PartitionSpec(None, "data", "model", None, None)
-    return dict(state=slots.CacheState(k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec("data"),
-                                       layer=PartitionSpec()),
-                chunk=PartitionSpec("data", None, "model", None), lengths=PartitionSpec("data"))
+def layer_specs(batch: int, num_kv_heads: int, mesh: Mesh) -> dict | None:
+    """PartitionSpecs of one layer's attend/update arguments: the layer's view of the cache (the K/V stack,
+    its own scores, positions and clock), chunk tensors [B, T, heads, D] and lengths [B]; None unless rows
+    divide over "data" and KV heads over "model" (then attend/update can run per shard)."""
+    stacked = cache_specs(batch, num_kv_heads, mesh)
+    if (stacked.k[1], stacked.k[2]) != ("data", "model"):
+        return None
+    own = lambda spec: PartitionSpec(*spec[1:])  # without the layer axis
+    state = slots.CacheState(k=stacked.k, v=stacked.v, score=own(stacked.score), pos=own(stacked.pos),
+                             seen=own(stacked.seen), layer=PartitionSpec())
+    return dict(state=state, chunk=PartitionSpec("data", None, "model", None), lengths=PartitionSpec("data"))
 
 
 def place(tree, specs, mesh: Mesh):
