@@ -1,23 +1,26 @@
-"""Whole-model benchmarks on a Llama-3.1-8B-shaped model with random bf16 weights made on the device.
+"""Whole-model benchmarks on a Llama-3.1-8B-shaped (or `--shape 70b`: Llama-3-70B-shaped) model with random
+bf16 weights made on the device(s), on one device or a `--mesh data=D,model=M` (tensor parallelism).
 
   a  strided prefill (Cascade: 16K + 64 sinks, 4 cascades, stride 4K) streamed over 1M tokens, with the
      elapsed time read at 32K, 128K and 1M tokens; throughput and model FLOP utilisation (MFU) against a
      bf16 matrix product measured in the same run;
   b  decode tokens/s at batch 1, 16 and 32 (`--batches`) over a full 16K cascade cache vs the roofline
-     (weight + cache bytes per step over a copy bandwidth measured in the same run); batch 32 holds 69 GB
-     of cache beside 16 GB of weights;
+     (the most weight + cache bytes one device holds, over a copy bandwidth measured in the same run);
+     8B at batch 32 holds 69 GB of cache beside 16 GB of weights;
   c  compile time of the prefill segment and of the decode step.
 
 The prefill runs as jitted segments of 32K tokens (8 chunks under `lax.scan`) that carry the cache, so
 one compilation serves every length.
 
     python benchmarks/bench_model.py [--out benchmarks/results/model-<device>.json]
+    python benchmarks/bench_model.py --shape 70b --mesh model=2 --only a   # 70B prefill on two GPUs
     python benchmarks/bench_model.py --tiny      # a dry run of the same code with a tiny model
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -27,13 +30,16 @@ import jax
 import jax.numpy as jnp
 
 import jcascade as jc
-from jcascade.models import CausalLM, ModelConfig
+from jcascade.cli import device_mesh, mesh_shape
+from jcascade.models import CausalLM, ModelConfig, sharding
 
 LLAMA31_8B = ModelConfig(
     architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
     num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=jc.Llama3Scaling(),
     rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=False, o_bias=False, max_position_embeddings=131072,
 )
+LLAMA3_70B = dataclasses.replace(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                 num_heads=64, num_kv_heads=8)
 TINY = ModelConfig(
     architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
@@ -108,19 +114,19 @@ def bench_decode(a, model, policy, bandwidth):
     cfg = model.config
     rows = []
     for batch in a.decode_batches:
-        state = jax.eval_shape(lambda: model.init_cache(policy, batch))  # shapes only: the cache is made once
-        cap, shape = state.k.shape[-2], state.k.shape
-        k1, k2 = jax.random.split(jax.random.key(batch))
-        rows_k = jax.random.normal(k1, (*shape[:-2], cap, cfg.head_dim), state.k.dtype) if a.tiny else \
-            jnp.broadcast_to(jax.random.normal(k1, (cap, cfg.head_dim), state.k.dtype), shape)  # no f32 temporaries
-        rows_v = jax.random.normal(k2, shape, state.v.dtype) if a.tiny else \
-            jnp.broadcast_to(jax.random.normal(k2, (cap, cfg.head_dim), state.v.dtype), shape)
-        state = jc.CacheState(  # a full cache, as after a long prompt
-            k=rows_k, v=rows_v,
-            score=jnp.full(state.score.shape, 1e-4, jnp.float32),
-            pos=jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
-            seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32),
-        )
+        def full_cache():  # a full cache, as after a long prompt, made in place on its devices
+            state = model.init_cache(policy, batch)
+            cap, shape = state.k.shape[-2], state.k.shape
+            k1, k2 = jax.random.split(jax.random.key(batch))
+            rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, cfg.head_dim), state.k.dtype), shape)
+            state = jc.CacheState(k=rows(k1), v=rows(k2), score=jnp.full(state.score.shape, 1e-4, jnp.float32),
+                                  pos=jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
+                                  seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32))
+            if model.mesh is None:
+                return state
+            return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, model.mesh), model.mesh)
+
+        state = jax.jit(full_cache)()
 
         def step(model, state, last):
             hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32))
@@ -138,8 +144,9 @@ def bench_decode(a, model, policy, bandwidth):
             state, last = compiled(model, state, last)
         block(last)
         per_step = (time.perf_counter() - t0) / a.decode_steps
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
-        cache_bytes = 2 * state.k.nbytes
+        on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731 (the shards are equal)
+        weight_bytes = sum(on_one_device(x) for x in jax.tree.leaves(model))
+        cache_bytes = 2 * on_one_device(state.k)
         roofline = (weight_bytes + cache_bytes) / bandwidth
         rows.append(dict(batch=batch, ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step,
                          roofline_ms=roofline * 1e3, fraction_of_roofline=roofline / per_step, compile_s=compile_s))
@@ -155,6 +162,10 @@ def main():
     p.add_argument("--only", default="ab", help="a: prefill, b: decode (compile times come with each)")
     p.add_argument("--batches", default="1,16,32", help="decode batch sizes")
     p.add_argument("--cache-size", type=int, default=16384, help="Cascade cache size (64: weights and fixed costs only)")
+    p.add_argument("--shape", choices=("8b", "70b"), default="8b", help="Llama-3.1-8B or Llama-3-70B shapes")
+    p.add_argument("--mesh", type=mesh_shape, default=(1, 1), metavar="data=D,model=M",
+                   help="devices (default: one)")
+    p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
@@ -163,13 +174,18 @@ def main():
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
         peak, bandwidth = matmul_peak(256), copy_bandwidth(1 << 20)
     else:
-        cfg, policy = LLAMA31_8B, jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096)
-        a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 32768, [32768, 131072, 1 << 20], batches, 20
+        cfg = LLAMA31_8B if a.shape == "8b" else LLAMA3_70B
+        policy = jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096)
+        a.segment, a.decode_batches, a.decode_steps = 32768, batches, 20
+        a.prefill_marks = sorted({m for m in (32768, 131072) if m < a.prefill_tokens} | {a.prefill_tokens})
         peak, bandwidth = matmul_peak(8192), copy_bandwidth(1 << 31)
     device = jax.devices()[0]
-    model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16)
+    mesh = device_mesh(a.mesh, batched=True)
+    model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
+    peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  policy=repr(policy), matmul_tflops=peak / 1e12, copy_gb_s=bandwidth / 1e9)
+                  shape=a.shape, mesh=dict(zip(("data", "model"), a.mesh)), policy=repr(policy),
+                  matmul_tflops=peak / 1e12, copy_gb_s=bandwidth / 1e9)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e9:.0f} GB/s", flush=True)

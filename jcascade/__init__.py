@@ -23,7 +23,7 @@ from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cach
 from jcascade.policies import H2O, Cascade, Full, Policy, PyramidKV, Recycled, RingPolicy, Sink, SlidingWindow, SnapKV
 from jcascade.resume import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
-from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, save_converted
+from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, read_config, save_converted
 from jcascade.rope import Llama3Scaling, RoPE
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "generate",
     "init_cache",
     "load_pretrained",
+    "read_config",
     "load_stream",
     "load_tokenizer",
     "merge_attention",

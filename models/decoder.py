@@ -64,22 +64,29 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, the config needs {shape}")
         self.config = config
         self.mesh = None  # set by `jcascade.models.shard`: caches are then made with the mesh's shardings
+        self.embed_spec = None  # and the embedding table's PartitionSpec (`sharding.embed` looks tokens up)
         self.embed = nnx.Param(weights["embed"])
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
         self.layers = nnx.Dict({name: nnx.Param(weights[name]) for name in LAYER_WEIGHTS if name in weights})
 
     @classmethod
-    def random(cls, config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> CausalLM:
-        """Random weights of the config's shapes (norms at 1), e.g. for speed measurements."""
+    def random(cls, config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02,
+               mesh: jax.sharding.Mesh | None = None) -> CausalLM:
+        """Random weights of the config's shapes (norms at 1), e.g. for speed measurements. With `mesh`,
+        each device makes only its own shards (as `shard` places them): a model larger than one device."""
         shapes = weight_shapes(config)
         keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
-        weights = {
-            name: (jnp.ones(shape, dtype) if name.endswith("norm") else
-                   (scale * jax.random.normal(keys[name], shape, jnp.float32)).astype(dtype))
-            for name, shape in shapes.items()
-        }
-        return cls(config, weights)
+
+        def make(name: str) -> jax.Array:
+            if name.endswith("norm"):
+                return jnp.ones(shapes[name], dtype)
+            return (scale * jax.random.normal(keys[name], shapes[name], jnp.float32)).astype(dtype)
+
+        if mesh is None:
+            return cls(config, {name: make(name) for name in shapes})
+        return on_mesh(config, lambda shardings: {name: jax.jit(make, static_argnums=0, out_shardings=shardings[name])(name)
+                                                  for name in shapes}, mesh)
 
     @property
     def dtype(self):
@@ -113,20 +120,25 @@ class CausalLM(nnx.Module):
         rope = cfg.rope
         weights = {name: p[...] for name, p in self.layers.items()}
 
-        def attend_and_update(layer_state, q, k, v, lengths):
-            out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope, implementation=implementation)
+        def attend_and_update(layer_state, q, k, v, lengths, layer_prefixes):
+            if layer_prefixes:  # requests' own caches keep no scores under shared prefixes
+                out, scores = shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes, lengths, rope,
+                                                   implementation=implementation), None
+            else:
+                out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope,
+                                               implementation=implementation)
             out, layer_state = _ordered(out, layer_state)
             return out, cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
 
-        rows_heads = None if self.mesh is None else sharding.layer_specs(B, cfg.num_kv_heads, self.mesh)
-        if rows_heads is not None:
+        specs = None if self.mesh is None else sharding.layer_specs(B, cfg.num_kv_heads, self.mesh, tuple(prefixes))
+        if specs is not None:
             # every cache decision is per (row, KV head): each device runs attend and update (and so the
             # Pallas kernels) on its own rows and heads, with no communication
             attend_and_update = jax.shard_map(
                 attend_and_update, mesh=self.mesh, check_vma=False,
-                in_specs=(rows_heads["state"], rows_heads["chunk"], rows_heads["chunk"], rows_heads["chunk"],
-                          rows_heads["lengths"]),
-                out_specs=(rows_heads["chunk"], rows_heads["state"]))
+                in_specs=(specs["state"], specs["chunk"], specs["chunk"], specs["chunk"], specs["lengths"],
+                          specs["prefixes"]),
+                out_specs=(specs["chunk"], specs["state"]))
 
         def layer(carry, inputs):
             x, state = carry
@@ -140,24 +152,21 @@ class CausalLM(nnx.Module):
             q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-            if layer_prefixes:
-                out, layer_state = _ordered(shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes,
-                                                                 lengths, rope, implementation=implementation),
-                                            layer_state)
-                layer_state = cache.update(policy, layer_state, k, v, None, lengths, implementation=implementation)
-            else:
-                out, layer_state = attend_and_update(layer_state, q, k, v, lengths)
+            out, layer_state = attend_and_update(layer_state, q, k, v, lengths, layer_prefixes)
             o = out.reshape(B, T, -1) @ w["wo"]
             x = x + (o + w["bo"] if cfg.o_bias else o)
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            # two views of h: XLA would merge the two products into one over [w_gate | w_up], concatenated
+            # anew every step (a copy of both weights: 1.8 ms of a TP=2 8B decode step on two H200s)
+            h_gate, h_up = jax.lax.optimization_barrier((h, h))
+            x = x + (jax.nn.silu(h_gate @ w["w_gate"]) * (h_up @ w["w_up"])) @ w["w_down"]
             state = slots.CacheState(k=layer_state.k, v=layer_state.v,
                                      score=state.score.at[index].set(layer_state.score),
                                      pos=state.pos.at[index].set(layer_state.pos),
                                      seen=state.seen.at[index].set(layer_state.seen))
             return (x, state), None
 
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, state), _ = jax.lax.scan(layer, (x, state), (weights, layers, tuple(prefixes)))
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), state
@@ -165,7 +174,12 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 [..., vocab] from final hidden states [..., hidden]."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        # one row is a matrix-vector product, which XLA on GPUs runs by first converting the whole head to
+        # float32 (1 ms of an 8B batch-1 decode step on an H200); two rows keep one bf16 product
+        padded = jnp.concatenate([rows, rows]) if rows.shape[0] == 1 else rows
+        out = jnp.dot(padded, head, preferred_element_type=jnp.float32)[: rows.shape[0]]
+        return out.reshape(*hidden.shape[:-1], head.shape[-1])
 
 
 def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.CacheState]:
@@ -182,10 +196,13 @@ def shard(model: CausalLM, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | No
     return on_mesh(model.config, model.weights(), mesh, rules)
 
 
-def on_mesh(config: ModelConfig, weights: dict, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:
-    """A model whose weights (device or host arrays) go straight to their shards on `mesh` (see `shard`)."""
+def on_mesh(config: ModelConfig, weights, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:
+    """A model whose weights go straight to their shards on `mesh` (see `shard`). weights: arrays by name
+    (device or host), or a function of {name: NamedSharding} returning them so placed (a sharded restore)."""
     specs = sharding.weight_specs(config, mesh, rules)
-    model = CausalLM(config, {name: jax.device_put(w, jax.sharding.NamedSharding(mesh, specs[name]))
-                              for name, w in weights.items()})
-    model.mesh = mesh
+    shardings = {name: jax.sharding.NamedSharding(mesh, specs[name]) for name in weight_shapes(config)}
+    placed = weights(shardings) if callable(weights) else \
+        {name: jax.device_put(w, shardings[name]) for name, w in weights.items()}
+    model = CausalLM(config, placed)
+    model.mesh, model.embed_spec = mesh, specs["embed"]
     return model

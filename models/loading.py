@@ -70,14 +70,18 @@ def _collect(cfg: ModelConfig, available, read, global_names, layer_names) -> di
     return weights
 
 
+def _hf_config(path: pathlib.Path) -> ModelConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+
+
 def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """config.json and model.safetensors, or the shards named by model.safetensors.index.json."""
     from safetensors import safe_open
 
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
-    cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    cfg = _hf_config(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -104,6 +108,20 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     from gguf.quants import dequantize
 
     reader = GGUFReader(path)
+    cfg = _gguf_config(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        if cfg.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _unpermute(w, cfg.num_heads if "attn_q" in name else cfg.num_kv_heads)
+        return w
+
+    return cfg, _collect(cfg, tensors, read, _GGUF_GLOBAL, _GGUF_LAYER)
+
+
+def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2"):
@@ -117,7 +135,7 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     vocab = int(meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
-    cfg = ModelConfig(
+    return ModelConfig(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(meta[f"{arch}.feed_forward_length"]), num_layers=int(meta[f"{arch}.block_count"]),
         num_heads=heads, num_kv_heads=kv_heads,
@@ -130,15 +148,6 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         bos_token_id=None if bos is None else int(bos.contents()),
         eos_token_ids=() if eos is None else (int(eos.contents()),),
     )
-
-    def read(name: str) -> np.ndarray:
-        t = tensors[name]
-        w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = _unpermute(w, heads if "attn_q" in name else kv_heads)
-        return w
-
-    return cfg, _collect(cfg, tensors, read, _GGUF_GLOBAL, _GGUF_LAYER)
 
 
 def _default_dtype():
@@ -158,32 +167,51 @@ def save_converted(model: CausalLM, directory: str | pathlib.Path) -> None:
     checkpointer.wait_until_finished()
 
 
-def _read_converted(directory: pathlib.Path) -> tuple[ModelConfig, dict]:
-    import orbax.checkpoint as ocp
-
+def _converted_config(directory: pathlib.Path) -> ModelConfig:
     raw = json.loads((directory / CONVERTED_CONFIG).read_text())
     raw["rope_scaling"] = None if raw["rope_scaling"] is None else Llama3Scaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-    return ModelConfig(**raw), ocp.StandardCheckpointer().restore(directory / "weights")
+    return ModelConfig(**raw)
+
+
+def read_config(path: str | pathlib.Path) -> ModelConfig:
+    """The ModelConfig of what `load_pretrained(path)` loads, without reading the weights (e.g. to choose a
+    mesh that divides the heads before loading onto it)."""
+    path = pathlib.Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        return _gguf_config(GGUFReader(path), path)
+    if (path / CONVERTED_CONFIG).is_file():
+        return _converted_config(path)
+    if path.is_dir():
+        return _hf_config(path)
+    raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
 
 
 def load_pretrained(path: str | pathlib.Path, dtype=None, mesh=None) -> CausalLM:
     """A model from a Hugging Face directory, a .gguf file, or a directory written by `save_converted`.
 
     dtype: parameter and activation dtype; None gives bfloat16 on GPU/TPU and float32 on the CPU.
-    mesh: a mesh with axes ("data", "model"): each weight goes from host memory straight to its shards
-    (as `jcascade.models.shard` places them), never whole onto one device.
+    mesh: a mesh with axes ("data", "model"): weights are placed as `jcascade.models.shard` places them;
+    a converted checkpoint restores each device's shard straight from disk (every process of a
+    multi-controller run reads only its own), the other formats go from host memory to the shards, never
+    whole onto one device.
     """
+    import orbax.checkpoint as ocp
+
     path = pathlib.Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        cfg, weights = read_gguf(path)
-    elif (path / CONVERTED_CONFIG).is_file():
-        cfg, weights = _read_converted(path)
-    elif path.is_dir():
-        cfg, weights = read_hf_directory(path)
-    else:
-        raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
+    cfg = read_config(path)
     dtype = dtype or _default_dtype()
+    if (path / CONVERTED_CONFIG).is_file():
+        if mesh is None:
+            return CausalLM(cfg, {name: jnp.asarray(w, dtype) for name, w in
+                                  ocp.StandardCheckpointer().restore(path.absolute() / "weights").items()})
+        restore = lambda shardings: ocp.StandardCheckpointer().restore(path.absolute() / "weights", {  # noqa: E731
+            name: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[name])
+            for name, shape in weight_shapes(cfg).items()})
+        return on_mesh(cfg, restore, mesh)
+    _, weights = read_gguf(path) if path.is_file() else read_hf_directory(path)
     if mesh is None:
         return CausalLM(cfg, {name: jnp.asarray(w, dtype) for name, w in weights.items()})
     return on_mesh(cfg, {name: np.asarray(w).astype(dtype) for name, w in weights.items()}, mesh)

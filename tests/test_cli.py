@@ -114,6 +114,10 @@ def test_perplexity_and_attention_map(model_dir, book, tmp_path, capsys):
     (["perplexity", "--policy", "snapkv:budget=64"], "streaming policy"),
     (["generate", "--prompt", "hi", "--policy", "cascade:cache_size=-1"], "cache_size must be >= 1"),
     (["passkey", "--samples", "0"], "expected a positive int"),
+    (["passkey", "--mesh", "data=0"], "expected data=D,model=M with positive ints, got 'data=0'"),
+    (["passkey", "--mesh", "rows=2"], "expected data=D,model=M with positive ints, got 'rows=2'"),
+    (["passkey", "--mesh", "data=2,model=2"], "--mesh data=2,model=2 needs 4 devices, 1 are available"),
+    (["generate", "--prompt", "hi", "--mesh", "data=2"], "this command runs one sequence, so the data axis must be 1"),
 ])
 def test_bad_arguments_are_rejected_clearly(model_dir, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,16 +1,18 @@
 """A sharded model (weights by `jc.models.shard`, caches with rows over "data" and KV heads over "model",
 each layer's attend/update under shard_map) gives what one device gives, on 8 emulated CPU devices in a
-subprocess (the device count is fixed when jax starts)."""
+subprocess (the device count is fixed when jax starts), and on 2 processes x 4 devices (multi-controller)."""
 
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
 import pytest
 
 MESHES = [(2, 4), (8, 1), (1, 4)]
+TINY = dict(hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4)  # 96 tokens
 
 
 @pytest.mark.slow
@@ -31,6 +33,90 @@ def test_sharded_score_and_generate_equal_one_device():
     assert results["loaded_as_sharded"]  # jc.load_pretrained(path, mesh=) places weights as shard() does
     kernels = results["kernels"]  # Triton kernels per shard (interpret mode) against one device's XLA attention
     assert kernels["score_max_abs_diff"] <= 1e-4 and kernels["generate_equal"], kernels
+    shared = results["shared_prefix"]  # num_samples: the prompt's cache as a shared prefix, per shard
+    assert shared["per_shard"] == [True, True, False], shared
+    assert shared["xla_equal"] and shared["triton_equal"], shared
+    assert results["embed_equal"] == [True, True]
+    assert results["random_on_mesh"]
+    cli = results["cli"]  # jcascade passkey: default mesh (rows over all 8 devices), --mesh data=2,model=2
+    assert cli["meshes"] == ["data=8,model=1", "data=2,model=2"], cli
+    assert cli["answers_equal"] and cli["rows"] == 2 * 2 * 5 * 2, cli
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_one_process_result(tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives), one (2, 4) mesh: the model
+    restored from a converted checkpoint straight into its shards, score and greedy generate as on one device."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec
+
+    import jcascade as jc
+    import tiny
+
+    model = tiny.model(96, **TINY)
+    jc.save_converted(model, tmp_path / "model")
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    workers = [subprocess.Popen([sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / "model")],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=pathlib.Path(__file__).parent) for i in range(2)]
+    outputs = [w.communicate(timeout=600) for w in workers]
+    for w, (_, err) in zip(workers, outputs):
+        assert w.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert [r["process"] for r in results] == [0, 1] and all(r["devices"] == [8, 4] for r in results)
+    tokens, lengths = _inputs()
+    for policy in _multiprocess_policies():
+        name = type(policy).__name__
+        score = jc.score(model, tokens, policy, lengths=lengths, prefix=24 if policy.needs_prompt else None)
+        generated = jc.generate(model, tokens[:, :24], policy, max_new_tokens=6, lengths=np.minimum(lengths, 24))
+        for r in results:  # each process gathered the whole result
+            assert np.max(np.abs(np.asarray(score) - np.array(r[name]["score"]))) <= 1e-4, name
+            assert (np.asarray(generated) == np.array(r[name]["generate"])).all(), name
+            assert r[name]["cache_spec"] == str(PartitionSpec(None, "data", "model", None, None))
+        assert not jnp.isnan(score).any()
+
+
+def _inputs():
+    import numpy as np
+
+    tokens = np.random.default_rng(0).integers(0, 96, (8, 40)).astype(np.int32)
+    return tokens, np.array([40, 31, 40, 12, 25, 40, 38, 20], np.int32)
+
+
+def _multiprocess_policies():
+    import jcascade as jc
+
+    return [jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8), jc.SnapKV(budget=12, window=4, stride=16)]
+
+
+def worker(process: int, port: int, checkpoint: str):
+    """One of 2 processes: the README's multi-host recipe on a (2, 4) mesh over both processes' devices."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
+
+    import jcascade as jc
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    model = jc.load_pretrained(checkpoint, mesh=mesh)
+    tokens, lengths = _inputs()  # the same host values on every process
+    results = dict(process=jax.process_index(), devices=[len(jax.devices()), len(jax.local_devices())])
+    for policy in _multiprocess_policies():
+        score = jc.score(model, tokens, policy, lengths=lengths, prefix=24 if policy.needs_prompt else None)
+        generated = jc.generate(model, tokens[:, :24], policy, max_new_tokens=6, lengths=np.minimum(lengths, 24))
+        results[type(policy).__name__] = dict(
+            score=np.asarray(multihost_utils.process_allgather(score, tiled=True)).tolist(),
+            generate=np.asarray(multihost_utils.process_allgather(generated, tiled=True)).tolist(),
+            cache_spec=str(model.init_cache(policy, 8, max_tokens=64).k.sharding.spec))
+    print(json.dumps(results))
 
 
 def test_a_mesh_needs_the_data_and_model_axes():
@@ -46,6 +132,8 @@ def test_a_mesh_needs_the_data_and_model_axes():
 
 
 def main():
+    import contextlib
+    import io
     import re
     import tempfile
     import warnings
@@ -57,12 +145,12 @@ def main():
 
     import jcascade as jc
     import tiny
+    from jcascade import cli
+    from jcascade.models import sharding
 
     assert len(jax.devices()) == 8
-    model = tiny.model(96, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4)
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, 96, (8, 40)), jnp.int32)
-    lengths = jnp.asarray([40, 31, 40, 12, 25, 40, 38, 20], jnp.int32)
+    model = tiny.model(96, **TINY)
+    tokens, lengths = (jnp.asarray(x) for x in _inputs())
     policies = [jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8), jc.Sink(window=12, sinks=2, stride=8),
                 jc.H2O(heavy=6, recent=6, stride=8), jc.SnapKV(budget=12, window=4, stride=16),
                 jc.Recycled(top_k=6, refresh_every=3, stride=16)]
@@ -92,6 +180,19 @@ def main():
                    generate_equal=bool((generated == jc.generate(sharded, tokens[:, :24], policy, max_new_tokens=6,
                                                                   lengths=jnp.minimum(lengths, 24),
                                                                   implementation="triton")).all()))
+    # num_samples: the prompt's cache is a shared prefix (one row, replicated over "data") under shard_map
+    one, samples = tokens[:1, :30], dict(max_new_tokens=6, temperature=1.0, num_samples=8, rng=jax.random.key(3))
+    expected = jc.generate(model, one, policy, **samples)
+    prompt = jax.tree.map(lambda x: x[0], sharded.init_cache(policy, 1))  # layer 0 of a prompt's cache
+    level = jax.tree.map(lambda x: x[None], jc.share_prefix(policy, prompt))
+    three_rows = jax.tree.map(lambda x: jnp.repeat(x, 3, axis=1), level)
+    shared_prefix = dict(per_shard=[sharding.layer_specs(8, 4, mesh, (level,)) is not None,
+                                    sharding.layer_specs(6, 4, Mesh(np.array(jax.devices()[:6]).reshape(3, 2),
+                                                                    ("data", "model")), (three_rows,)) is not None,
+                                    sharding.layer_specs(8, 4, mesh, (three_rows,)) is not None],
+                         xla_equal=bool((expected == jc.generate(sharded, one, policy, **samples)).all()),
+                         triton_equal=bool((expected == jc.generate(sharded, one, policy, implementation="triton",
+                                                                     **samples)).all()))
     # the decode step of a sharded generate moves no cache between devices
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     sharded = jc.models.shard(model, mesh)
@@ -105,18 +206,47 @@ def main():
         loaded = jc.load_pretrained(directory, dtype=jnp.float32, mesh=mesh)
     loaded_as_sharded = all(w.sharding == sharded.weights()[name].sharding and bool((w == model.weights()[name]).all())
                             for name, w in loaded.weights().items())
+    # the vocabulary-split embedding: each device looks up its own rows (tokens at every shard border)
+    rows = model.config.vocab_size // 4
+    border = jnp.asarray([[0, rows - 1, rows, 2 * rows - 1, 2 * rows, 3 * rows, 4 * rows - 1, 5]] * 2, jnp.int32)
+    embed_equal = [bool((sharding.embed(sharded.embed[...], t, mesh, sharded.embed_spec)
+                         == jnp.take(model.embed[...], t, axis=0)).all()) for t in (border, tokens)]
+    # random weights made on their shards: the shard() placement, the values of one device's (fp32 ulps)
+    made = jc.CausalLM.random(model.config, jax.random.key(5), mesh=mesh)
+    single = jc.CausalLM.random(model.config, jax.random.key(5))
+    random_on_mesh = all(w.sharding == sharded.weights()[name].sharding and
+                         float(jnp.max(jnp.abs(w - single.weights()[name]))) <= 1e-6
+                         for name, w in made.weights().items())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jc.models.shard(tiny.model(97, num_heads=6, num_kv_heads=3), Mesh(np.array(jax.devices()[:2]).reshape(1, 2),
                                                                          ("data", "model")))
+    cli_runs = {}
+    with tempfile.TemporaryDirectory() as directory:  # the CLI: the default mesh and --mesh give the same answers
+        tiny.save(pathlib.Path(directory) / "model")
+        for mesh_option in ([], ["--mesh", "data=2,model=2"]):
+            out = pathlib.Path(directory) / f"out{len(cli_runs)}"
+            with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
+                cli.main(["passkey", "--model", str(pathlib.Path(directory) / "model"), "--policy",
+                          "cascade:cache_size=32,sinks=4,stride=32", "--policy", "sink:window=32,sinks=4,stride=32",
+                          "--min-length", "128", "--max-length", "256", "--samples", "2", "--out", str(out),
+                          *mesh_option])
+            used = re.search(r"mesh (data=\d+,model=\d+)", err.getvalue()).group(1)
+            cli_runs[used] = [(r["policy"], r["answer"]) for r in json.loads((out / "passkey.json").read_text())["results"]]
+    runs = list(cli_runs.values())
+    cli_result = dict(meshes=list(cli_runs), rows=len(runs[0]), answers_equal=all(r == runs[0] for r in runs))
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     snippet = readme.split("## Multi-device", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace = {}
     exec(compile(snippet, "README.md", "exec"), namespace)  # as written
     print(json.dumps(dict(cases=cases, cache_all_gathers=gathers, warning=" ".join(str(w.message) for w in caught),
                           readme_out=np.asarray(namespace["out"]).tolist(), loaded_as_sharded=loaded_as_sharded,
-                          kernels=kernels)))
+                          kernels=kernels, shared_prefix=shared_prefix, cli=cli_result, embed_equal=embed_equal,
+                          random_on_mesh=random_on_mesh)))
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["worker"]:
+        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        main()

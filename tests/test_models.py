@@ -151,6 +151,8 @@ def test_converted_checkpoint_round_trip(llama, tmp_path):
     jc.save_converted(model, tmp_path / "converted")
     restored = jc.load_pretrained(tmp_path / "converted")
     assert restored.config == model.config
+    # the config alone, as load_pretrained reads it (e.g. to choose a mesh before loading)
+    assert jc.read_config(tmp_path / "converted") == jc.read_config(llama[0]) == model.config
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(a, b)
 
