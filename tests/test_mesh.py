@@ -31,8 +31,9 @@ def test_sharded_score_and_generate_equal_one_device():
     assert "replicated along it" in results["warning"]
     assert len(results["readme_out"]) == 8  # the README's snippet ran as written
     assert results["loaded_as_sharded"]  # jc.load_pretrained(path, mesh=) places weights as shard() does
-    kernels = results["kernels"]  # Triton kernels per shard (interpret mode) against one device's XLA attention
-    assert kernels["score_max_abs_diff"] <= 1e-4 and kernels["generate_equal"], kernels
+    # the GPU and TPU Pallas kernels per shard (interpret mode) against one device's XLA attention
+    for backend, kernels in results["kernels"].items():
+        assert kernels["score_max_abs_diff"] <= 1e-4 and kernels["generate_equal"], (backend, kernels)
     shared = results["shared_prefix"]  # num_samples: the prompt's cache as a shared prefix, per shard
     assert shared["per_shard"] == [True, True, False], shared
     assert shared["xla_equal"] and shared["triton_equal"], shared
@@ -171,15 +172,17 @@ def main():
                               generate_equal=bool((generated == gen(sharded, policy)).all()),
                               cache_spec=str(cache.k.sharding.spec),
                               expected_cache_spec=str(jax.sharding.PartitionSpec(None, "data", "model", None, None))))
-    # the Pallas kernels (Triton, interpret mode) run per shard under shard_map
+    # the Pallas kernels (Triton and Mosaic TPU, interpret mode) run per shard under shard_map
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     sharded, policy = jc.models.shard(model, mesh), policies[0]
     score, generated = one_device[type(policy).__name__]
-    kernels = dict(score_max_abs_diff=float(jnp.max(jnp.abs(
-                       score - jc.score(sharded, tokens, policy, lengths=lengths, implementation="triton")))),
-                   generate_equal=bool((generated == jc.generate(sharded, tokens[:, :24], policy, max_new_tokens=6,
-                                                                  lengths=jnp.minimum(lengths, 24),
-                                                                  implementation="triton")).all()))
+    kernels = {backend: dict(
+        score_max_abs_diff=float(jnp.max(jnp.abs(
+            score - jc.score(sharded, tokens, policy, lengths=lengths, implementation=backend)))),
+        generate_equal=bool((generated == jc.generate(sharded, tokens[:, :24], policy, max_new_tokens=6,
+                                                      lengths=jnp.minimum(lengths, 24),
+                                                      implementation=backend)).all()))
+        for backend in ("triton", "mosaic_tpu")}
     # num_samples: the prompt's cache is a shared prefix (one row, replicated over "data") under shard_map
     one, samples = tokens[:1, :30], dict(max_new_tokens=6, temperature=1.0, num_samples=8, rng=jax.random.key(3))
     expected = jc.generate(model, one, policy, **samples)
