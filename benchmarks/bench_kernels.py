@@ -12,7 +12,7 @@
      the layers of a stacked cache inside one jitted loop: achieved bandwidth vs a device-to-device copy
      measured in the same run.
 
-    python benchmarks/bench_kernels.py [--only abcd] [--out benchmarks/results/kernels-<device>.json]
+    python benchmarks/bench_kernels.py [--only abcd] [--decode-sweep] [--out benchmarks/results/kernels-<device>.json]
     python benchmarks/bench_kernels.py --tiny     # a seconds-long dry run of the same code on the CPU
 """
 
@@ -259,6 +259,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes on any platform (a dry run of the script)")
     p.add_argument("--out", default=None)
     p.add_argument("--budget-s", type=float, default=480, help="skip the sections that would start after this")
+    p.add_argument("--decode-sweep", action="store_true", help="d: time six tilings, not only the default one")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     on_gpu = jax.default_backend() == "gpu"
@@ -272,7 +273,7 @@ def main():
                  G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3),
                  G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2)]
     a.decode_configs = [G(decode_block_k=bk, decode_num_stages=stages, decode_programs=programs)
-                        for bk, stages in ((32, 2), (64, 3)) for programs in (256, 512, 2048)]
+                        for bk, stages in ((32, 2), (64, 3)) for programs in (256, 512, 2048)] if a.decode_sweep else [G()]
     a.decode_layers, a.decode_calls = 8, 64
     gib = 4.0
     if a.tiny:

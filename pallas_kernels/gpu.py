@@ -381,7 +381,8 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     held = ~jnp.isneginf(lse)  # NaN stays NaN
     safe = jnp.where(held, lse, 0.0)[..., None]
     w0 = weights[:, 0][:, None, None, None]
-    p_cache = jnp.where(held[..., None] & (logits > 0.5 * MASK), jnp.exp(logits - safe), 0.0) * w0
+    masked = logits <= 0.5 * MASK  # a NaN logit (a NaN key) is not masked: its slot's score is NaN, as in the reference
+    p_cache = jnp.where(held[..., None] & ~masked, jnp.exp(logits - safe), 0.0) * w0
     p_self = jnp.where(held, jnp.exp(self_logit - safe[..., 0]), 0.0) * w0[..., 0]
     reduce = jnp.max if reduction == "max" else jnp.mean
     return out, lse_out, reduce(p_cache, axis=2), reduce(p_self, axis=2)[..., None]

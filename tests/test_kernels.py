@@ -63,14 +63,37 @@ def test_kernel_equals_reference(backend, case):
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
-def test_kernel_without_scores_or_rope(backend):
+@pytest.mark.parametrize("T", [9, 1], ids=["chunk", "decode"])
+def test_kernel_without_scores_or_rope(backend, T):
     rng = np.random.default_rng(1)
-    inputs = random_inputs(rng, 2, 9, 4, 2, 64, 21, jnp.float32, weights=False)
+    inputs = random_inputs(rng, 2, T, 4, 2, 64, 21, jnp.float32, weights=False)
     want = pk.chunk_attention(**inputs, implementation="xla")
     got = pk.chunk_attention(**inputs, implementation=backend, config=SMALL[backend])
     assert got[2] is None and got[3] is None
     assert_close(got[0], want[0], jnp.float32, "out")
     assert_close(got[1], want[1], jnp.float32, "lse")
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("T", [1, 5], ids=["decode", "chunk"])
+def test_a_nan_key_poisons_its_queries_as_in_the_reference(backend, T):
+    """A NaN in one valid cached key: the queries of its KV head get NaN out, lse and scores on every valid
+    slot, as in the reference; the other heads and rows stay finite and agree. (Empty slots' scores are
+    unused; there the kernels give 0 where the reference gives NaN.)"""
+    inputs = random_inputs(np.random.default_rng(3), 2, T, 4, 2, 64, 40, jnp.float32)
+    inputs["k_cache"] = inputs["k_cache"].at[0, 1, 7, 3].set(jnp.nan)
+    inputs["cache_valid"] = inputs["cache_valid"].at[0, 1, 7].set(True)
+    rope = jc.RoPE(10000.0)
+    want = pk.chunk_attention(**inputs, rope=rope, implementation="xla")
+    got = pk.chunk_attention(**inputs, rope=rope, implementation=backend, config=SMALL[backend])
+    valid = np.asarray(inputs["cache_valid"])
+    assert np.isnan(np.asarray(want[2])[0, 1][valid[0, 1]]).all() and np.isfinite(np.asarray(want[2][1])).all()
+    for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        if name == "inc_cache":
+            g, w = np.where(valid, g, 0.0), np.where(valid, w, 0.0)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+        assert_close(g, w, jnp.float32, name)
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])

@@ -1,0 +1,103 @@
+"""GPU check of the compiled Pallas kernels against the XLA reference (run once in every GPU session).
+
+The CPU tests run the kernels in interpret mode, which shares their logic but not the compiler's
+behaviour (NaN handling of Triton's max, masked loads, tiling at real sizes). This script runs
+`chunk_attention(implementation="pallas")` at the Llama-3.1-8B layer shape (32 query heads, 8 KV heads,
+D = 128, bf16, RoPE fused) and compares out, lse and both score increments with `implementation="xla"`:
+decode at batch 1 and 32 over a 16K + 64 cache read in place from a stacked cache, a 512-token chunk, and a
+decode whose cache holds a NaN key (the NaN pattern must match on the valid slots). Relative error (norm over the finite
+entries) must stay under 1e-2, the bf16 tolerance; exits 1 otherwise.
+
+    python benchmarks/check_kernels_gpu.py [--out benchmarks/results/check-kernels-<device>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jcascade as jc
+from jcascade import pallas_kernels as pk
+
+HQ, HKV, D, LAYERS, LAYER = 32, 8, 128, 4, 2
+TOLERANCE = 1e-2
+
+
+def inputs(key, batch, T, S, nan_key=False):
+    """Random bf16 q/k/v, a stacked cache [LAYERS, B, Hkv, S, D] with 80 % of its slots valid, positions and
+    per-query weights; with `nan_key`, one cached key of row 0, head 0 in the attended layer is NaN."""
+    ks = jax.random.split(key, 7)
+    rand = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
+    k_cache = rand(ks[3], (LAYERS, batch, HKV, S, D))
+    valid = jax.random.uniform(ks[5], (batch, HKV, S)) < 0.8
+    if nan_key:
+        k_cache, valid = k_cache.at[LAYER, 0, 0, 5, 0].set(jnp.nan), valid.at[0, 0, 5].set(True)
+    return dict(
+        q=rand(ks[0], (batch, T, HQ, D)), k=rand(ks[1], (batch, T, HKV, D)), v=rand(ks[2], (batch, T, HKV, D)),
+        k_cache=k_cache, v_cache=rand(ks[4], (LAYERS, batch, HKV, S, D)),
+        cache_valid=valid,
+        cache_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (batch, 1, S)),
+        lengths=jnp.full((batch,), T, jnp.int32),
+        query_weights=jax.random.uniform(ks[6], (batch, T)),
+    )
+
+
+def relative_error(got, want) -> tuple[float, bool]:
+    """(relative error over the entries finite in `want`, whether the finite patterns agree)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    finite = np.isfinite(want)
+    same_pattern = bool(np.array_equal(np.isfinite(got), finite) and np.array_equal(np.isnan(got), np.isnan(want)))
+    err = np.linalg.norm(got[finite] - want[finite]) / max(np.linalg.norm(want[finite]), 1e-30)
+    return float(err), same_pattern
+
+
+def check(name, batch, T, S, reduction, nan_key=False) -> dict:
+    x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key)
+    rope = jc.RoPE(500000.0, jc.Llama3Scaling())
+
+    def run(implementation, x):
+        return pk.chunk_attention(**x, head_reduction=reduction, rope=rope, layer=jnp.int32(LAYER),
+                                  implementation=implementation)
+
+    got = jax.jit(lambda x: run("pallas", x))(x)
+    want = jax.jit(lambda x: run("xla", x))(x)
+    row = dict(case=name, batch=batch, T=T, S=S, reduction=reduction, ok=True)
+    valid = np.asarray(x["cache_valid"])
+    for part, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        if part == "inc_cache":  # empty slots' scores are unused (the kernels give 0 where the reference gives NaN)
+            g, w = np.where(valid, g, 0.0), np.where(valid, w, 0.0)
+        err, same = relative_error(g, w)
+        row[part] = err
+        row["ok"] &= same and err < TOLERANCE and g.shape == w.shape
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if jax.default_backend() != "gpu":
+        sys.exit("check_kernels_gpu.py needs a GPU (the CPU tests run the same kernels in interpret mode)")
+    S = 16384 + 64
+    rows = [check("decode", 1, 1, S, "max"), check("decode", 32, 1, S, "mean"), check("chunk", 1, 512, 4096 + 64, "max"),
+            check("decode, a NaN key", 1, 1, S, "max", nan_key=True)]
+    device = jax.devices()[0].device_kind
+    print(f"{device}, jax {jax.__version__}: Pallas kernels vs the XLA reference (relative error, tolerance {TOLERANCE})")
+    print(f"{'case':<20} {'batch':>5} {'T':>4} {'S':>6} {'out':>9} {'lse':>9} {'inc_cache':>9} {'inc_chunk':>9}  ok")
+    for r in rows:
+        print(f"{r['case']:<20} {r['batch']:>5} {r['T']:>4} {r['S']:>6} {r['out']:9.2e} {r['lse']:9.2e} "
+              f"{r['inc_cache']:9.2e} {r['inc_chunk']:9.2e}  {r['ok']}")
+    out = pathlib.Path(a.out or f"benchmarks/results/check-kernels-{device.replace(' ', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=device, jax=jax.__version__, tolerance=TOLERANCE, rows=rows), indent=2))
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

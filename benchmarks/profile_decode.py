@@ -1,0 +1,83 @@
+"""Where the decode attention op's time goes (GPU): the op as `bench_kernels.py d` runs it (scores and RoPE on,
+a 16K + 64 cache, over the 8 layers of a stacked cache, 64 calls in one jitted loop), timed whole and without
+scores or RoPE; with `--ncu`, one loop of 8 calls between cuProfilerStart/Stop for Nsight Compute, which then
+lists every launch of the op with its duration.
+
+    python benchmarks/profile_decode.py 1          # us per call: full, no_scores, no_rope (batch 1)
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
+        python benchmarks/profile_decode.py 1 --ncu > ncu.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jcascade as jc
+from jcascade import pallas_kernels as pk
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_kernels  # noqa: E402 (the same cache and inputs as section d)
+
+LAYERS = 8
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("batch", type=int)
+    p.add_argument("--ncu", action="store_true", help="profile one loop of 8 calls of the full op, time nothing")
+    a = p.parse_args()
+    if jax.default_backend() != "gpu":
+        sys.exit("profile_decode.py needs a GPU")
+    calls = 8 if a.ncu else 64
+    policy = jc.Cascade(cache_size=16384, sinks=64, num_cascades=4)
+    rope = jc.RoPE(500000.0, jc.Llama3Scaling())
+    cache = bench_kernels.full_cache(policy, a.batch, jax.random.key(7))
+    stack_k = jnp.broadcast_to(cache.k, (LAYERS, *cache.k.shape)) + 0
+    stack_v = jnp.broadcast_to(cache.v, (LAYERS, *cache.v.shape)) + 0
+    ks = jax.random.split(jax.random.key(8), 3)
+    rand = bench_kernels.rand
+    q, k, v = rand(ks[0], (a.batch, 1, 32, 128)), rand(ks[1], (a.batch, 1, 8, 128)), rand(ks[2], (a.batch, 1, 8, 128))
+    lengths = jnp.ones((a.batch,), jnp.int32)
+    weights = policy.query_weights(lengths, 1)
+    positions, valid = cache.pos[:, :1], cache.pos >= 0
+
+    def loop(w, r):
+        def run(stack_k, stack_v):
+            def one(i, acc):
+                out, _, inc, _ = pk.chunk_attention(q, k, v, stack_k, stack_v, valid, positions, lengths, w, "max", r,
+                                                    layer=i % LAYERS, implementation="pallas")
+                return acc[0] + out.astype(jnp.float32), acc[1] + (0 if inc is None else inc)
+
+            zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(valid.shape, jnp.float32))
+            return jax.lax.fori_loop(0, calls, one, zeros)
+
+        return jax.jit(run)
+
+    variants = dict(full=loop(weights, rope), no_scores=loop(None, rope), no_rope=loop(weights, None))
+    for f in variants.values():
+        jax.block_until_ready(f(stack_k, stack_v))
+    if a.ncu:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuProfilerStart()
+        jax.block_until_ready(variants["full"](stack_k, stack_v))
+        cuda.cuProfilerStop()
+        return
+    for name, f in variants.items():
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(stack_k, stack_v))
+            times.append(time.perf_counter() - t0)
+        print(f"batch {a.batch} {name}: {statistics.median(times) / calls * 1e6:.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()
