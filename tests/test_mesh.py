@@ -16,10 +16,15 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4) 
 
 
 @pytest.mark.slow
-def test_sharded_score_and_generate_equal_one_device():
+def test_sharded_score_and_generate_equal_one_device(tmp_path):
+    import jax.numpy as jnp
+
+    import jcascade as jc
+    import tiny
+
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1200,
-                         cwd=pathlib.Path(__file__).parent)
+    run = subprocess.run([sys.executable, __file__, str(tmp_path / "sharded")], env=env, capture_output=True, text=True,
+                         timeout=1200, cwd=pathlib.Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(results["cases"]) == 5 + 3 + 3
@@ -32,16 +37,22 @@ def test_sharded_score_and_generate_equal_one_device():
     assert len(results["readme_out"]) == 8  # the README's snippet ran as written
     assert results["loaded_as_sharded"]  # jc.load_pretrained(path, mesh=) places weights as shard() does
     # the GPU and TPU Pallas kernels per shard (interpret mode) against one device's XLA attention
+    assert set(results["kernels"]) == {"triton", "mosaic_tpu"}
     for backend, kernels in results["kernels"].items():
         assert kernels["score_max_abs_diff"] <= 1e-4 and kernels["generate_equal"], (backend, kernels)
-    shared = results["shared_prefix"]  # num_samples: the prompt's cache as a shared prefix, per shard
+    shared = results["shared_prefix"]  # num_samples: the prompts' caches as shared prefixes, per shard
     assert shared["per_shard"] == [True, True, False], shared
-    assert shared["xla_equal"] and shared["triton_equal"], shared
+    assert shared["xla_equal"] and shared["triton_equal"] and shared["three_prompts_equal"], shared
     assert results["embed_equal"] == [True, True]
     assert results["random_on_mesh"]
-    cli = results["cli"]  # jcascade passkey: default mesh (rows over all 8 devices), --mesh data=2,model=2
-    assert cli["meshes"] == ["data=8,model=1", "data=2,model=2"], cli
-    assert cli["answers_equal"] and cli["rows"] == 2 * 2 * 5 * 2, cli
+    cli = results["cli"]  # jcascade passkey: default mesh (rows over all 8 devices), --mesh data=2,model=2, one device
+    assert cli["meshes"] == ["data=8,model=1", "data=2,model=2", "one device"], cli
+    assert cli["answers_equal"] and cli["rows"] == 2 * 5, cli
+    # a checkpoint saved from the (2, 4)-sharded model loads onto this process's one device
+    loaded = jc.load_pretrained(tmp_path / "sharded", dtype=jnp.float32)
+    model = tiny.model(96, **TINY)
+    for name, w in loaded.weights().items():
+        assert len(w.sharding.device_set) == 1 and bool((w == model.weights()[name]).all()), name
 
 
 @pytest.mark.slow
@@ -132,7 +143,30 @@ def test_a_mesh_needs_the_data_and_model_axes():
         jc.models.shard(tiny.model(97), Mesh(np.array(jax.devices()[:1]), ("x",)))
 
 
-def main():
+def three_prompts_equal(model, policy, tokens, lengths) -> bool:
+    """A decode step of 6 rows over 3 prompts' caches as one shared-prefix level (2 rows each), on a (3, 2)
+    mesh (prefix rows over "data", per shard) and on one device: the same hidden states."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jcascade as jc
+
+    prompts, _, _ = jc.prefill(model, policy, model.init_cache(policy, 3), tokens[:3, :30], jnp.minimum(lengths[:3], 30))
+    level = jax.vmap(lambda layer: jc.share_prefix(policy, layer))(prompts)
+    own = jc.Full(stride=policy.stride)
+
+    def step(m):
+        return jax.jit(lambda level: m(own, m.init_cache(own, 6, max_tokens=4), tokens[:6, 30:31], jnp.ones(6, jnp.int32),
+                                       None, (level,))[0])(level)
+
+    sharded = jc.models.shard(model, Mesh(np.array(jax.devices()[:6]).reshape(3, 2), ("data", "model")))
+    return float(jnp.max(jnp.abs(step(model) - step(sharded)))) <= 1e-5
+
+
+def main(saved_sharded: str):
+    """Runs on 8 CPU devices; saves the (2, 4)-sharded model as a converted checkpoint at `saved_sharded`."""
     import contextlib
     import io
     import re
@@ -172,16 +206,18 @@ def main():
                               generate_equal=bool((generated == gen(sharded, policy)).all()),
                               cache_spec=str(cache.k.sharding.spec),
                               expected_cache_spec=str(jax.sharding.PartitionSpec(None, "data", "model", None, None))))
-    # the Pallas kernels (Triton and Mosaic TPU, interpret mode) run per shard under shard_map
+    # the Pallas kernels (Triton and Mosaic TPU, interpret mode) run per shard under shard_map (shorter inputs:
+    # interpret mode is slow)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     sharded, policy = jc.models.shard(model, mesh), policies[0]
-    score, generated = one_device[type(policy).__name__]
+    short, short_lengths = tokens[:, :24], jnp.minimum(lengths, 24)
+    gen_short = lambda m, **kw: jc.generate(m, short[:, :16], policy, max_new_tokens=3,  # noqa: E731
+                                            lengths=jnp.minimum(lengths, 16), **kw)
+    score, generated = jc.score(model, short, policy, lengths=short_lengths), gen_short(model)
     kernels = {backend: dict(
         score_max_abs_diff=float(jnp.max(jnp.abs(
-            score - jc.score(sharded, tokens, policy, lengths=lengths, implementation=backend)))),
-        generate_equal=bool((generated == jc.generate(sharded, tokens[:, :24], policy, max_new_tokens=6,
-                                                      lengths=jnp.minimum(lengths, 24),
-                                                      implementation=backend)).all()))
+            score - jc.score(sharded, short, policy, lengths=short_lengths, implementation=backend)))),
+        generate_equal=bool((generated == gen_short(sharded, implementation=backend)).all()))
         for backend in ("triton", "mosaic_tpu")}
     # num_samples: the prompt's cache is a shared prefix (one row, replicated over "data") under shard_map
     one, samples = tokens[:1, :30], dict(max_new_tokens=6, temperature=1.0, num_samples=8, rng=jax.random.key(3))
@@ -195,7 +231,8 @@ def main():
                                     sharding.layer_specs(8, 4, mesh, (three_rows,)) is not None],
                          xla_equal=bool((expected == jc.generate(sharded, one, policy, **samples)).all()),
                          triton_equal=bool((expected == jc.generate(sharded, one, policy, implementation="triton",
-                                                                     **samples)).all()))
+                                                                     **samples)).all()),
+                         three_prompts_equal=three_prompts_equal(model, policy, tokens, lengths))
     # the decode step of a sharded generate moves no cache between devices
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     sharded = jc.models.shard(model, mesh)
@@ -209,6 +246,7 @@ def main():
         loaded = jc.load_pretrained(directory, dtype=jnp.float32, mesh=mesh)
     loaded_as_sharded = all(w.sharding == sharded.weights()[name].sharding and bool((w == model.weights()[name]).all())
                             for name, w in loaded.weights().items())
+    jc.save_converted(sharded, saved_sharded)  # the test loads it on one device
     # the vocabulary-split embedding: each device looks up its own rows (tokens at every shard border)
     rows = model.config.vocab_size // 4
     border = jnp.asarray([[0, rows - 1, rows, 2 * rows - 1, 2 * rows, 3 * rows, 4 * rows - 1, 5]] * 2, jnp.int32)
@@ -227,14 +265,15 @@ def main():
     cli_runs = {}
     with tempfile.TemporaryDirectory() as directory:  # the CLI: the default mesh and --mesh give the same answers
         tiny.save(pathlib.Path(directory) / "model")
-        for mesh_option in ([], ["--mesh", "data=2,model=2"]):
+        for mesh_option in ([], ["--mesh", "data=2,model=2"], ["--mesh", "data=1,model=1"]):
             out = pathlib.Path(directory) / f"out{len(cli_runs)}"
             with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
                 cli.main(["passkey", "--model", str(pathlib.Path(directory) / "model"), "--policy",
                           "cascade:cache_size=32,sinks=4,stride=32", "--policy", "sink:window=32,sinks=4,stride=32",
-                          "--min-length", "128", "--max-length", "256", "--samples", "2", "--out", str(out),
+                          "--min-length", "128", "--max-length", "128", "--samples", "1", "--out", str(out),
                           *mesh_option])
-            used = re.search(r"mesh (data=\d+,model=\d+)", err.getvalue()).group(1)
+            used = re.search(r"mesh (data=\d+,model=\d+)", err.getvalue())
+            used = used.group(1) if used else "one device"
             cli_runs[used] = [(r["policy"], r["answer"]) for r in json.loads((out / "passkey.json").read_text())["results"]]
     runs = list(cli_runs.values())
     cli_result = dict(meshes=list(cli_runs), rows=len(runs[0]), answers_equal=all(r == runs[0] for r in runs))
@@ -252,4 +291,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
         worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
-        main()
+        main(sys.argv[1])
