@@ -27,7 +27,7 @@ def test_sharded_score_and_generate_equal_one_device(tmp_path):
                          timeout=1200, cwd=pathlib.Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results["cases"]) == 5 + 3 + 3
+    assert len(results["cases"]) == 5 + 1 + 1
     for case in results["cases"]:
         assert case["score_max_abs_diff"] <= 1e-4, case
         assert case["generate_equal"], case
@@ -37,9 +37,7 @@ def test_sharded_score_and_generate_equal_one_device(tmp_path):
     assert len(results["readme_out"]) == 8  # the README's snippet ran as written
     assert results["loaded_as_sharded"]  # jc.load_pretrained(path, mesh=) places weights as shard() does
     # the GPU and TPU Pallas kernels per shard (interpret mode) against one device's XLA attention
-    assert set(results["kernels"]) == {"triton", "mosaic_tpu"}
-    for backend, kernels in results["kernels"].items():
-        assert kernels["score_max_abs_diff"] <= 1e-4 and kernels["generate_equal"], (backend, kernels)
+    assert results["kernels"] == {"triton": True, "mosaic_tpu": True}  # generate per shard equals one device
     shared = results["shared_prefix"]  # num_samples: the prompts' caches as shared prefixes, per shard
     assert shared["per_shard"] == [True, True, False], shared
     assert shared["xla_equal"] and shared["triton_equal"] and shared["three_prompts_equal"], shared
@@ -194,10 +192,10 @@ def main(saved_sharded: str):
     one_device = {type(p).__name__: (jc.score(model, tokens, p, lengths=lengths, prefix=prefix(p)), gen(model, p))
                   for p in policies}
     cases = []
-    for shape in MESHES:  # every policy on (2, 4); Cascade, H2O and Recycled on the others
+    for shape in MESHES:  # every policy on (2, 4); Cascade on the others
         mesh = Mesh(np.array(jax.devices()[: shape[0] * shape[1]]).reshape(shape), ("data", "model"))
         sharded = jc.models.shard(model, mesh)
-        for policy in policies if shape == MESHES[0] else policies[0::2]:
+        for policy in policies if shape == MESHES[0] else policies[:1]:
             score, generated = one_device[type(policy).__name__]
             cache = sharded.init_cache(policy, 8, max_tokens=64)
             cases.append(dict(mesh=shape, policy=type(policy).__name__,
@@ -206,19 +204,15 @@ def main(saved_sharded: str):
                               generate_equal=bool((generated == gen(sharded, policy)).all()),
                               cache_spec=str(cache.k.sharding.spec),
                               expected_cache_spec=str(jax.sharding.PartitionSpec(None, "data", "model", None, None))))
-    # the Pallas kernels (Triton and Mosaic TPU, interpret mode) run per shard under shard_map (shorter inputs:
-    # interpret mode is slow)
+    # the Pallas kernels (Triton and Mosaic TPU, interpret mode) run per shard under shard_map: a generate runs
+    # the chunk kernels with scores (the prompt) and the decode ones (short inputs: interpret mode is slow)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     sharded, policy = jc.models.shard(model, mesh), policies[0]
-    short, short_lengths = tokens[:, :24], jnp.minimum(lengths, 24)
-    gen_short = lambda m, **kw: jc.generate(m, short[:, :16], policy, max_new_tokens=3,  # noqa: E731
+    gen_short = lambda m, **kw: jc.generate(m, tokens[:, :16], policy, max_new_tokens=3,  # noqa: E731
                                             lengths=jnp.minimum(lengths, 16), **kw)
-    score, generated = jc.score(model, short, policy, lengths=short_lengths), gen_short(model)
-    kernels = {backend: dict(
-        score_max_abs_diff=float(jnp.max(jnp.abs(
-            score - jc.score(sharded, short, policy, lengths=short_lengths, implementation=backend)))),
-        generate_equal=bool((generated == gen_short(sharded, implementation=backend)).all()))
-        for backend in ("triton", "mosaic_tpu")}
+    generated = gen_short(model)
+    kernels = {backend: bool((generated == gen_short(sharded, implementation=backend)).all())
+               for backend in ("triton", "mosaic_tpu")}
     # num_samples: the prompt's cache is a shared prefix (one row, replicated over "data") under shard_map
     one, samples = tokens[:1, :30], dict(max_new_tokens=6, temperature=1.0, num_samples=8, rng=jax.random.key(3))
     expected = jc.generate(model, one, policy, **samples)
