@@ -108,8 +108,8 @@ def embed(table: jax.Array, tokens: jax.Array, mesh: Mesh | None, spec: Partitio
     vocabulary split over "model", each device looks up the tokens among its own rows and one sum over
     "model" joins them (Megatron's vocabulary-parallel embedding); sharding propagation would instead
     gather the whole table to every device on each call (2 ms of an 8B decode step on two H200s). Token
-    ids outside [0, V) give zero rows here (`jnp.take` gives NaN ones); `generate` and `score` reject them
-    before any lookup."""
+    ids outside [0, V) give zero rows here (`jnp.take` gives NaN rows for ids >= V and wraps negative ones);
+    `generate` and `score` reject such ids before any lookup."""
     if mesh is None or tuple(spec) != ("model", None):
         return jnp.take(table, tokens, axis=0)
 
