@@ -213,6 +213,35 @@ def bench_push(a, impl):
     return rows
 
 
+def decode_inputs(policy, batch: int, layers: int) -> dict:
+    """The decode op's inputs on a full cache: a stack of `layers` layers (stack_k, stack_v), one token's
+    q, k, v, lengths, weights, the cache's positions and validity."""
+    cache = full_cache(policy, batch, jax.random.key(7))
+    offsets = jnp.arange(layers, dtype=DT)[:, None, None, None, None]
+    ks = jax.random.split(jax.random.key(8), 3)
+    lengths = jnp.ones((batch,), jnp.int32)
+    return dict(stack_k=jnp.broadcast_to(cache.k, (layers, *cache.k.shape)) + offsets,
+                stack_v=jnp.broadcast_to(cache.v, (layers, *cache.v.shape)) + offsets,
+                q=rand(ks[0], (batch, 1, HQ, D)), k=rand(ks[1], (batch, 1, HKV, D)), v=rand(ks[2], (batch, 1, HKV, D)),
+                lengths=lengths, weights=policy.query_weights(lengths, 1), positions=cache.pos[:, :1],
+                valid=cache.pos >= 0)
+
+
+def decode_loop(x: dict, weights, rope, layers: int, calls: int, impl, cfg=None):
+    """jit (stack_k, stack_v) -> sums of out and scores: `calls` decode ops, call i reading layer i % layers of
+    the stack in place; `weights` None turns the scores off."""
+    def run(stack_k, stack_v):
+        def one(i, acc):
+            out, _, inc, _ = pk.chunk_attention(x["q"], x["k"], x["v"], stack_k, stack_v, x["valid"], x["positions"],
+                                                x["lengths"], weights, "max", rope, layer=i % layers,
+                                                implementation=impl, config=cfg)
+            return acc[0] + out.astype(jnp.float32), acc[1] + (0 if inc is None else inc)
+        zeros = (jnp.zeros(x["q"].shape, jnp.float32), jnp.zeros(x["valid"].shape, jnp.float32))
+        return jax.lax.fori_loop(0, calls, one, zeros)
+
+    return jax.jit(run)
+
+
 def bench_decode(a, impl, bandwidth):
     """The decode attention op (kernel + epilogue, scores and RoPE on) on a full cache, as the model's layer
     loop runs it: `a.decode_layers` layers of a stacked cache, each read in place at its layer index, inside
@@ -221,35 +250,19 @@ def bench_decode(a, impl, bandwidth):
     S = a.cache + a.sinks
     policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
-    L = a.decode_layers
     rows = []
     for batch in a.decode_batches:
-        cache = full_cache(policy, batch, jax.random.key(7))
-        stack_k = jnp.broadcast_to(cache.k, (L, *cache.k.shape)) + jnp.arange(L, dtype=DT)[:, None, None, None, None]
-        stack_v = jnp.broadcast_to(cache.v, (L, *cache.v.shape)) + jnp.arange(L, dtype=DT)[:, None, None, None, None]
-        ks = jax.random.split(jax.random.key(8), 3)
-        q, k, v = rand(ks[0], (batch, 1, HQ, D)), rand(ks[1], (batch, 1, HKV, D)), rand(ks[2], (batch, 1, HKV, D))
-        lengths = jnp.ones((batch,), jnp.int32)
-        weights = policy.query_weights(lengths, 1)
-        positions = cache.pos[:, :1]
-        valid = cache.pos >= 0
+        x = decode_inputs(policy, batch, a.decode_layers)
         kv_bytes = 2 * batch * HKV * S * D * 2
         meta_bytes = batch * HKV * S * (4 + 1) + batch * S * 4  # validity, positions
         logit_bytes = 2 * batch * HQ * S * 4  # logits written by the kernel and read by the epilogue
         for cfg in a.decode_configs:
-            def calls(stack_k, stack_v, cfg=cfg):
-                def one(i, acc):
-                    out, _, inc, _ = pk.chunk_attention(q, k, v, stack_k, stack_v, valid, positions, lengths, weights,
-                                                        "max", rope, layer=i % L, implementation=impl, config=cfg)
-                    return acc[0] + out.astype(jnp.float32), acc[1] + inc
-                zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(valid.shape, jnp.float32))
-                return jax.lax.fori_loop(0, a.decode_calls, one, zeros)
-
-            t = timed(jax.jit(calls), stack_k, stack_v, iters=3) / a.decode_calls
+            run = decode_loop(x, x["weights"], rope, a.decode_layers, a.decode_calls, impl, cfg)
+            t = timed(run, x["stack_k"], x["stack_v"], iters=3) / a.decode_calls
             rows.append(dict(batch=batch, config=str(cfg), us_per_step=t * 1e6, kv_gb_per_s=(kv_bytes + meta_bytes) / t / 1e9,
                              fraction_of_copy=(kv_bytes + meta_bytes) / t / bandwidth,
                              all_bytes_fraction=(kv_bytes + meta_bytes + logit_bytes) / t / bandwidth))
-        del stack_k, stack_v
+        del x
     return rows
 
 

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 import jcascade as jc
-from jcascade import pallas_kernels as pk
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_kernels  # noqa: E402 (the same cache and inputs as section d)
@@ -39,42 +38,22 @@ def main():
     calls = 8 if a.ncu else 64
     policy = jc.Cascade(cache_size=16384, sinks=64, num_cascades=4)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
-    cache = bench_kernels.full_cache(policy, a.batch, jax.random.key(7))
-    stack_k = jnp.broadcast_to(cache.k, (LAYERS, *cache.k.shape)) + 0
-    stack_v = jnp.broadcast_to(cache.v, (LAYERS, *cache.v.shape)) + 0
-    ks = jax.random.split(jax.random.key(8), 3)
-    rand = bench_kernels.rand
-    q, k, v = rand(ks[0], (a.batch, 1, 32, 128)), rand(ks[1], (a.batch, 1, 8, 128)), rand(ks[2], (a.batch, 1, 8, 128))
-    lengths = jnp.ones((a.batch,), jnp.int32)
-    weights = policy.query_weights(lengths, 1)
-    positions, valid = cache.pos[:, :1], cache.pos >= 0
-
-    def loop(w, r):
-        def run(stack_k, stack_v):
-            def one(i, acc):
-                out, _, inc, _ = pk.chunk_attention(q, k, v, stack_k, stack_v, valid, positions, lengths, w, "max", r,
-                                                    layer=i % LAYERS, implementation="pallas")
-                return acc[0] + out.astype(jnp.float32), acc[1] + (0 if inc is None else inc)
-
-            zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(valid.shape, jnp.float32))
-            return jax.lax.fori_loop(0, calls, one, zeros)
-
-        return jax.jit(run)
-
-    variants = dict(full=loop(weights, rope), no_scores=loop(None, rope), no_rope=loop(weights, None))
+    x = bench_kernels.decode_inputs(policy, a.batch, LAYERS)
+    loop = lambda weights, r: bench_kernels.decode_loop(x, weights, r, LAYERS, calls, "pallas")  # noqa: E731
+    variants = dict(full=loop(x["weights"], rope), no_scores=loop(None, rope), no_rope=loop(x["weights"], None))
     for f in variants.values():
-        jax.block_until_ready(f(stack_k, stack_v))
+        jax.block_until_ready(f(x["stack_k"], x["stack_v"]))
     if a.ncu:
         cuda = ctypes.CDLL("libcuda.so.1")
         cuda.cuProfilerStart()
-        jax.block_until_ready(variants["full"](stack_k, stack_v))
+        jax.block_until_ready(variants["full"](x["stack_k"], x["stack_v"]))
         cuda.cuProfilerStop()
         return
     for name, f in variants.items():
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(stack_k, stack_v))
+            jax.block_until_ready(f(x["stack_k"], x["stack_v"]))
             times.append(time.perf_counter() - t0)
         print(f"batch {a.batch} {name}: {statistics.median(times) / calls * 1e6:.1f} us/call")
 
