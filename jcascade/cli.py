@@ -82,7 +82,7 @@ def parse_policy(spec: str):
     if cls is None:
         raise ValueError(f"--policy {spec!r}: unknown policy {name!r}; known: {', '.join(classes)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}  # "_": internal
     values = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         field, eq, text = item.partition("=")

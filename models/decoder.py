@@ -7,12 +7,15 @@ axis and run under `lax.scan`, so a model compiles as one layer whatever its dep
 stacked cache is the scan's carry and is never sliced: each layer sees the whole K/V stack with its layer
 index (`CacheState.layer`), the kernels and scatters read and write that layer in place, and only the
 small per-slot arrays (scores, positions) are sliced and written back. The cache is held once
-(tests/test_memory.py) and a decode step moves no K/V beyond what it reads and inserts.
+(tests/test_memory.py) and a decode step moves no K/V beyond what it reads and inserts. A policy's
+data-dependent branch that all layers take alike (`Policy.step_branch`) is decided once, around the loop.
 
 Weights use the x @ W convention (W is [in, out], the transpose of PyTorch's Linear weight).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +121,21 @@ class CausalLM(nnx.Module):
         Returns the final-norm hidden states [B, T, hidden] and the updated cache."""
         cfg = self.config
         B, T = tokens.shape
+        x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
+        layers = functools.partial(self._layers, lengths=lengths, implementation=implementation, prefixes=tuple(prefixes))
+        branch = policy.step_branch(_layer_view(state, jnp.int32(0)), T, lengths)
+        if branch is None:
+            x, state = layers(policy, x, state)
+        else:
+            index, branch_policies = branch
+            x, state = jax.lax.switch(index, [functools.partial(layers, p) for p in branch_policies], x, state)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), state
+
+    def _layers(self, policy, x: jax.Array, state: slots.CacheState, *, lengths: jax.Array, implementation,
+                prefixes: tuple) -> tuple[jax.Array, slots.CacheState]:
+        """x [B, T, hidden] (embedded) through every layer under `lax.scan`; returns it and the cache."""
+        cfg = self.config
+        B, T = x.shape[:2]
         rope = cfg.rope
         weights = {name: p[...] for name, p in self.layers.items()}
 
@@ -131,7 +149,7 @@ class CausalLM(nnx.Module):
             out, layer_state = _ordered(out, layer_state)
             return out, cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
 
-        specs = None if self.mesh is None else sharding.layer_specs(B, cfg.num_kv_heads, self.mesh, tuple(prefixes))
+        specs = None if self.mesh is None else sharding.layer_specs(B, cfg.num_kv_heads, self.mesh, prefixes)
         if specs is not None:
             # every cache decision is per (row, KV head): each device runs attend and update (and so the
             # Pallas kernels) on its own rows and heads, with no communication
@@ -144,8 +162,7 @@ class CausalLM(nnx.Module):
         def layer(carry, inputs):
             x, state = carry
             w, index, layer_prefixes = inputs
-            layer_state = slots.CacheState(k=state.k, v=state.v, score=state.score[index], pos=state.pos[index],
-                                           seen=state.seen[index], layer=index)
+            layer_state = _layer_view(state, index)
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
             q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
             if cfg.qkv_bias:
@@ -167,10 +184,9 @@ class CausalLM(nnx.Module):
                                      seen=state.seen.at[index].set(layer_state.seen))
             return (x, state), None
 
-        x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, state), _ = jax.lax.scan(layer, (x, state), (weights, layers, tuple(prefixes)))
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), state
+        indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, state), _ = jax.lax.scan(layer, (x, state), (weights, indices, prefixes))
+        return x, state
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 [..., vocab] from final hidden states [..., hidden]."""
@@ -181,6 +197,12 @@ class CausalLM(nnx.Module):
         padded = jnp.concatenate([rows, rows]) if rows.shape[0] == 1 else rows
         out = jnp.dot(padded, head, preferred_element_type=jnp.float32)[: rows.shape[0]]
         return out.reshape(*hidden.shape[:-1], head.shape[-1])
+
+
+def _layer_view(state: slots.CacheState, index: jax.Array) -> slots.CacheState:
+    """Layer `index`'s view of the stacked cache: the whole K/V stack with its layer index, its own small arrays."""
+    return slots.CacheState(k=state.k, v=state.v, score=state.score[index], pos=state.pos[index],
+                            seen=state.seen[index], layer=index)
 
 
 def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.CacheState]:

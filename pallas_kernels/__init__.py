@@ -37,16 +37,25 @@ def resolve(implementation: str | None) -> tuple[str, bool]:
 
 
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, *, layer=None, implementation: str | None = None, config=None):
+                    head_reduction="max", rope=None, *, layer=None, first_slot: int = 0,
+                    implementation: str | None = None, config=None):
     """Dispatches to an implementation; `config` is a `gpu.GpuConfig` or `tpu.TpuConfig` (block sizes).
-    layer: None, or an int32 scalar when k_cache and v_cache are a model's stacked cache [L, B, Hkv, S, D]:
-    the call attends to that layer (the Triton decode kernel reads it in place, the others take its slice)."""
+    layer: None, or an int32 scalar when k_cache and v_cache are a model's stacked cache [L, B, Hkv, C, D]:
+    the call attends to that layer. first_slot (a static int): the call attends to slots
+    [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1] (cache_valid and
+    cache_positions cover those slots alone). The Triton decode kernel reads both in place; the other paths
+    take the slice."""
     backend, interpret = resolve(implementation)
+    if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
+        raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
+                         f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
     if backend == "triton":
         return gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
-                                   head_reduction, rope, layer, config=config or gpu.GpuConfig(), interpret=interpret)
+                                   head_reduction, rope, layer, first_slot, config=config or gpu.GpuConfig(),
+                                   interpret=interpret)
     if layer is not None:
         k_cache, v_cache = k_cache[layer], v_cache[layer]
+    k_cache, v_cache = k_cache[..., first_slot:, :], v_cache[..., first_slot:, :]
     args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
     if backend == "xla":
         return reference.chunk_attention(*args)

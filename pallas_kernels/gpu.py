@@ -8,9 +8,10 @@ Chunk (T > 1), three launches, all deterministic (no atomics):
      column sums, reduced over the group (max or mean) — one extra QK^T pass, no second PV;
   3. the same over the chunk's own keys, causally.
 Decode (T == 1): split-K over the cache with RoPE applied to the keys in the kernel (they are stored
-un-rotated) from cos/sin tables computed once per call (shared by the heads of a row under cache-index
-positions), writing each split's (v, lse) and the raw logits; a small XLA epilogue merges the splits
-with the new token's own key and turns the logits into exact probabilities for the scores.
+un-rotated) from one cos|sin table computed once per call (shared by the heads of a row under
+cache-index positions), writing each split's (v, lse) and the raw logits; then one more kernel, with no
+loop, merges the splits with the new token's own key and turns the logits into exact probabilities for
+the scores (the XLA epilogue it replaces took about ten small launches).
 
 Every in-kernel shape is a power of two; lengths that are not multiples of a block are masked.
 """
@@ -231,12 +232,13 @@ def _no_valid(kernel, len_ref, q_ref, lse_ref, w_ref, key_ref, inc_ref, **kw):
 
 
 # --------------------------------------------------------------------------------------------------
-# Decode: split-K over the cache, keys rotated in the kernel.
+# Decode: split-K over the cache, keys rotated in the kernel, then one kernel that merges the splits.
 
 
-def _layer_of(cache: jax.Array, layer) -> jax.Array:
-    """[B, Hkv, S, D]: `cache` itself, or its layer `layer` when it is a stack [L, B, Hkv, S, D]."""
-    return cache if layer is None else cache[layer]
+def _layer_of(cache: jax.Array, layer, first_slot: int) -> jax.Array:
+    """[B, Hkv, S, D]: the slots from `first_slot` of `cache` [B, Hkv, C, D], or of its layer `layer` when it
+    is a stack [L, B, Hkv, C, D]."""
+    return (cache if layer is None else cache[layer])[..., first_slot:, :]
 
 
 def _scalar(x) -> jax.Array:
@@ -244,18 +246,25 @@ def _scalar(x) -> jax.Array:
     return jnp.reshape(x, (1,)).astype(jnp.int32)
 
 
-def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref, sin_ref, o_ref, lse_ref, logits_ref,
-                   *, S, G, split, bk, scale, rope):
-    """kc_ref, vc_ref: the whole stack [L, B, Hkv, S, D]; this program reads (layer, row, head)."""
+def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_ref, o_ref, lse_ref, logits_ref,
+                   *, S, first, G, gp, split, bk, scale, rope):
+    """q_ref: the KV head's G queries [G, D], read as gp rows (the rest zero); kc_ref, vc_ref: the whole stack
+    [L, B, Hkv, C, D], of which this program reads (layer, row, head) at slots first + [its split of S];
+    valid_ref [S]; rope_ref: [S, D] cos | sin."""
     layer, b, h, s_idx = layer_ref[0], pl.program_id(0), pl.program_id(1), pl.program_id(2)
     has_query = len_ref[...] > 0
-    gp, D = q_ref.shape
+    D = q_ref.shape[-1]
     half = D // 2
     rows_ok = jnp.arange(gp) < G
+    qrows = pl.ds(0, gp)
+
+    def load_q(cols):
+        return plgpu.load(q_ref.at[qrows, cols], mask=rows_ok[:, None], other=0.0)
+
     if rope:
-        q1, q2 = q_ref[:, pl.ds(0, half)], q_ref[:, pl.ds(half, half)]
+        q1, q2 = load_q(pl.ds(0, half)), load_q(pl.ds(half, half))
     else:
-        q = q_ref[...]
+        q = load_q(slice(None))
     start = s_idx * split
 
     def body(j, carry):
@@ -263,17 +272,19 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref
         off = start + j * bk
         keys = off + jnp.arange(bk)
         ok = keys < S
-        blk = pl.ds(off, bk)
+        blk, kv_blk = pl.ds(off, bk), pl.ds(first + off, bk)
         allowed = (plgpu.load(valid_ref.at[blk], mask=ok, other=0) != 0) & ok & has_query
-        if rope:  # rotate-half with the call's cos/sin tables: no transcendental in the loop
-            k1 = plgpu.load(kc_ref.at[layer, b, h, blk, pl.ds(0, half)], mask=ok[:, None], other=0.0).astype(F32)
-            k2 = plgpu.load(kc_ref.at[layer, b, h, blk, pl.ds(half, half)], mask=ok[:, None], other=0.0).astype(F32)
-            cos = plgpu.load(cos_ref.at[blk, :], mask=ok[:, None], other=0.0).astype(F32)
-            sin = plgpu.load(sin_ref.at[blk, :], mask=ok[:, None], other=0.0).astype(F32)
-            r1, r2 = (k1 * cos - k2 * sin).astype(q_ref.dtype), (k2 * cos + k1 * sin).astype(q_ref.dtype)
+        if rope:  # rotate-half with the call's cos|sin table: no transcendental in the loop
+            def load(ref, *index):
+                return plgpu.load(ref.at[index], mask=ok[:, None], other=0.0).astype(F32)
+
+            lo, hi = pl.ds(0, half), pl.ds(half, half)
+            k1, k2 = load(kc_ref, layer, b, h, kv_blk, lo), load(kc_ref, layer, b, h, kv_blk, hi)
+            cos, sin = load(rope_ref, blk, lo), load(rope_ref, blk, hi)
+            r1, r2 = (k1 * cos - k2 * sin).astype(q1.dtype), (k2 * cos + k1 * sin).astype(q1.dtype)
             s = _dot(q1, r1, trans_b=True) + _dot(q2, r2, trans_b=True)
         else:
-            k = plgpu.load(kc_ref.at[layer, b, h, blk, :], mask=ok[:, None], other=0.0)
+            k = plgpu.load(kc_ref.at[layer, b, h, kv_blk, :], mask=ok[:, None], other=0.0)
             s = _dot(q, k, trans_b=True)
         s = jnp.where(allowed[None, :], s * scale, MASK)
         if logits_ref is not None:
@@ -282,7 +293,7 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref
         m_new = jnp.maximum(m, s2.max(axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s2 - m_new[:, None])
-        v = plgpu.load(vc_ref.at[layer, b, h, blk, :], mask=ok[:, None], other=0.0)
+        v = plgpu.load(vc_ref.at[layer, b, h, kv_blk, :], mask=ok[:, None], other=0.0)
         return corr[:, None] * acc + _dot(p.astype(v.dtype), v), m_new, corr * l + p.sum(axis=1)
 
     init = (jnp.zeros((gp, D), F32), jnp.full((gp,), MASK, F32), jnp.zeros((gp,), F32))
@@ -292,6 +303,72 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref
     lse_ref[...] = jnp.where(seen_any, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
 
 
+def _no_logits(kernel, layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_ref, o_ref, lse_ref, **kw):
+    return kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_ref, o_ref, lse_ref, None, **kw)
+
+
+def _reduce_heads(p: jax.Array, G: int, reduction: str) -> jax.Array:
+    """[rows, n] -> [n]: max or mean over the G query heads of a group (rows past G hold zeros). A NaN in a
+    column gives NaN, as in XLA (Triton's max drops NaN)."""
+    nan = jnp.sum(jnp.where(p != p, 1.0, 0.0), axis=0) > 0
+    reduced = p.max(axis=0) if reduction == "max" else p.sum(axis=0) / G
+    return jnp.where(nan, jnp.nan, reduced)
+
+
+def _finish_kernel(*refs, S, G, P, bs, dc, nblk, scale, reduction):
+    """One (row, KV head): the exact merge of its P split states with the new token's own key, in every program;
+    then program j < nblk turns logits block j (bs slots) into score increments, and program nblk + c merges the
+    output columns [c * dc, (c + 1) * dc) (c == 0 also writes lse and the new token's increment). No loop: every
+    split is one tile."""
+    if nblk:
+        len_ref, w_ref, q_ref, k_ref, v_ref, lse_p_ref, o_p_ref, logits_ref, o_ref, lse_ref, inc_ref, self_ref = refs
+    else:
+        len_ref, q_ref, k_ref, v_ref, lse_p_ref, o_p_ref, o_ref, lse_ref = refs
+    j = pl.program_id(2)
+    gq, Pp = pl.next_power_of_2(G), pl.next_power_of_2(P)
+    rows_ok = jnp.arange(gq) < G
+    qrows, parts = pl.ds(0, gq), pl.ds(0, Pp)
+    parts_ok = jnp.arange(Pp) < P
+    q = plgpu.load(q_ref.at[qrows, :], mask=rows_ok[:, None], other=0.0).astype(F32)  # [gq, D]
+    self_logit = jnp.sum(q * k_ref[...].astype(F32)[None, :], axis=1) * scale  # [gq]
+    self_logit = jnp.where(len_ref[...] > 0, self_logit, -jnp.inf)
+    lse_p = plgpu.load(lse_p_ref.at[parts, qrows], mask=parts_ok[:, None], other=-jnp.inf)  # [Pp, gq]
+    m = jnp.maximum(lse_p.max(axis=0), self_logit)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    total = m + jnp.log(jnp.sum(jnp.exp(lse_p - m[None, :]), axis=0) + jnp.exp(self_logit - m))  # NaN stays NaN
+    held = total != -jnp.inf  # as `states.merge_all`: an empty row has weight 0 everywhere
+    safe = jnp.where(held, total, 0.0)
+
+    if nblk:
+        w0 = w_ref[...]
+
+        @pl.when(j < nblk)
+        def _scores():
+            cols = j * bs + jnp.arange(bs)
+            ok = cols < S
+            logits = plgpu.load(logits_ref.at[qrows, pl.ds(j * bs, bs)], mask=rows_ok[:, None] & ok[None, :], other=MASK)
+            live = held[:, None] & ~(logits <= 0.5 * MASK)  # a NaN logit (a NaN key) is live: its slot scores NaN
+            p = jnp.where(live, jnp.exp(logits - safe[:, None]), 0.0) * w0
+            plgpu.store(inc_ref, _reduce_heads(p, G, reduction), mask=ok)
+
+    @pl.when(j >= nblk)
+    def _merge():
+        c = j - nblk
+        cols = pl.ds(c * dc, dc)
+        o_p = plgpu.load(o_p_ref.at[parts, qrows, cols], mask=parts_ok[:, None, None], other=0.0)  # [Pp, gq, dc]
+        w_p = jnp.where(held[None, :], jnp.exp(lse_p - safe[None, :]), 0.0)
+        w_self = jnp.where(held, jnp.exp(self_logit - safe), 0.0)
+        out = jnp.sum(w_p[:, :, None] * o_p, axis=0) + w_self[:, None] * plgpu.load(v_ref.at[cols]).astype(F32)[None, :]
+        plgpu.store(o_ref.at[qrows, cols], out.astype(o_ref.dtype), mask=rows_ok[:, None])
+
+        @pl.when(c == 0)
+        def _lse():
+            plgpu.store(lse_ref.at[qrows], total, mask=rows_ok)
+            if nblk:
+                p_self = jnp.where(rows_ok & held, jnp.exp(self_logit - safe), 0.0) * w0
+                self_ref[...] = _reduce_heads(p_self[:, None], G, reduction)
+
+
 def fuses_rope(rope) -> bool:
     """Whether the kernels rotate cached keys themselves: when `rope` has `inv_freq(head_dim)` (as
     `jcascade.RoPE`), it is taken to rotate the pairs (x[i], x[i + D/2]) by position * inv_freq[i] (the
@@ -299,23 +376,33 @@ def fuses_rope(rope) -> bool:
     return callable(getattr(rope, "inv_freq", None))
 
 
-def rope_tables(rope, positions: jax.Array, head_dim: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., head_dim // 2] at integer positions (angle = position * rope.inv_freq(head_dim), in float32),
-    in `dtype`."""
+def rope_table(rope, positions: jax.Array, head_dim: int, dtype) -> jax.Array:
+    """[..., head_dim]: cos | sin at integer positions (angle = position * rope.inv_freq(head_dim), in float32),
+    in `dtype`; one table, so one launch."""
     angle = positions.astype(F32)[..., None] * jnp.asarray(rope.inv_freq(head_dim))
-    return jnp.cos(angle).astype(dtype), jnp.sin(angle).astype(dtype)
+    return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)], axis=-1).astype(dtype)
 
 
-def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, weights, reduction, rope, layer, cfg,
-            interpret):
+def _rope_table_or_zeros(rope, positions, k_cache, D):
+    """The decode kernels' [B, 1 or Hkv, S, D] table (zeros when RoPE is not fused: the kernel ignores it)."""
+    dtype = F32 if k_cache.dtype == F32 else k_cache.dtype
+    if fuses_rope(rope):
+        return rope_table(rope, positions, D, dtype)
+    return jnp.zeros((positions.shape[0], 1, positions.shape[-1], D), dtype)
+
+
+def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, weights, reduction, rope, layer,
+            first_slot, cfg, interpret):
     """T == 1. q, k already rotated; cache keys rotated in the kernel when `fuses_rope(rope)`. k_cache, v_cache
-    [B, Hkv, S, D], or a stack [L, B, Hkv, S, D] read in place at `layer`."""
+    [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot, C).
+    Two launches besides the RoPE table: the split-K kernel (each split's state and the raw logits) and
+    `_finish_kernel`."""
     B, _, Hq, D = q.shape
-    Hkv, S = k.shape[2], k_cache.shape[-2]
+    Hkv, S = k.shape[2], cache_valid.shape[-1]
     G = Hq // Hkv
-    fuse = fuses_rope(rope)
-    if rope is not None and not fuse:
-        k_cache, v_cache, layer = rope(_layer_of(k_cache, layer), cache_positions)[None], _layer_of(v_cache, layer)[None], 0
+    if rope is not None and not fuses_rope(rope):
+        k_cache = rope(_layer_of(k_cache, layer, first_slot), cache_positions)[None]
+        v_cache, layer, first_slot = _layer_of(v_cache, layer, first_slot)[None], 0, 0
     elif layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     gp = max(16, pl.next_power_of_2(G))
@@ -323,73 +410,85 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     splits = int(np.clip(cfg.decode_programs // (B * Hkv), 1, pl.cdiv(S, bk)))
     split = pl.cdiv(pl.cdiv(S, splits), bk) * bk
     splits = pl.cdiv(S, split)
-    qg = jnp.pad(q.reshape(B, Hkv, G, D), ((0, 0), (0, 0), (0, gp - G), (0, 0)))
-    table_dtype = F32 if k_cache.dtype == F32 else k_cache.dtype
-    if fuse:
-        cos, sin = rope_tables(rope, cache_positions, D, table_dtype)  # [B, 1 or Hkv, S, D/2]
-    else:
-        cos = sin = jnp.zeros((B, 1, S, D // 2), table_dtype)
-    table_heads = cos.shape[1]
-    want_logits = weights is not None
+    qg = q.reshape(B, Hkv, G, D)
+    table = _rope_table_or_zeros(rope, cache_positions, k_cache, D)
+    table_heads = table.shape[1]
+    want_scores = weights is not None
     kernel = functools.partial(
-        _decode_kernel if want_logits else functools.partial(_no_logits, _decode_kernel),
-        S=S, G=G, split=split, bk=bk, scale=D**-0.5, rope=fuse,
+        _decode_kernel if want_scores else functools.partial(_no_logits, _decode_kernel),
+        S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
     )
-    full = lambda b, h, s: (b, h, 0, 0)
+    head = lambda b, h, s: (b, h, 0, 0)
     out_specs = [
         pl.BlockSpec((None, None, None, gp, D), lambda b, h, s: (b, h, s, 0, 0)),
         pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
     ]
     out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, gp, D), F32), jax.ShapeDtypeStruct((B, Hkv, splits, gp), F32)]
-    if want_logits:
-        out_specs.append(pl.BlockSpec((None, None, gp, S), full))
+    if want_scores:
+        out_specs.append(pl.BlockSpec((None, None, gp, S), head))
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, gp, S), F32))
-    outs = pl.pallas_call(
+    parts = pl.pallas_call(
         kernel,
         grid=(B, Hkv, splits),
         in_specs=[
             pl.BlockSpec(),
             pl.BlockSpec((None,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, gp, D), full),
+            pl.BlockSpec((None, None, G, D), head),
             pl.BlockSpec(),  # the whole stack: each program addresses its own (layer, row, head)
             pl.BlockSpec(),
             pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0)),
-            pl.BlockSpec((None, None, S, D // 2), lambda b, h, s: (b, h if table_heads > 1 else 0, 0, 0)),
-            pl.BlockSpec((None, None, S, D // 2), lambda b, h, s: (b, h if table_heads > 1 else 0, 0, 0)),
+            pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h if table_heads > 1 else 0, 0, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=cfg.params(decode=True),
         interpret=interpret,
         name="jcascade_decode",
-    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), cos, sin)
-    o_parts, lse_parts = outs[0][..., :G, :], outs[1][..., :G]  # [B, Hkv, P, G, (D)]
-
-    # Epilogue: the new token's own key, then every split, merged exactly.
-    qf = q.reshape(B, Hkv, G, D).astype(F32)
-    self_logit = jnp.sum(qf * k[:, 0, :, None, :].astype(F32), axis=-1) * D**-0.5  # a fused reduction, not a GEMM launch
-    self_logit = jnp.where((lengths > 0)[:, None, None], self_logit, -jnp.inf)
-    self_v = jnp.broadcast_to(v[:, 0, :, None, :].astype(F32), (B, Hkv, G, D))
-    v_all = jnp.concatenate([o_parts, self_v[:, :, None]], axis=2)
-    lse_all = jnp.concatenate([lse_parts, self_logit[:, :, None]], axis=2)
-    out, lse = states.merge_all(v_all, lse_all, axis=2)  # [B, Hkv, G, D], [B, Hkv, G]
-    out = out.reshape(B, 1, Hq, D).astype(q.dtype)
-    lse_out = lse.reshape(B, Hq, 1)
-    if not want_logits:
-        return out, lse_out, None, None
-    logits = outs[2][:, :, :G]  # [B, Hkv, G, S]
-    held = ~jnp.isneginf(lse)  # NaN stays NaN
-    safe = jnp.where(held, lse, 0.0)[..., None]
-    w0 = weights[:, 0][:, None, None, None]
-    masked = logits <= 0.5 * MASK  # a NaN logit (a NaN key) is not masked: its slot's score is NaN, as in the reference
-    p_cache = jnp.where(held[..., None] & ~masked, jnp.exp(logits - safe), 0.0) * w0
-    p_self = jnp.where(held, jnp.exp(self_logit - safe[..., 0]), 0.0) * w0[..., 0]
-    reduce = jnp.max if reduction == "max" else jnp.mean
-    return out, lse_out, reduce(p_cache, axis=2), reduce(p_self, axis=2)[..., None]
+    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), table)
+    return _finish(qg, k, v, lengths, weights, parts, reduction, interpret)
 
 
-def _no_logits(kernel, layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref, sin_ref, o_ref, lse_ref, **kw):
-    return kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, cos_ref, sin_ref, o_ref, lse_ref, None, **kw)
+def _finish(qg, k, v, lengths, weights, parts, reduction, interpret):
+    """`_finish_kernel` over the split states `parts` (o [B, Hkv, P, gp, D], lse [B, Hkv, P, gp], logits
+    [B, Hkv, gp, S] with scores): out [B, 1, Hq, D], lse [B, Hq, 1], inc_cache [B, Hkv, S], inc_chunk [B, Hkv, 1]."""
+    B, Hkv, G, D = qg.shape
+    P, S = parts[0].shape[2], (parts[2].shape[-1] if weights is not None else 0)
+    bs = _block(S, 1024)
+    nblk = pl.cdiv(S, bs) if weights is not None else 0
+    dc = int(np.clip(4096 // (pl.next_power_of_2(P) * pl.next_power_of_2(G)), 1, D))
+    head = lambda b, h, j: (b, h, 0, 0)
+    row = lambda b, h, j: (b, h, 0)
+    in_specs = [pl.BlockSpec((None,), lambda b, h, j: (b,))]
+    args = [lengths]
+    if nblk:
+        in_specs.append(pl.BlockSpec((None,), lambda b, h, j: (b,)))
+        args.append(weights.reshape(B).astype(F32))
+    in_specs += [pl.BlockSpec((None, None, G, D), head), pl.BlockSpec((None, None, D), row),
+                 pl.BlockSpec((None, None, D), row), pl.BlockSpec((None, None) + parts[1].shape[2:], lambda b, h, j: (b, h, 0, 0)),
+                 pl.BlockSpec((None, None) + parts[0].shape[2:], lambda b, h, j: (b, h, 0, 0, 0))]
+    args += [qg, k.reshape(B, Hkv, D), v.reshape(B, Hkv, D), parts[1], parts[0]]
+    out_specs = [pl.BlockSpec((None, None, G, D), head), pl.BlockSpec((None, None, G), row)]
+    out_shape = [jax.ShapeDtypeStruct((B, Hkv, G, D), qg.dtype), jax.ShapeDtypeStruct((B, Hkv, G), F32)]
+    if nblk:
+        in_specs.append(pl.BlockSpec((None, None) + parts[2].shape[2:], head))
+        args.append(parts[2])
+        out_specs += [pl.BlockSpec((None, None, bs), lambda b, h, j: (b, h, jnp.minimum(j, nblk - 1))),
+                      pl.BlockSpec((None, None, 1), row)]
+        out_shape += [jax.ShapeDtypeStruct((B, Hkv, S), F32), jax.ShapeDtypeStruct((B, Hkv, 1), F32)]
+    kernel = functools.partial(_finish_kernel, S=S, G=G, P=P, bs=bs, dc=dc, nblk=nblk, scale=D**-0.5,
+                               reduction=reduction)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, nblk + D // dc),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jcascade_decode_finish",
+    )(*args)
+    out, lse = outs[0].reshape(B, 1, Hkv * G, D), outs[1].reshape(B, Hkv * G, 1)
+    return (out, lse, outs[2], outs[3]) if nblk else (out, lse, None, None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,16 +514,10 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
     splits = pl.cdiv(S, split)
     qg = q.reshape(P, R, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(P, Hkv, rows, D)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_blocks * bq - rows), (0, 0)))
-    table_dtype = F32 if k_cache.dtype == F32 else k_cache.dtype
-    if fuse:
-        cos, sin = rope_tables(rope, cache_positions, D, table_dtype)
-    else:
-        cos = sin = jnp.zeros((P, 1, S, D // 2), table_dtype)
-    table_heads = cos.shape[1]
-    kernel = functools.partial(_no_logits, _decode_kernel, S=S, G=bq, split=split, bk=bk, scale=D**-0.5,
-                               rope=fuse)
-    full = lambda p, h, s, i: (p, h, 0, 0)
-    table = lambda p, h, s, i: (p, h if table_heads > 1 else 0, 0, 0)
+    table = _rope_table_or_zeros(rope, cache_positions, k_cache, D)
+    table_heads = table.shape[1]
+    kernel = functools.partial(_no_logits, _decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk,
+                               scale=D**-0.5, rope=fuse)
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(P, Hkv, splits, q_blocks),
@@ -435,8 +528,7 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
             pl.BlockSpec(),
             pl.BlockSpec(),
             pl.BlockSpec((None, None, S), lambda p, h, s, i: (p, h, 0)),
-            pl.BlockSpec((None, None, S, D // 2), table),
-            pl.BlockSpec((None, None, S, D // 2), table),
+            pl.BlockSpec((None, None, S, D), lambda p, h, s, i: (p, h if table_heads > 1 else 0, 0, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, bq, D), lambda p, h, s, i: (p, h, s, i, 0)),
@@ -447,7 +539,7 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
         compiler_params=config.params(decode=True),
         interpret=interpret,
         name="jcascade_shared_prefix",
-    )(_scalar(0), jnp.ones((P,), jnp.int32), qg, k_cache[None], v_cache[None], cache_valid.astype(jnp.int32), cos, sin)
+    )(_scalar(0), jnp.ones((P,), jnp.int32), qg, k_cache[None], v_cache[None], cache_valid.astype(jnp.int32), table)
     out, lse = states.merge_all(o_parts[..., :rows, :], lse_parts[..., :rows], axis=2)  # [P, Hkv, rows, (D)]
     out = out.reshape(P, Hkv, R, G, D).transpose(0, 2, 1, 3, 4).reshape(P, R, Hq, D)
     return out, lse.reshape(P, Hkv, R, G).transpose(0, 2, 1, 3).reshape(P, R, Hq)
@@ -457,14 +549,15 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
 
 
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, layer=None, *, config: GpuConfig = GpuConfig(),
+                    head_reduction="max", rope=None, layer=None, first_slot=0, *, config: GpuConfig = GpuConfig(),
                     interpret: bool = False):
-    """Same contract as `reference.chunk_attention`, on Pallas-Triton. The decode kernel reads a stacked
-    cache in place at `layer`; a chunk's kernels take that layer's copy."""
+    """Same contract as `reference.chunk_attention`, on Pallas-Triton, with `layer` and `first_slot` as in
+    `pallas_kernels.chunk_attention`: the decode kernel reads the cache in place; a chunk's kernels take a copy
+    of the attended slots."""
     if q.shape[1] == 1:
         return _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
-                       head_reduction, rope, layer, config, interpret)
-    k_cache, v_cache = _layer_of(k_cache, layer), _layer_of(v_cache, layer)
+                       head_reduction, rope, layer, first_slot, config, interpret)
+    k_cache, v_cache = _layer_of(k_cache, layer, first_slot), _layer_of(v_cache, layer, first_slot)
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)
     valid = cache_valid.astype(jnp.int32)

@@ -146,7 +146,7 @@ def test_kernels_lower_for_gpu(shape):
     f = jax.jit(lambda *a: pk.gpu.chunk_attention(*a, "max", jc.RoPE(500000.0)))
     with jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*_abstract_inputs(*shape)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("xla.gpu.triton") == (1 if shape[1] == 1 else 3)
+    assert text.count("xla.gpu.triton") == (2 if shape[1] == 1 else 3)  # decode: split-K + finish; chunk: forward + 2 scores
 
 
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=str)
@@ -185,19 +185,24 @@ def test_single_token_insertion_kernel_equals_xla_update(policy):
 @pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic_tpu"])
 @pytest.mark.parametrize("T", [1, 9])
 def test_a_stacked_cache_is_read_at_its_layer(implementation, T):
-    """With `layer`, the kernels take a model's stacked cache [L, ...] and attend to that layer exactly as
-    to the layer alone (the Triton decode kernel reads the stack in place)."""
+    """With `layer` and `first_slot`, the kernels take a model's stacked cache [L, B, Hkv, C, D] and attend
+    to slots [first_slot, C) of that layer exactly as to those slots alone (the Triton decode kernel reads
+    the stack in place)."""
     rng = np.random.default_rng(T)
     inputs = random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True)
-    stacked = dict(inputs)
+    stacked, first = dict(inputs), 7
     for name in ("k_cache", "v_cache"):
-        others = jnp.asarray(rng.normal(size=(3, *inputs[name].shape)), jnp.float32)
-        stacked[name] = others.at[1].set(inputs[name])
+        B, H, S, D = inputs[name].shape
+        others = jnp.asarray(rng.normal(size=(3, B, H, first + S, D)), jnp.float32)
+        stacked[name] = others.at[1, :, :, first:].set(inputs[name])
     config = SMALL.get(implementation)
-    run = jax.jit(lambda x, layer: pk.chunk_attention(**x, rope=jc.RoPE(10000.0), layer=layer,
-                                                      implementation=implementation, config=config))
-    for got, want in zip(run(stacked, jnp.int32(1)), run(inputs, None)):
+    run = jax.jit(lambda x, layer, first_slot: pk.chunk_attention(**x, rope=jc.RoPE(10000.0), layer=layer,
+                                                                  first_slot=first_slot, implementation=implementation,
+                                                                  config=config), static_argnums=2)
+    for got, want in zip(run(stacked, jnp.int32(1), first), run(inputs, None, 0)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="first_slot=6 plus the 45 slots of cache_valid must equal it"):
+        run(stacked, jnp.int32(1), first - 1)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])

@@ -1,5 +1,8 @@
 """SnapKV, PyramidKV and Recycled against small dense numpy references of their rules, and through the
-model: equal to Full while the sequence fits, `score(prefix=)` consistent with `generate`, clear errors."""
+model: equal to Full while the sequence fits, `score(prefix=)` consistent with `generate`, Recycled's branch
+decided once per decode step, clear errors."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -320,6 +323,48 @@ def test_score_with_a_prefix_replays_generate(model, policy):
         assert logp[r, 59 + i] <= chosen[i] + 1e-6
     full = np.asarray(jc.score(model, seq[None], jc.Full(stride=16)))[0, 59:]
     assert not np.allclose(chosen, full, atol=1e-4)  # the policy really dropped something
+
+
+@dataclasses.dataclass(frozen=True)
+class RecycledPerLayer(jc.Recycled):
+    """Recycled deciding its decode step's branch in every layer (a `lax.cond` per layer), as it does when
+    called through jc.attend / jc.update."""
+
+    def step_branch(self, state, chunk_len, lengths):
+        return None
+
+
+def eqns_within(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from eqns_within(inner)
+
+
+def test_recycled_decides_a_decode_step_once_for_all_layers(model):
+    """Through the model, whether a decode step is full or recycled is one lax.switch around the layer
+    loop, with no branch left inside it, and gives what deciding it in every layer gives."""
+    tokens = np.random.default_rng(7).integers(0, 97, (2, 60))
+    lengths = np.array([60, 47])
+    policy, per_layer = (cls(top_k=12, refresh_every=3, stride=16) for cls in (jc.Recycled, RecycledPerLayer))
+    np.testing.assert_array_equal(jc.generate(model, tokens[:, :40], policy, max_new_tokens=10),
+                                  jc.generate(model, tokens[:, :40], per_layer, max_new_tokens=10))
+    np.testing.assert_allclose(jc.score(model, tokens, policy, lengths=lengths, prefix=40),
+                               jc.score(model, tokens, per_layer, lengths=lengths, prefix=40), atol=1e-6)
+
+    def conds_in_layer_loop(p):
+        state = model.init_cache(p, 2, max_tokens=64)
+        step = jax.make_jaxpr(lambda s, t: model(p, s, t, jnp.ones((2,), jnp.int32)))(state, tokens[:, :1])
+        loops = [eqn for eqn in eqns_within(step.jaxpr) if eqn.primitive.name == "scan"]
+        assert loops
+        return sum(eqn.primitive.name == "cond" for loop in loops for eqn in eqns_within(loop.params["jaxpr"].jaxpr))
+
+    assert conds_in_layer_loop(policy) == 0
+    assert conds_in_layer_loop(per_layer) > 0
 
 
 def test_invalid_parameters_raise_clear_errors(model):

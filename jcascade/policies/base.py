@@ -11,6 +11,7 @@ entry points call only these hooks:
   jc.update      -> update(state, k, v, scores, lengths, implementation)
   jc.compress, and generate / score at the end of a prompt -> observation_window, compress(state, room)
   jc.share_prefix, jc.attend_shared -> key_positions(state)
+  a model's layer loop -> step_branch(state, chunk_len, lengths)   (default: None)
 
 and read four class attributes: `bounded`, `keeps_scores`, `needs_prompt`, `shareable`.
 `jcascade.policies.ring.RingPolicy` implements attend/update for ring-layout caches (sinks + rings), which
@@ -114,6 +115,15 @@ class Policy(abc.ABC):
             layer=state.layer, implementation=implementation,
         )
         return out, None if inc_cache is None else Scores(cache=inc_cache, chunk=inc_chunk)
+
+    def step_branch(self, state: CacheState, chunk_len: int, lengths: jax.Array) -> tuple[jax.Array, tuple[Policy, ...]] | None:
+        """A data-dependent branch that every layer of a model takes alike in a step, decided once per step
+        instead of once per layer: None (the default), or (index, policies), an int32 scalar and the
+        policies whose attend and update assume each branch; the model runs all its layers with
+        policies[index] under one `lax.switch`. state: the first layer's view of the cache; lengths: int32 [B]
+        valid tokens of the chunk per row. On a GPU each `lax.cond` waits for its predicate on the host, so a
+        branch inside every layer stalls the step once per layer."""
+        return None
 
     def compress(self, state: CacheState, room: int) -> CacheState:
         """The cache after the prompt (its last chunk being the observation window), with `room` free slots

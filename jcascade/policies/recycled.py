@@ -2,7 +2,9 @@
 
 One state holds three regions: [full cache (max_tokens slots, slot = position) | top_k recycled copies |
 tokens fed since the last full step]. Its steps are told apart by the state alone: a row is due for a
-full step when its newest region holds refresh_every - 1 tokens.
+full step when its newest region holds refresh_every - 1 tokens. Every layer holds the same tokens, so a
+model decides once per decode step whether any row takes a full step (`step_branch`) and runs its layers
+with a policy that knows (`Recycled._branch`), rather than branching in every layer.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class Recycled(Policy):
 
     Positions: "original" (the paper keeps the full cache with its positions). The cache allocates
     max_tokens + top_k + refresh_every slots: the full cache, the recycled copies, the new tokens.
+    A recycled step reads only the slots it attends to (the kernels address them in place).
+
+    `_branch` is internal (set by `step_branch`, never by users): None decides per call with `lax.cond`;
+    "recycled" promises that no row of this decode step takes a full step, "full" that some row may.
     """
 
     bounded = False
@@ -46,6 +52,7 @@ class Recycled(Policy):
     kernel: int = 1
     positions: Literal["cache", "original"] = "original"
     stride: int = 4096
+    _branch: Literal["full", "recycled"] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         check_int(self, "top_k", self.top_k, 1)
@@ -55,6 +62,8 @@ class Recycled(Policy):
             raise ValueError(f"Recycled.kernel must be odd (pooling keeps the length), got {self.kernel}")
         check_choice(self, "positions", self.positions, POSITION_MODES)
         check_int(self, "stride", self.stride, 1)
+        if self._branch not in (None, "full", "recycled"):
+            raise ValueError(f"Recycled._branch must be None, 'full' or 'recycled', got {self._branch!r}")
 
     def cache_slots(self, max_tokens: int | None) -> int:
         return max_tokens + self.top_k + self.refresh_every
@@ -76,6 +85,14 @@ class Recycled(Policy):
         decode step after refresh_every - 1 recycled ones); since: `_since_refresh`."""
         return (since >= self.refresh_every - 1) | (chunk_len > 1)
 
+    def step_branch(self, state: CacheState, chunk_len: int, lengths: jax.Array):
+        """A decode step's branch: 1 when some row takes a full step, else 0 (chunks are all full)."""
+        if chunk_len > 1 or self._branch is not None:
+            return None
+        full = self._full_step_rows(self._since_refresh(state), chunk_len) & (lengths > 0)
+        branches = (dataclasses.replace(self, _branch="recycled"), dataclasses.replace(self, _branch="full"))
+        return jnp.any(full).astype(jnp.int32), branches
+
     def query_weights(self, lengths: jax.Array, chunk_len: int) -> jax.Array:
         """1 for the last valid query."""
         return last_queries(lengths, chunk_len, 1)
@@ -90,10 +107,10 @@ class Recycled(Policy):
         full = self._full_step_rows(self._since_refresh(state), T)
         slot = jnp.arange(state.capacity)
 
-        def run(valid, key_pos, start, k_cache, v_cache, layer, w):
+        def run(valid, key_pos, start, k_cache, v_cache, layer, w, first_slot=0):
             qr, kr = rotate_chunk(rope, q, k, start)
             return pallas_kernels.chunk_attention(qr, kr, v, k_cache, v_cache, valid, key_pos, n, w, "max", rope,
-                                                  layer=layer, implementation=implementation)
+                                                  layer=layer, first_slot=first_slot, implementation=implementation)
 
         def full_attention():
             valid = (state.pos >= 0) & (slot < M)
@@ -104,11 +121,9 @@ class Recycled(Policy):
             out, inc_cache, inc_chunk = full_attention()
             return out, Scores(cache=inc_cache, chunk=inc_chunk)
 
-        layer_k, layer_v = slots.cached_kv(state)
-        attended = CacheState(k=layer_k[..., M:, :], v=layer_v[..., M:, :], score=state.score[..., M:],
-                              pos=state.pos[..., M:], seen=state.seen)  # the recycled copies and the new tokens
-        key_pos, start = super().key_positions(attended)  # "cache": rank among the attended tokens
-        small, _, _, _ = run(attended.pos >= 0, key_pos, start, attended.k, attended.v, None, None)
+        recent_pos = state.pos[..., M:]  # the recycled copies and the new tokens, read in place
+        key_pos, start = super().key_positions(dataclasses.replace(state, pos=recent_pos))  # "cache": their rank
+        small, _, _, _ = run(recent_pos >= 0, key_pos, start, state.k, state.v, state.layer, None, first_slot=M)
         zeros = (jnp.zeros((B, Hkv, state.capacity), jnp.float32), jnp.zeros((B, Hkv, T), jnp.float32))
 
         def with_full():
@@ -117,7 +132,10 @@ class Recycled(Policy):
             return (jnp.where(pick[..., None], out, small), jnp.where(pick, inc_cache, 0.0),
                     jnp.where(pick, inc_chunk, 0.0))
 
-        out, inc_cache, inc_chunk = jax.lax.cond(jnp.any(full & (n > 0)), with_full, lambda: (small, *zeros))
+        if self._branch is None:
+            out, inc_cache, inc_chunk = jax.lax.cond(jnp.any(full & (n > 0)), with_full, lambda: (small, *zeros))
+        else:
+            out, inc_cache, inc_chunk = with_full() if self._branch == "full" else (small, *zeros)
         return out, Scores(cache=inc_cache, chunk=inc_chunk)
 
     def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores, lengths: jax.Array,
@@ -143,8 +161,9 @@ class Recycled(Policy):
             st = slots.write_kv(st, (bi, hi, dest), ck, cv)
             return dataclasses.replace(st, score=put(st.score, score), pos=put(st.pos, chunk_pos))
 
-        fresh_scores = jnp.where(full[:, None, None] & (jnp.arange(state.capacity) < M), scores.cache, state.score)
-        state = dataclasses.replace(state, score=fresh_scores)
+        if self._branch != "recycled":
+            fresh = jnp.where(full[:, None, None] & (jnp.arange(state.capacity) < M), scores.cache, state.score)
+            state = dataclasses.replace(state, score=fresh)
         to_full = state.seen[:, None] + j
         state = write(state, jnp.where((j < n[:, None]) & (to_full < M), to_full, state.capacity), chunk_score)
         if T == 1:  # recycled rows also keep their token among the new ones
@@ -176,5 +195,8 @@ class Recycled(Policy):
                 pos=st.pos.at[..., region].set(jnp.where(pick, new_pos, st.pos[..., region])),
             )
 
-        state = jax.lax.cond(jnp.any(full), reselect, lambda st: st, state)
+        if self._branch is None:
+            state = jax.lax.cond(jnp.any(full), reselect, lambda st: st, state)
+        elif self._branch == "full":
+            state = reselect(state)
         return dataclasses.replace(state, seen=state.seen + n)
