@@ -1,11 +1,12 @@
 """Kernel benchmarks on the Llama-3.1-8B layer shape (32 query heads, 8 KV heads, D = 128, bf16).
 
-  a  chunk attention with exact scores (chunk 4096 vs a 16K + 64 cache) vs cuDNN attention on the same
-     shapes without scores (jax.nn.dot_product_attention(implementation="cudnn"), non-causal over
-     cache + chunk keys, about 11 % more key positions than the causal chunk needs);
+  a  chunk attention with exact scores (chunk 4096 vs a 16K + 64 cache), the kernels of each GPU backend
+     (Triton; Mosaic GPU on a Hopper GPU) in several tilings, vs cuDNN attention on the same shapes without
+     scores (jax.nn.dot_product_attention(implementation="cudnn"), non-causal over cache + chunk keys,
+     about 11 % more key positions than the causal chunk needs);
   b  the paper's Figure 6b: one attention layer over 1M tokens with strided prefill (cache 16K + 64 sinks,
-     4 cascades, attend + update per chunk) vs cuDNN causal attention over the same tokens, and the
-     stride sweep of Figure 6c;
+     4 cascades, attend + update per chunk) on each GPU backend vs cuDNN causal attention over the same
+     tokens, and the stride sweep of Figure 6c (default kernels);
   c  the paper's Figure 6a: 16K tokens pushed one at a time into a 16K cache (fill phase), then 16K more
      (steady phase), with 1 and 4 cascades, vs a concatenation-based sink cache written in JAX;
   d  decode attention (one query per row, scores on, RoPE fused) over a 16K cache at batch 1 and 32, over
@@ -74,7 +75,7 @@ def full_cache(policy, batch, key, seen=1 << 20):
 # --------------------------------------------------------------------------------------------------
 
 
-def bench_chunk(a, impl, cudnn):
+def bench_chunk(a, cudnn):
     T, S = a.chunk, a.cache + a.sinks
     ks = jax.random.split(jax.random.key(0), 5)
     q, k, v = rand(ks[0], (1, T, HQ, D)), rand(ks[1], (1, T, HKV, D)), rand(ks[2], (1, T, HKV, D))
@@ -85,29 +86,34 @@ def bench_chunk(a, impl, cudnn):
     weights = jc.Cascade(cache_size=a.cache).query_weights(lengths, T)
     useful = 4 * T * (S + (T + 1) / 2) * D * HQ  # QK^T + PV of the causal chunk over the cache
     rows = []
-    for cfg in a.configs:
+    for impl, cfg in a.configs:
         f = jax.jit(lambda w: pk.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, w, "max", None,
                                                  implementation=impl, config=cfg))
         g = jax.jit(lambda: pk.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, None, "max", None,
                                                implementation=impl, config=cfg))
+        row = dict(implementation=impl, config=str(cfg))
         try:
             t_scores, t_plain = timed(f, weights), timed(g)
         except Exception as e:  # a config the compiler rejects (e.g. shared memory) is reported, not fatal
-            rows.append(dict(config=str(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
+            rows.append(row | dict(error=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
-        rows.append(dict(config=str(cfg), ms_with_scores=t_scores * 1e3, ms_without_scores=t_plain * 1e3,
-                         tflops_forward=useful / t_plain / 1e12))
+        rows.append(row | dict(ms_with_scores=t_scores * 1e3, ms_without_scores=t_plain * 1e3,
+                               tflops_forward=useful / t_plain / 1e12))
     kf, vf = jnp.concatenate([jnp.swapaxes(kc, 1, 2), k], 1), jnp.concatenate([jnp.swapaxes(vc, 1, 2), v], 1)
     base = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=cudnn))
     try:
         t_base = timed(base, q, kf, vf)
     except Exception:  # no grouped-query support: give the baseline its K/V repeated to every query head
         t_base = timed(base, q, jnp.repeat(kf, HQ // HKV, 2), jnp.repeat(vf, HQ // HKV, 2))
-    best = min((r for r in rows if "error" not in r), key=lambda r: r["ms_with_scores"])
+    best = {}
+    for impl in dict.fromkeys(r["implementation"] for r in rows):
+        timed_rows = [r for r in rows if r["implementation"] == impl and "error" not in r]
+        if timed_rows:
+            fastest = min(timed_rows, key=lambda r: r["ms_with_scores"])
+            best[impl] = fastest | dict(ratio_with_scores=fastest["ms_with_scores"] / (t_base * 1e3),
+                                        ratio_without_scores=fastest["ms_without_scores"] / (t_base * 1e3))
     return dict(T=T, S=S, baseline=cudnn or "xla", baseline_ms=t_base * 1e3,
-                baseline_tflops=4 * T * (S + T) * D * HQ / t_base / 1e12, configs=rows, best=best,
-                ratio_with_scores=best["ms_with_scores"] / (t_base * 1e3),
-                ratio_without_scores=best["ms_without_scores"] / (t_base * 1e3))
+                baseline_tflops=4 * T * (S + T) * D * HQ / t_base / 1e12, configs=rows, best=best)
 
 
 def prefill_layer(policy, tokens, impl, key):
@@ -133,7 +139,7 @@ def prefill_layer(policy, tokens, impl, key):
 def bench_prefill(a, impl, cudnn):
     n = a.tokens
     policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4, stride=a.chunk)
-    ours = prefill_layer(policy, n, impl, jax.random.key(1))
+    ours = {impl: prefill_layer(policy, n, impl, jax.random.key(1)) for impl in a.backends}
     sweep = []
     for stride in a.strides:
         p = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4, stride=stride)
@@ -154,7 +160,7 @@ def bench_prefill(a, impl, cudnn):
     at_n = dict(measured).get(n, float(np.polyval(coeffs, n)))
     return dict(tokens=n, ours_s=ours, full_attention=full, quadratic_fit=coeffs.tolist(),
                 full_attention_at_tokens_s=at_n, full_measured_at_tokens=n in dict(measured),
-                speedup=at_n / ours, stride_sweep=sweep)
+                speedup={impl: at_n / t for impl, t in ours.items()}, stride_sweep=sweep)
 
 
 def push_tokens(policy, state, num, impl, key):
@@ -277,14 +283,19 @@ def main():
     warnings.filterwarnings("ignore")
     on_gpu = jax.default_backend() == "gpu"
     impl, cudnn = ("pallas", "cudnn") if on_gpu else ("triton", None)
+    # the chunk kernels of each GPU backend side by side (Mosaic GPU on Hopper; interpret mode on the CPU)
+    a.backends = ["triton", "mosaic_gpu"] if pk.is_hopper() or not on_gpu else ["triton"]
     a.chunk, a.cache, a.sinks, a.tokens = 4096, 16384, 64, 1 << 20
     a.strides = [1024, 16384]
     a.full_lengths = [1 << 17, 1 << 18, 1 << 19, 1 << 20]
     a.push_batches, a.decode_batches, a.xla_tokens = [1, 32], [1, 32], 512
-    G = pk.gpu.GpuConfig
-    a.configs = [G(), G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3),
-                 G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3),
-                 G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2)]
+    G, M = pk.gpu.GpuConfig, pk.mosaic_gpu.MosaicGpuConfig
+    a.configs = [("triton", G()), ("triton", G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3)),
+                 ("triton", G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3)),
+                 ("triton", G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2))]
+    if "mosaic_gpu" in a.backends:
+        a.configs += [("mosaic_gpu", M()), ("mosaic_gpu", M(score_block_k=64, score_block_q=64)),
+                      ("mosaic_gpu", M(score_block_k=64)), ("mosaic_gpu", M(block_k=64))]
     a.decode_configs = [G(decode_block_k=bk, decode_num_stages=stages, decode_programs=programs)
                         for bk, stages in ((32, 2), (64, 3)) for programs in (256, 512, 2048)] if a.decode_sweep else [G()]
     a.decode_layers, a.decode_calls = 8, 64
@@ -294,7 +305,8 @@ def main():
         a.strides, a.full_lengths = [16, 64], [64, 128, 256]
         a.push_batches, a.decode_batches, a.xla_tokens = [1, 2], [1, 2], 8
         a.decode_layers, a.decode_calls = 2, 4
-        a.configs = a.decode_configs = [G(16, 16, 16, 16, 16, 8)]
+        a.decode_configs = [G(16, 16, 16, 16, 16, 8)]
+        a.configs = [("triton", G(16, 16, 16, 16, 16, 8)), ("mosaic_gpu", M())]
         gib = 0.01
     device = jax.devices()[0]
     bandwidth = copy_bandwidth(gib)
@@ -302,7 +314,7 @@ def main():
                   implementation=impl, copy_bandwidth_gb_s=bandwidth / 1e9)
     out = pathlib.Path(a.out or f"benchmarks/results/kernels-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    sections = dict(a=("a_chunk", lambda: bench_chunk(a, impl, cudnn)), b=("b_prefill_1m", lambda: bench_prefill(a, impl, cudnn)),
+    sections = dict(a=("a_chunk", lambda: bench_chunk(a, cudnn)), b=("b_prefill_1m", lambda: bench_prefill(a, impl, cudnn)),
                     c=("c_push", lambda: bench_push(a, impl)), d=("d_decode", lambda: bench_decode(a, impl, bandwidth)))
     start = time.perf_counter()
     for letter in a.only:
@@ -326,16 +338,18 @@ def report(r):
               f"({c['baseline_tflops']:.0f} TFLOP/s)")
         for row in c["configs"]:
             if "error" in row:
-                print(f"   {row['config']}: {row['error']}")
+                print(f"   {row['implementation']} {row['config']}: {row['error']}")
             else:
-                print(f"   {row['config']}: {row['ms_with_scores']:.2f} ms with scores, {row['ms_without_scores']:.2f} ms "
-                      f"without ({row['tflops_forward']:.0f} TFLOP/s)")
-        print(f"   best: {c['ratio_with_scores']:.2f}x baseline with scores, {c['ratio_without_scores']:.2f}x without")
+                print(f"   {row['implementation']} {row['config']}: {row['ms_with_scores']:.2f} ms with scores, "
+                      f"{row['ms_without_scores']:.2f} ms without ({row['tflops_forward']:.0f} TFLOP/s)")
+        for impl, best in c["best"].items():
+            print(f"   best {impl}: {best['ratio_with_scores']:.2f}x baseline with scores, "
+                  f"{best['ratio_without_scores']:.2f}x without")
     if "b_prefill_1m" in r:
         b = r["b_prefill_1m"]
-        print(f"b) one layer over {b['tokens']} tokens: cascade {b['ours_s']:.2f} s; full causal "
-              f"{b['full_attention_at_tokens_s']:.2f} s ({'measured' if b['full_measured_at_tokens'] else 'quadratic fit'}); "
-              f"speedup {b['speedup']:.1f}x")
+        ours = ", ".join(f"{impl} {t:.2f} s ({b['speedup'][impl]:.1f}x)" for impl, t in b["ours_s"].items())
+        print(f"b) one layer over {b['tokens']} tokens: cascade {ours}; full causal "
+              f"{b['full_attention_at_tokens_s']:.2f} s ({'measured' if b['full_measured_at_tokens'] else 'quadratic fit'})")
         print("   full attention: " + ", ".join(f"{x['tokens']}: {x.get('seconds', x.get('error'))}" for x in b["full_attention"]))
         print("   stride sweep: " + ", ".join(f"{x['stride']}: {x['seconds']:.2f} s" for x in b["stride_sweep"]))
     if "c_push" in r:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 import jcascade as jc
 from jcascade.cli import device_mesh, mesh_shape
+from jcascade import pallas_kernels as pk
 from jcascade.models import CausalLM, ModelConfig, sharding
 
 LLAMA31_8B = ModelConfig(
@@ -88,8 +89,8 @@ def bench_prefill(a, model, policy, peak):
     segment = a.segment
     state = model.init_cache(policy, 1)
     lengths = jnp.array([segment], jnp.int32)
-    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2], donate_argnums=1,
-                  compiler_options=jc.COMPILER_OPTIONS)
+    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths, a.implementation)[:2],
+                  donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
     tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
     t0 = time.perf_counter()
     compiled = run.lower(model, state, tokens[0]).compile()
@@ -129,7 +130,7 @@ def bench_decode(a, model, policy, bandwidth):
         state = jax.jit(full_cache)()
 
         def step(model, state, last):
-            hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32))
+            hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32), a.implementation)
             return state, jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
 
         run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
@@ -166,6 +167,8 @@ def main():
     p.add_argument("--mesh", type=mesh_shape, default=(1, 1), metavar="data=D,model=M",
                    help="devices (default: one)")
     p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
+    p.add_argument("--implementation", default=None, choices=pk.IMPLEMENTATIONS,
+                   help="attention kernels (default: the platform's, as jc.attend picks them)")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
@@ -184,7 +187,7 @@ def main():
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  shape=a.shape, mesh=dict(zip(("data", "model"), a.mesh)), policy=repr(policy),
+                  shape=a.shape, implementation=a.implementation, mesh=dict(zip(("data", "model"), a.mesh)), policy=repr(policy),
                   matmul_tflops=peak / 1e12, copy_gb_s=bandwidth / 1e9)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

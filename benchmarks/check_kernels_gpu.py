@@ -2,11 +2,12 @@
 
 The CPU tests run the kernels in interpret mode, which shares their logic but not the compiler's
 behaviour (NaN handling of Triton's max, masked loads, tiling at real sizes). This script runs
-`chunk_attention(implementation="pallas")` at the Llama-3.1-8B layer shape (32 query heads, 8 KV heads,
-D = 128, bf16, RoPE fused) and compares out, lse and both score increments with `implementation="xla"`:
-decode at batch 1 and 32 over a 16K + 64 cache read in place from a stacked cache, a 512-token chunk, and a
-decode whose cache holds a NaN key (the NaN pattern must match on the valid slots). Relative error (norm over the finite
-entries) must stay under 1e-2, the bf16 tolerance; exits 1 otherwise.
+`chunk_attention` on each GPU backend ("triton"; "mosaic_gpu", for chunks, on a Hopper GPU) at the
+Llama-3.1-8B layer shape (32 query heads, 8 KV heads, D = 128, bf16, RoPE fused) and compares out, lse and
+both score increments with `implementation="xla"`: decode at batch 1 and 32 over a 16K + 64 cache read in
+place from a stacked cache, chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
+caches that hold a NaN key (the NaN pattern must match on the valid slots). Relative error (norm over the
+finite entries) must stay under 1e-2, the bf16 tolerance; exits 1 otherwise.
 
     python benchmarks/check_kernels_gpu.py [--out benchmarks/results/check-kernels-<device>.json]
 """
@@ -29,9 +30,10 @@ HQ, HKV, D, LAYERS, LAYER = 32, 8, 128, 4, 2
 TOLERANCE = 1e-2
 
 
-def inputs(key, batch, T, S, nan_key=False):
+def inputs(key, batch, T, S, nan_key=False, ragged=False):
     """Random bf16 q/k/v, a stacked cache [LAYERS, B, Hkv, S, D] with 80 % of its slots valid, positions and
-    per-query weights; with `nan_key`, one cached key of row 0, head 0 in the attended layer is NaN."""
+    per-query weights; with `nan_key`, one cached key of row 0, head 0 in the attended layer is NaN; with
+    `ragged`, the last row has 37 valid tokens fewer."""
     ks = jax.random.split(key, 7)
     rand = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
     k_cache = rand(ks[3], (LAYERS, batch, HKV, S, D))
@@ -43,7 +45,7 @@ def inputs(key, batch, T, S, nan_key=False):
         k_cache=k_cache, v_cache=rand(ks[4], (LAYERS, batch, HKV, S, D)),
         cache_valid=valid,
         cache_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (batch, 1, S)),
-        lengths=jnp.full((batch,), T, jnp.int32),
+        lengths=jnp.full((batch,), T, jnp.int32).at[-1].add(-37 if ragged else 0),
         query_weights=jax.random.uniform(ks[6], (batch, T)),
     )
 
@@ -57,17 +59,17 @@ def relative_error(got, want) -> tuple[float, bool]:
     return float(err), same_pattern
 
 
-def check(name, batch, T, S, reduction, nan_key=False) -> dict:
-    x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key)
+def check(name, implementation, batch, T, S, reduction, nan_key=False, ragged=False) -> dict:
+    x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key, ragged)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
 
     def run(implementation, x):
         return pk.chunk_attention(**x, head_reduction=reduction, rope=rope, layer=jnp.int32(LAYER),
                                   implementation=implementation)
 
-    got = jax.jit(lambda x: run("pallas", x))(x)
+    got = jax.jit(lambda x: run(implementation, x))(x)
     want = jax.jit(lambda x: run("xla", x))(x)
-    row = dict(case=name, batch=batch, T=T, S=S, reduction=reduction, ok=True)
+    row = dict(case=name, implementation=implementation, batch=batch, T=T, S=S, reduction=reduction, ok=True)
     valid = np.asarray(x["cache_valid"])
     for part, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         if part == "inc_cache":  # empty slots' scores are unused (the kernels give 0 where the reference gives NaN)
@@ -85,14 +87,19 @@ def main():
     if jax.default_backend() != "gpu":
         sys.exit("check_kernels_gpu.py needs a GPU (the CPU tests run the same kernels in interpret mode)")
     S = 16384 + 64
-    rows = [check("decode", 1, 1, S, "max"), check("decode", 32, 1, S, "mean"), check("chunk", 1, 512, 4096 + 64, "max"),
-            check("decode, a NaN key", 1, 1, S, "max", nan_key=True)]
+    rows = [check("decode", "triton", 1, 1, S, "max"), check("decode", "triton", 32, 1, S, "mean"),
+            check("chunk", "triton", 1, 512, 4096 + 64, "max"), check("decode, a NaN key", "triton", 1, 1, S, "max", nan_key=True)]
+    if pk.is_hopper():
+        rows += [check("chunk", "mosaic_gpu", 1, 4096, S, "max"),
+                 check("chunk, ragged rows", "mosaic_gpu", 2, 512, 4096 + 64, "mean", ragged=True),
+                 check("chunk, a NaN key", "mosaic_gpu", 1, 512, 4096 + 64, "max", nan_key=True)]
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}: Pallas kernels vs the XLA reference (relative error, tolerance {TOLERANCE})")
-    print(f"{'case':<20} {'batch':>5} {'T':>4} {'S':>6} {'out':>9} {'lse':>9} {'inc_cache':>9} {'inc_chunk':>9}  ok")
+    print(f"{'case':<20} {'backend':<10} {'batch':>5} {'T':>4} {'S':>6} {'out':>9} {'lse':>9} {'inc_cache':>9} "
+          f"{'inc_chunk':>9}  ok")
     for r in rows:
-        print(f"{r['case']:<20} {r['batch']:>5} {r['T']:>4} {r['S']:>6} {r['out']:9.2e} {r['lse']:9.2e} "
-              f"{r['inc_cache']:9.2e} {r['inc_chunk']:9.2e}  {r['ok']}")
+        print(f"{r['case']:<20} {r['implementation']:<10} {r['batch']:>5} {r['T']:>4} {r['S']:>6} {r['out']:9.2e} "
+              f"{r['lse']:9.2e} {r['inc_cache']:9.2e} {r['inc_chunk']:9.2e}  {r['ok']}")
     out = pathlib.Path(a.out or f"benchmarks/results/check-kernels-{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=device, jax=jax.__version__, tolerance=TOLERANCE, rows=rows), indent=2))

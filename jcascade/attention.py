@@ -25,8 +25,9 @@ def attend(
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] un-rotated chunk keys/values (Hq a multiple of Hkv);
     lengths: int32 [B] valid tokens per row (a prefix; padding queries return zeros);
     rope: callable (x, positions) -> rotated x, e.g. `jcascade.RoPE(theta)`; None for no rotation.
-    implementation: "xla", "pallas" (Triton on GPU, Mosaic on TPU), "triton" or "mosaic_tpu" (interpret
-    mode on the CPU); None picks Pallas on GPU/TPU and XLA on the CPU.
+    implementation: "xla", "pallas" (on GPU Mosaic GPU for bf16/f16 chunks on Hopper, else Triton; Mosaic on
+    TPU), "triton", "mosaic_gpu" or "mosaic_tpu" (interpret mode on the CPU); None picks Pallas on GPU/TPU and
+    XLA on the CPU (`jcascade.pallas_kernels` says which kernel runs what).
     Returns out [B, T, Hq, D] (q.dtype) and `Scores` (None for policies that keep no scores), as the
     policy's `attend` computes them. Under `Full`, rows that overflowed max_tokens return NaN.
     """

@@ -67,8 +67,8 @@ def update(
     k, v: [B, T, Hkv, D] un-rotated chunk keys/values (the chunk `attend` just saw); scores: what
     `attend` returned (None for policies that keep no scores); lengths: int32 [B] valid tokens per row
     (a prefix of the chunk; padding leaves the state untouched). Pure and jit-able.
-    implementation: as for `attend`. A single-token update (decode) of a ring cache on Triton runs the
-    in-place insertion kernel; everything else runs the vectorised XLA formulation.
+    implementation: as for `attend`. A single-token update (decode) of a ring cache on a GPU backend runs the
+    in-place (Triton) insertion kernel; everything else runs the vectorised XLA formulation.
     """
     check_policy(policy)
     slots.check_chunk("k", k, state)

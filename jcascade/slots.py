@@ -343,7 +343,7 @@ def insert(layout: RingLayout, state: CacheState, k: jax.Array, v: jax.Array, sc
     slots); everything else runs the vectorised XLA formulation."""
     B, T, H, _ = k.shape
     backend, interpret = pallas_kernels.resolve(implementation)
-    if T == 1 and backend == "triton" and not layout.heavy:
+    if T == 1 and backend in pallas_kernels.GPU_BACKENDS and not layout.heavy:
         score, pos, new_k, new_v = insert_one(layout, score, state.pos, state.k, state.v, chunk_score, k, v,
                                               placed, n, state.seen, layer=state.layer, interpret=interpret)
         return dataclasses.replace(state, k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + n)

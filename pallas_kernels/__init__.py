@@ -3,21 +3,33 @@
 One function, `chunk_attention`, with one contract (see `reference.chunk_attention`) and several
 implementations, chosen here:
   "xla"         the plain-XLA reference (any platform; the default on the CPU),
-  "pallas"      the platform's Pallas kernels: Pallas-Triton on GPU, Pallas-Mosaic on TPU (the default there),
-  "triton", "mosaic_tpu"   one Pallas backend by name; on the CPU it runs in interpret mode (tests).
+  "pallas"      the platform's Pallas kernels (the default on GPU and TPU): on a Hopper GPU (sm_90) Mosaic GPU
+                for chunks that `mosaic_gpu.supports` and Pallas-Triton for the rest, on other GPUs
+                Pallas-Triton, on TPU Pallas-Mosaic;
+  "triton", "mosaic_gpu", "mosaic_tpu"   one Pallas backend by name; on the CPU it runs in interpret mode
+                (tests). "mosaic_gpu" runs chunks (T > 1) in bf16 or f16; decode steps, shared prefixes and the
+                single-token insertion stay on the Triton kernels, which every GPU backend shares.
 """
 
 from __future__ import annotations
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import gpu, reference, schedule, states, tpu
+from . import gpu, mosaic_gpu, reference, schedule, states, tpu
 
-IMPLEMENTATIONS = ("xla", "pallas", "triton", "mosaic_tpu")
+IMPLEMENTATIONS = ("xla", "pallas", "triton", "mosaic_gpu", "mosaic_tpu")
+GPU_BACKENDS = ("triton", "mosaic_gpu")
+
+
+def is_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x)."""
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
 def resolve(implementation: str | None) -> tuple[str, bool]:
-    """(backend, interpret) for an implementation name on the current default platform."""
+    """(backend, interpret) for an implementation name on the current default platform: backend one of "xla",
+    "triton", "mosaic_gpu" (both GPU backends; see the module doc) or "mosaic_tpu"."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     platform = jax.default_backend()
@@ -29,17 +41,23 @@ def resolve(implementation: str | None) -> tuple[str, bool]:
                 f"implementation='pallas' needs a GPU or TPU (default platform is {platform!r}); use 'xla', "
                 "or name a backend ('triton', 'mosaic_tpu') to run it in interpret mode"
             )
-        implementation = "triton" if platform == "gpu" else "mosaic_tpu"
-    native = {"triton": "gpu", "mosaic_tpu": "tpu"}.get(implementation)
+        implementation = ("mosaic_gpu" if is_hopper() else "triton") if platform == "gpu" else "mosaic_tpu"
+    native = {"triton": "gpu", "mosaic_gpu": "gpu", "mosaic_tpu": "tpu"}.get(implementation)
     if native is not None and platform not in (native, "cpu"):
         raise ValueError(f"implementation={implementation!r} cannot run on platform {platform!r}")
     return implementation, platform == "cpu" and native is not None
 
 
+def _config(config, cls):
+    """`config` when it is a `cls` (a backend's block sizes), else that backend's defaults."""
+    return config if isinstance(config, cls) else cls()
+
+
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
                     head_reduction="max", rope=None, *, layer=None, first_slot: int = 0,
                     implementation: str | None = None, config=None):
-    """Dispatches to an implementation; `config` is a `gpu.GpuConfig` or `tpu.TpuConfig` (block sizes).
+    """Dispatches to an implementation; `config`: a `gpu.GpuConfig`, `mosaic_gpu.MosaicGpuConfig` or
+    `tpu.TpuConfig` (block sizes), which the backend of that type takes (the others use their defaults).
     layer: None, or an int32 scalar when k_cache and v_cache are a model's stacked cache [L, B, Hkv, C, D]:
     the call attends to that layer. first_slot (a static int): the call attends to slots
     [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1] (cache_valid and
@@ -49,9 +67,19 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
         raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                          f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
-    if backend == "triton":
+    if backend == "mosaic_gpu" and q.shape[1] > 1:
+        if mosaic_gpu.supports(q, k_cache):
+            k_cache, v_cache = gpu.layer_of(k_cache, layer, first_slot), gpu.layer_of(v_cache, layer, first_slot)
+            return mosaic_gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
+                                              query_weights, head_reduction, rope,
+                                              config=_config(config, mosaic_gpu.MosaicGpuConfig),
+                                              interpret=plgpu.InterpretGPUParams() if interpret else False)
+        if implementation == "mosaic_gpu":
+            raise ValueError(f"implementation='mosaic_gpu' runs chunks with q and the cache in bfloat16 or float16 "
+                             f"and head_dim in {mosaic_gpu.HEAD_DIMS}, got {q.dtype}, {k_cache.dtype} and {q.shape[-1]}")
+    if backend in GPU_BACKENDS:
         return gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
-                                   head_reduction, rope, layer, first_slot, config=config or gpu.GpuConfig(),
+                                   head_reduction, rope, layer, first_slot, config=_config(config, gpu.GpuConfig),
                                    interpret=interpret)
     if layer is not None:
         k_cache, v_cache = k_cache[layer], v_cache[layer]
@@ -59,7 +87,7 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
     if backend == "xla":
         return reference.chunk_attention(*args)
-    return tpu.chunk_attention(*args, config=config or tpu.TpuConfig(), interpret=interpret)
+    return tpu.chunk_attention(*args, config=_config(config, tpu.TpuConfig), interpret=interpret)
 
 
 def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *,
@@ -68,10 +96,10 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=Non
     Pallas version is the GPU one (Triton); on TPU it runs the XLA reference."""
     backend, interpret = resolve(implementation)
     args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
-    if backend != "triton":
+    if backend not in GPU_BACKENDS:
         return reference.prefix_attention(*args)
-    return gpu.prefix_attention(*args, config=config if config is not None else gpu.GpuConfig(), interpret=interpret)
+    return gpu.prefix_attention(*args, config=_config(config, gpu.GpuConfig), interpret=interpret)
 
 
-__all__ = ["IMPLEMENTATIONS", "chunk_attention", "prefix_attention", "gpu", "reference", "resolve", "schedule", "states",
-           "tpu"]
+__all__ = ["GPU_BACKENDS", "IMPLEMENTATIONS", "chunk_attention", "is_hopper", "mosaic_gpu", "prefix_attention", "gpu",
+           "reference", "resolve", "schedule", "states", "tpu"]

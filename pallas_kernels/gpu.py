@@ -235,7 +235,7 @@ def _no_valid(kernel, len_ref, q_ref, lse_ref, w_ref, key_ref, inc_ref, **kw):
 # Decode: split-K over the cache, keys rotated in the kernel, then one kernel that merges the splits.
 
 
-def _layer_of(cache: jax.Array, layer, first_slot: int) -> jax.Array:
+def layer_of(cache: jax.Array, layer, first_slot: int) -> jax.Array:
     """[B, Hkv, S, D]: the slots from `first_slot` of `cache` [B, Hkv, C, D], or of its layer `layer` when it
     is a stack [L, B, Hkv, C, D]."""
     return (cache if layer is None else cache[layer])[..., first_slot:, :]
@@ -401,8 +401,8 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     Hkv, S = k.shape[2], cache_valid.shape[-1]
     G = Hq // Hkv
     if rope is not None and not fuses_rope(rope):
-        k_cache = rope(_layer_of(k_cache, layer, first_slot), cache_positions)[None]
-        v_cache, layer, first_slot = _layer_of(v_cache, layer, first_slot)[None], 0, 0
+        k_cache = rope(layer_of(k_cache, layer, first_slot), cache_positions)[None]
+        v_cache, layer, first_slot = layer_of(v_cache, layer, first_slot)[None], 0, 0
     elif layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     gp = max(16, pl.next_power_of_2(G))
@@ -557,7 +557,7 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     if q.shape[1] == 1:
         return _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
                        head_reduction, rope, layer, first_slot, config, interpret)
-    k_cache, v_cache = _layer_of(k_cache, layer, first_slot), _layer_of(v_cache, layer, first_slot)
+    k_cache, v_cache = layer_of(k_cache, layer, first_slot), layer_of(v_cache, layer, first_slot)
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)
     valid = cache_valid.astype(jnp.int32)

@@ -1,7 +1,8 @@
-"""Pallas kernels (GPU-style and TPU-style interpret mode on the CPU) against the XLA reference,
+"""Pallas kernels (Triton-style, Mosaic GPU and TPU interpret modes on the CPU) against the XLA reference,
 and lowering of every kernel for GPU and TPU from the CPU."""
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import jcascade as jc
+import tiny
 from jcascade import pallas_kernels as pk
 
 SMALL = {"triton": pk.gpu.GpuConfig(16, 16, 16, 32, 16, decode_programs=8), "mosaic_tpu": pk.tpu.TpuConfig(16, 32)}
@@ -115,6 +117,35 @@ def test_attend_with_kernels_equals_xla_on_a_streamed_cache(backend):
         state = jc.update(policy, state, k, v, want_scores, lengths)
 
 
+MOSAIC_GPU_CASES = [  # B, T, Hq, Hkv, D, S, dtype, reduction: ragged rows, several key and query blocks
+    (2, 100, 8, 2, 64, 150, jnp.bfloat16, "max"),  # group 4; a NaN key in row 0, KV head 1
+    (1, 130, 4, 4, 128, 70, jnp.float16, "mean"),  # group 1, head_dim 128, two pairs of query blocks
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_GPU_CASES, ids=lambda c: f"B{c[0]}T{c[1]}G{c[2] // c[3]}D{c[4]}S{c[5]}")
+def test_mosaic_gpu_kernels_equal_reference(case):
+    """The Mosaic GPU chunk kernels in GPU interpret mode (TMA copies, barriers, wgmma and the warpgroups
+    simulated on the CPU) against the reference, NaN pattern included."""
+    B, T, Hq, Hkv, D, S, dtype, reduction = case
+    inputs = random_inputs(np.random.default_rng(T), B, T, Hq, Hkv, D, S, dtype, per_head_positions=True)
+    if B > 1:
+        inputs["k_cache"] = inputs["k_cache"].at[0, 1, 7, 3].set(jnp.nan)
+        inputs["cache_valid"] = inputs["cache_valid"].at[0, 1, 7].set(True)
+    rope = jc.RoPE(10000.0)
+    want = pk.chunk_attention(**inputs, head_reduction=reduction, rope=rope, implementation="xla")
+    got = pk.chunk_attention(**inputs, head_reduction=reduction, rope=rope, implementation="mosaic_gpu")
+    valid = np.asarray(inputs["cache_valid"])
+    for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if name == "inc_cache":  # empty slots' scores are unused (0 here, NaN in the reference next to a NaN key)
+            g, w = np.where(valid, g, 0.0), np.where(valid, w, 0.0)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+        assert_close(g, w, jnp.bfloat16, name)
+    assert np.isnan(np.asarray(got[0])).any() == (B > 1)
+
+
 def test_implementation_names_are_checked():
     with pytest.raises(ValueError, match="implementation must be one of"):
         pk.resolve("cuda")
@@ -123,6 +154,10 @@ def test_implementation_names_are_checked():
             pk.resolve("pallas")
         assert pk.resolve(None) == ("xla", False)
         assert pk.resolve("triton") == ("triton", True)
+        assert pk.resolve("mosaic_gpu") == ("mosaic_gpu", True)
+    inputs = random_inputs(np.random.default_rng(0), 1, 8, 4, 2, 64, 16, jnp.float32)
+    with pytest.raises(ValueError, match="implementation=.mosaic_gpu. runs chunks with q and the cache in bfloat16"):
+        pk.chunk_attention(**inputs, implementation="mosaic_gpu")
 
 
 LOWERING_SHAPES = [  # B, T, Hq, Hkv, D, S: the benchmark shapes, odd sizes, decode
@@ -147,6 +182,18 @@ def test_kernels_lower_for_gpu(shape):
     with jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*_abstract_inputs(*shape)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == (2 if shape[1] == 1 else 3)  # decode: split-K + finish; chunk: forward + 2 scores
+
+
+@pytest.mark.parametrize("shape", [s for s in LOWERING_SHAPES if s[1] > 1], ids=str)
+@pytest.mark.parametrize("scores", [True, False], ids=["scores", "no-scores"])
+def test_mosaic_gpu_kernels_lower_for_gpu(shape, scores):
+    """The Mosaic GPU kernels through Pallas's Mosaic GPU lowering (the CUDA plugin's, installed by the README's test
+    command; no GPU needed): one kernel for the forward, one more for the scores."""
+    assert importlib.util.find_spec("jax_cuda13_plugin"), "the README's test command installs jax-cuda13-plugin"
+    inputs = _abstract_inputs(*shape)
+    f = jax.jit(lambda *a: pk.mosaic_gpu.chunk_attention(*a[:8], a[8] if scores else None, "max", jc.RoPE(500000.0)))
+    text = f.trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu_v2") == (2 if scores else 1)
 
 
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=str)
@@ -263,3 +310,15 @@ def test_shared_prefix_kernel_lowers_for_gpu():
     with jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
+
+
+def test_a_model_scores_alike_on_mosaic_gpu_and_xla():
+    """jc.score through a bf16 model (strided prefill: attend, then update, per chunk and layer) with the Mosaic
+    GPU chunk kernels in GPU interpret mode gives the reference's log-likelihoods."""
+    model = tiny.model(97, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, num_layers=1)
+    model = jc.CausalLM(model.config, {name: w.astype(jnp.bfloat16) for name, w in model.weights().items()})
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 120))
+    policy = jc.Cascade(cache_size=64, sinks=4, stride=64)
+    logps = {impl: np.asarray(jc.score(model, tokens, policy, lengths=np.array([120, 101]), implementation=impl))
+             for impl in ("xla", "mosaic_gpu")}
+    assert_close(logps["mosaic_gpu"], logps["xla"], jnp.bfloat16, "log-likelihoods")
