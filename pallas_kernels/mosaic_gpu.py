@@ -6,7 +6,9 @@ it (-1: a valid cache slot, seen by all; the key's own index: a chunk key, seen 
 or padding slot). Two launches, both warp-specialised (one warpgroup issues TMA copies into a ring of
 shared-memory stages, two warpgroups compute with wgmma) and deterministic:
   1. forward, one program per (query head, pair of query blocks, row): flash attention over the key blocks
-     up to the pair's last query, giving out and the final log-sum-exp;
+     up to the pair's last query, giving out and the final log-sum-exp; cache blocks add -inf to the
+     columns of empty slots (whose keys XLA zeroes), chunk blocks below the diagonal take no mask and those
+     on it a causal one;
   2. scores, one program per (KV head, pair of key blocks, row): each compute warpgroup holds one key block
      and streams the group's queries past it, recomputing q.k, p = exp(q.k - lse) with the exact final
      normaliser, and accumulating the weighted column sums per query head, then reduces them over the
@@ -18,6 +20,7 @@ Triton split-K kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -113,9 +116,10 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
             steps = cached_blocks + lax.div(q0 + bq + bk - 1, jnp.array(bk, q0.dtype))
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_barriers.at[wg])
             plgpu.barrier_wait(q_barriers.at[wg])
-            query = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA) + q0
 
-            def step(j, carry):
+            def step(j, carry, mask):
+                """mask: "cache" (a column mask: the invalid slots' -inf added in the scaling FMA), "causal"
+                (a compare and select per element) or None (a chunk block below the diagonal)."""
                 acc, m, l = carry
                 slot = lax.rem(j, jnp.array(stages, j.dtype))
                 plgpu.barrier_wait(k_barriers.at[slot])
@@ -124,7 +128,13 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
 
                 s = _matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
                 plgpu.barrier_arrive(k_consumed.at[slot])  # the key block and its mask are read
-                s = jnp.where(lax.broadcast_in_dim(first, (bq, bk), [1]) <= query, s * c, -jnp.inf)
+                if mask == "cache":  # first is -1 or HIDDEN; the keys of invalid slots are zeros, so finite
+                    s = s * c + lax.broadcast_in_dim(jnp.where(first < 0, 0.0, -jnp.inf), s.shape, [1])
+                elif mask == "causal":
+                    query = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA) + q0
+                    s = jnp.where(lax.broadcast_in_dim(first, s.shape, [1]) <= query, s * c, -jnp.inf)
+                else:
+                    s = s * c
                 m_new = jnp.maximum(m, s.max(axis=1))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: p = 0, not NaN
                 alpha = jnp.exp2(m - m_safe)
@@ -138,7 +148,10 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
             acc = plgpu.layout_cast(jnp.zeros((bq, D), F32), plgpu.Layout.WGMMA)
             m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((bq,), F32), plgpu.Layout.WGMMA.reduce(1))
-            acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+            below_diagonal = cached_blocks + lax.div(q0 + 1, jnp.array(bk, q0.dtype))
+            carry = lax.fori_loop(0, cached_blocks, functools.partial(step, mask="cache"), (acc, m, l))
+            carry = lax.fori_loop(cached_blocks, below_diagonal, functools.partial(step, mask=None), carry)
+            acc, m, l = lax.fori_loop(below_diagonal, steps, functools.partial(step, mask="causal"), carry)
 
             @pl.loop(steps, pair_steps)  # the other warpgroup's last block: take it and release its stage
             def _release(j):
@@ -339,6 +352,7 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
         key_block, 2 * config.block_q, config.score_block_q)
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)
+    k_cache = jnp.where(cache_valid[..., None], k_cache, 0)  # empty slots' keys finite: the forward adds -inf
     pad = lambda x, axis, n: jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
     keys = jnp.concatenate([pad(k_cache, 2, Sp), pad(k.swapaxes(1, 2), 2, Tp)], axis=2)
     values = jnp.concatenate([pad(v_cache, 2, Sp), pad(v.swapaxes(1, 2), 2, Tp)], axis=2)
