@@ -81,9 +81,7 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
         return gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
                                    head_reduction, rope, layer, first_slot, config=_config(config, gpu.GpuConfig),
                                    interpret=interpret)
-    if layer is not None:
-        k_cache, v_cache = k_cache[layer], v_cache[layer]
-    k_cache, v_cache = k_cache[..., first_slot:, :], v_cache[..., first_slot:, :]
+    k_cache, v_cache = gpu.layer_of(k_cache, layer, first_slot), gpu.layer_of(v_cache, layer, first_slot)
     args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
     if backend == "xla":
         return reference.chunk_attention(*args)

@@ -347,16 +347,19 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     B, T, Hq, D = q.shape
     Hkv, S = k.shape[2], k_cache.shape[2]
     key_block = math.lcm(config.block_k, 2 * config.score_block_k)
-    Sp = -(-S // key_block) * key_block
-    Tp = -(-T // math.lcm(key_block, 2 * config.block_q, config.score_block_q)) * math.lcm(
-        key_block, 2 * config.block_q, config.score_block_q)
+    query_block = math.lcm(key_block, 2 * config.block_q, config.score_block_q)
+    Sp, Tp = -(-S // key_block) * key_block, -(-T // query_block) * query_block
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)
     k_cache = jnp.where(cache_valid[..., None], k_cache, 0)  # empty slots' keys finite: the forward adds -inf
-    pad = lambda x, axis, n: jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+
+    def pad(x, axis, n, value=0):
+        return jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)],
+                       constant_values=value)
+
     keys = jnp.concatenate([pad(k_cache, 2, Sp), pad(k.swapaxes(1, 2), 2, Tp)], axis=2)
     values = jnp.concatenate([pad(v_cache, 2, Sp), pad(v.swapaxes(1, 2), 2, Tp)], axis=2)
-    first_query = jnp.concatenate([pad(jnp.where(cache_valid, -1, HIDDEN), 2, Sp).at[..., S:].set(HIDDEN),
+    first_query = jnp.concatenate([pad(jnp.where(cache_valid, -1, HIDDEN), 2, Sp, HIDDEN),
                                    jnp.broadcast_to(jnp.arange(Tp), (B, Hkv, Tp))], axis=2).astype(jnp.int32)
     q = pad(q, 1, Tp)
     out, lse = _forward(q, keys, values, first_query, cached_blocks=Sp // config.block_k, cfg=config,

@@ -93,6 +93,13 @@ class Recycled(Policy):
         branches = (dataclasses.replace(self, _branch="recycled"), dataclasses.replace(self, _branch="full"))
         return jnp.any(full).astype(jnp.int32), branches
 
+    def _branch_on(self, any_full: jax.Array, if_full, otherwise, *operands):
+        """`lax.cond(any_full, if_full, otherwise, *operands)`, or, under a `_branch` set by `step_branch`, the
+        branch it names."""
+        if self._branch is None:
+            return jax.lax.cond(any_full, if_full, otherwise, *operands)
+        return (if_full if self._branch == "full" else otherwise)(*operands)
+
     def query_weights(self, lengths: jax.Array, chunk_len: int) -> jax.Array:
         """1 for the last valid query."""
         return last_queries(lengths, chunk_len, 1)
@@ -132,10 +139,7 @@ class Recycled(Policy):
             return (jnp.where(pick[..., None], out, small), jnp.where(pick, inc_cache, 0.0),
                     jnp.where(pick, inc_chunk, 0.0))
 
-        if self._branch is None:
-            out, inc_cache, inc_chunk = jax.lax.cond(jnp.any(full & (n > 0)), with_full, lambda: (small, *zeros))
-        else:
-            out, inc_cache, inc_chunk = with_full() if self._branch == "full" else (small, *zeros)
+        out, inc_cache, inc_chunk = self._branch_on(jnp.any(full & (n > 0)), with_full, lambda: (small, *zeros))
         return out, Scores(cache=inc_cache, chunk=inc_chunk)
 
     def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores, lengths: jax.Array,
@@ -195,8 +199,5 @@ class Recycled(Policy):
                 pos=st.pos.at[..., region].set(jnp.where(pick, new_pos, st.pos[..., region])),
             )
 
-        if self._branch is None:
-            state = jax.lax.cond(jnp.any(full), reselect, lambda st: st, state)
-        elif self._branch == "full":
-            state = reselect(state)
+        state = self._branch_on(jnp.any(full), reselect, lambda st: st, state)
         return dataclasses.replace(state, seen=state.seen + n)
