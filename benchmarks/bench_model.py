@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 import jcascade as jc
-from jcascade.cli import device_mesh, mesh_shape
 from jcascade import pallas_kernels as pk
 from jcascade.models import CausalLM, ModelConfig, sharding
 
@@ -164,7 +163,7 @@ def main():
     p.add_argument("--batches", default="1,16,32", help="decode batch sizes")
     p.add_argument("--cache-size", type=int, default=16384, help="Cascade cache size (64: weights and fixed costs only)")
     p.add_argument("--shape", choices=("8b", "70b"), default="8b", help="Llama-3.1-8B or Llama-3-70B shapes")
-    p.add_argument("--mesh", type=mesh_shape, default=(1, 1), metavar="data=D,model=M",
+    p.add_argument("--mesh", type=sharding.parse_mesh, default=(1, 1), metavar="data=D,model=M",
                    help="devices (default: one)")
     p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
     p.add_argument("--implementation", default=None, choices=pk.IMPLEMENTATIONS,
@@ -183,7 +182,7 @@ def main():
         a.prefill_marks = sorted({m for m in (32768, 131072) if m < a.prefill_tokens} | {a.prefill_tokens})
         peak, bandwidth = matmul_peak(8192), copy_bandwidth(1 << 31)
     device = jax.devices()[0]
-    mesh = device_mesh(a.mesh, batched=True)
+    mesh = sharding.device_mesh(a.mesh, batched=True)
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),

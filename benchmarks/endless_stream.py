@@ -1,4 +1,4 @@
-"""An endless stream at constant memory: `jcascade.perplexity.stream` (the loop behind `jc.score` and
+"""An endless stream at constant memory: `jcascade.eval.perplexity.stream` (the loop behind `jc.score` and
 `jcascade perplexity`) over many tokens through a bounded cache, on a tiny random model on the CPU.
 
 Reports host RSS after warm-up (the CPU's device memory is host memory; growth = median of the last third
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 import jcascade as jc
-from jcascade import perplexity
+from jcascade.eval import perplexity
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import tiny  # noqa: E402  the tests' tiny random Llama

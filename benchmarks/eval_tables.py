@@ -13,7 +13,7 @@ import json
 import pathlib
 import sys
 
-from jcascade.stats import Estimate
+from jcascade.eval.stats import Estimate
 
 
 def short(label: str) -> str:

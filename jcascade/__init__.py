@@ -21,7 +21,7 @@ from jcascade.cache import compress, init_cache, update
 from jcascade.compilation import COMPILER_OPTIONS
 from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
 from jcascade.policies import H2O, Cascade, Full, Policy, PyramidKV, Recycled, RingPolicy, Sink, SlidingWindow, SnapKV
-from jcascade.resume import load_stream, save_stream
+from jcascade.eval.checkpointing import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, read_config, save_converted
 from jcascade.rope import Llama3Scaling, RoPE

@@ -29,8 +29,9 @@ import typing
 import numpy as np
 
 import jcascade as jc
-from jcascade import stats
-from jcascade.perplexity import BLOCK
+from jcascade.eval import stats
+from jcascade.models import sharding
+from jcascade.eval.perplexity import BLOCK
 
 DEFAULT_OUT = "jcascade-out"
 PAIR = dict(cache_size=512, sinks=64, cascades=4, stride=256)  # the default policies of passkey / perplexity
@@ -144,28 +145,6 @@ def _load(args, mesh):
     return jc.load_pretrained(path, mesh=mesh), jc.load_tokenizer(path), path.stem if path.is_file() else path.name
 
 
-def device_mesh(shape: tuple[int, int] | None, batched: bool):
-    """The ("data", "model") mesh of --mesh `shape` over the first data x model devices, or None for one
-    device. By default (`shape` None) a batched command splits its rows over every device (data
-    parallelism); the others run on one device (give --mesh data=1,model=M for tensor parallelism)."""
-    import jax
-    from jax.sharding import Mesh
-
-    devices = jax.devices()
-    if shape is None:
-        shape = (len(devices), 1) if batched else (1, 1)
-    data, model = shape
-    if data > 1 and not batched:
-        raise ValueError(f"--mesh data={data}: this command runs one sequence, so the data axis must be 1 "
-                         f"(use data=1,model=M)")
-    if data * model > len(devices):
-        raise ValueError(f"--mesh data={data},model={model} needs {data * model} devices, "
-                         f"{len(devices)} are available")
-    if data * model == 1:
-        return None
-    return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
-
-
 def _bar(total: int, desc: str):
     """A progress bar over tokens (rate and ETA), on stderr."""
     from tqdm import tqdm
@@ -176,7 +155,7 @@ def _bar(total: int, desc: str):
 
 def _checkpointing(args, name: str, identity: dict):
     """The run's checkpoints in --out/checkpoint-<name> (--checkpoint-every, --resume), or None."""
-    from jcascade.resume import Checkpointing
+    from jcascade.eval.checkpointing import Checkpointing
 
     directory = pathlib.Path(args.out) / f"checkpoint-{name}"
     if args.checkpoint_every is None:
@@ -213,18 +192,11 @@ def _length(text: str) -> int:
 
 
 def mesh_shape(text: str) -> tuple[int, int]:
-    """"data=2,model=4" -> (2, 4); an axis left out is 1."""
-    axes = {}
+    """--mesh "data=2,model=4" -> (2, 4)."""
     try:
-        for part in text.split(","):
-            name, value = part.split("=")
-            if name.strip() not in ("data", "model") or name.strip() in axes or int(value) < 1:
-                raise ValueError
-            axes[name.strip()] = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected data=D,model=M (each axis at most once) with positive ints, "
-                                         f"got {text!r}") from None
-    return axes.get("data", 1), axes.get("model", 1)
+        return sharding.parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive(text: str) -> int:
@@ -260,7 +232,7 @@ def cmd_generate(args) -> None:
     import jax
 
     policy = parse_policy(args.policy)
-    model, tokenizer, name = _load(args, device_mesh(args.mesh, batched=False))
+    model, tokenizer, name = _load(args, sharding.device_mesh(args.mesh, batched=False, name="--mesh"))
     if getattr(tokenizer, "chat_template", None) and not args.raw:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
@@ -328,13 +300,13 @@ def format_differences(differences: dict, baseline: str, higher_is: str) -> list
 
 
 def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
-    from jcascade import passkey, plots
-    from jcascade.texts import word_list
+    from jcascade.eval import passkey, plots
+    from jcascade.eval.texts import word_list
 
     lengths = doubling(args.min_length, args.max_length)
     baseline = _baseline(args, policies)
     words = word_list(args.words_file, log=lambda m: print(m, file=sys.stderr)) if args.filler == "words" else None
-    mesh = device_mesh(args.mesh, batched=True)
+    mesh = sharding.device_mesh(args.mesh, batched=True, name="--mesh")
     data = 1 if mesh is None else mesh.shape["data"]
     if args.batch_size is not None and args.batch_size % data:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis ({data})")
@@ -407,7 +379,7 @@ def cmd_compare(args) -> None:
 
 
 def _books(args, tokenizer) -> dict[str, np.ndarray]:
-    from jcascade import perplexity, texts
+    from jcascade.eval import perplexity, texts
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     names = texts.book_names(log) if args.book == ["all"] else args.book or ["paradise_lost"]
@@ -416,12 +388,12 @@ def _books(args, tokenizer) -> dict[str, np.ndarray]:
 
 
 def cmd_perplexity(args) -> None:
-    from jcascade import perplexity, plots
+    from jcascade.eval import perplexity, plots
 
     policies = _policies(args)
     for policy in policies.values():
         perplexity.check_streaming(policy)
-    model, tokenizer, name = _load(args, device_mesh(args.mesh, batched=False))
+    model, tokenizer, name = _load(args, sharding.device_mesh(args.mesh, batched=False, name="--mesh"))
     books = _books(args, tokenizer)
     capacities = {k: perplexity.cache_capacity(p) for k, p in policies.items()}
     longest = max([c for c in capacities.values() if c is not None], default=1)
@@ -471,12 +443,12 @@ def cmd_perplexity(args) -> None:
 
 
 def cmd_attention_map(args) -> None:
-    from jcascade import attention_map, perplexity, plots, texts
+    from jcascade.eval import attention_map, perplexity, plots, texts
 
     policies = _policies(args)
     for policy in policies.values():
         perplexity.check_streaming(policy)
-    model, tokenizer, name = _load(args, device_mesh(args.mesh, batched=False))
+    model, tokenizer, name = _load(args, sharding.device_mesh(args.mesh, batched=False, name="--mesh"))
     book = texts.load_book(args.book, lambda m: print(m, file=sys.stderr))
     tokens = perplexity.book_tokens(tokenizer, book, args.tokens)
     if len(tokens) < 2:

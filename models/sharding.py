@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -33,6 +34,37 @@ RULES: dict[str, tuple] = {
 }
 ATTENTION = ("wq", "wk", "wv", "bq", "bk", "bv", "wo")  # split by heads: all of them or none
 MLP = ("w_gate", "w_up", "w_down")
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """"data=2,model=4" -> (2, 4); an axis left out is 1. Raises ValueError."""
+    axes = {}
+    try:
+        for part in text.split(","):
+            name, value = part.split("=")
+            if name.strip() not in AXES or name.strip() in axes or int(value) < 1:
+                raise ValueError
+            axes[name.strip()] = int(value)
+    except ValueError:
+        raise ValueError(f"expected data=D,model=M (each axis at most once) with positive ints, got {text!r}") from None
+    return axes.get("data", 1), axes.get("model", 1)
+
+
+def device_mesh(shape: tuple[int, int] | None, batched: bool, name: str = "mesh") -> Mesh | None:
+    """The ("data", "model") mesh of `shape` = (data, model) over the first data x model devices, or None for
+    one device. `shape` None: a batched run splits its rows over every device (data parallelism), a run of
+    one sequence uses one device (give (1, M) for tensor parallelism). Errors call the shape `name`."""
+    devices = jax.devices()
+    if shape is None:
+        shape = (len(devices), 1) if batched else (1, 1)
+    data, model = shape
+    if data > 1 and not batched:
+        raise ValueError(f"{name} data={data}: this command runs one sequence, so the data axis must be 1 (use data=1,model=M)")
+    if data * model > len(devices):
+        raise ValueError(f"{name} data={data},model={model} needs {data * model} devices, {len(devices)} are available")
+    if data * model == 1:
+        return None
+    return Mesh(np.array(devices[: data * model]).reshape(data, model), AXES)
 
 
 def check_mesh(mesh: Mesh) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jcascade as jc
-from jcascade import perplexity
+from jcascade.eval import perplexity
 
 spec = importlib.util.spec_from_file_location(
     "endless_stream", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "endless_stream.py")

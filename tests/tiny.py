@@ -8,8 +8,8 @@ import pathlib
 import jax
 
 import jcascade as jc
-from jcascade.passkey import INTRO, NEEDLE, PRIME, QUESTION
-from jcascade.texts import REPEAT_SENTENCES
+from jcascade.eval.passkey import INTRO, NEEDLE, PRIME, QUESTION
+from jcascade.eval.texts import REPEAT_SENTENCES
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

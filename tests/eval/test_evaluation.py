@@ -10,7 +10,7 @@ import pytest
 
 import jcascade as jc
 import tiny
-from jcascade import attention_map, passkey, perplexity, stats, texts
+from jcascade.eval import attention_map, passkey, perplexity, stats, texts
 
 SINK = jc.Sink(window=32, sinks=4, stride=32)
 CASCADE = jc.Cascade(cache_size=32, sinks=4, num_cascades=4, stride=32)

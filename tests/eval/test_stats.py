@@ -1,9 +1,9 @@
-"""The bootstrap intervals of jcascade.stats on cases with known answers."""
+"""The bootstrap intervals of jcascade.eval.stats on cases with known answers."""
 
 import numpy as np
 import pytest
 
-from jcascade import stats
+from jcascade.eval import stats
 
 
 def test_a_constant_has_a_zero_width_interval():

@@ -44,7 +44,7 @@ def passkey_accuracy(accuracy: Mapping[str, Mapping[int, object]], path, title: 
                      retention: Mapping[str, Mapping[int, object]] | None = None) -> pathlib.Path:
     """Mean per-digit accuracy vs context length with 95 % intervals, one line per policy (Figure 8 style);
     with `retention`, a second panel shows the fraction of key tokens the question sees.
-    accuracy, retention: {policy: {context_length: Estimate}} (`jcascade.passkey.estimates`)."""
+    accuracy, retention: {policy: {context_length: Estimate}} (`jcascade.eval.passkey.estimates`)."""
     fig, axes = _figure(2 if retention else 1)
     _with_intervals(axes[0], accuracy, "per-digit accuracy (95 % interval)")
     axes[0].axhline(0.1, color="gray", linestyle=":", label="random digits")
@@ -81,7 +81,7 @@ def perplexity_curves(summary: Mapping[str, Mapping], path, capacities: Mapping[
                       title: str = "") -> pathlib.Path:
     """Left: perplexity of each position bucket vs position, one line per policy (Figure 7 style); dotted
     vertical lines mark the bounded caches' capacities (label -> capacity, None for unbounded). Right: each
-    policy's overall perplexity with its 95 % interval. summary: `jcascade.perplexity.summary`."""
+    policy's overall perplexity with its 95 % interval. summary: `jcascade.eval.perplexity.summary`."""
     fig, (ax, overall) = _figure(2, width=5.5)
     for label, s in summary.items():
         curve = np.exp(np.asarray(s["curve"]))
@@ -105,7 +105,7 @@ def perplexity_curves(summary: Mapping[str, Mapping], path, capacities: Mapping[
 
 
 def attention_maps(images: Mapping[str, np.ndarray], length: int, path, title: str = "") -> pathlib.Path:
-    """One panel per policy of `jcascade.attention_map.render` images (query rows, key columns): held keys
+    """One panel per policy of `jcascade.eval.attention_map.render` images (query rows, key columns): held keys
     coloured by log10 EMA score, keys visible without a score in one colour, white where nothing is."""
     from matplotlib.colors import ListedColormap
 

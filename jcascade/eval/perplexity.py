@@ -2,7 +2,7 @@
 chunks through one cache, token log-likelihoods are collected per chunk; the device holds one cache and
 one chunk whatever the book's length. As in the paper, only books longer than the cache are scored.
 
-`stream` is the chunk loop (also used by `jcascade.attention_map`): the same computation as `jc.score`,
+`stream` is the chunk loop (also used by `jcascade.eval.attention_map`): the same computation as `jc.score`,
 one jitted call per chunk, so that long books report progress and callers can look at the cache between
 chunks. Under Full it keeps every token, also past the model's trained positions (where its perplexity
 breaks down: that is the point of comparing); Full's memory and time grow with the book.
@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
-from jcascade import compilation, resume, stats
+from jcascade import compilation
+from jcascade.eval import stats
+from jcascade.eval.checkpointing import Checkpointing
 from jcascade.generation import token_log_probs, warn_nonfinite
 
 
@@ -55,7 +57,7 @@ def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState,
     watch(state, first) is called before each chunk with the cache its queries see (leading layer axis,
     batch 1) and the chunk's first position; progress(n) after each chunk with its token count;
     after_chunk(point) after each chunk but the last with the point to continue from, which `start`
-    accepts (the stream then goes on exactly as it would have: checkpoints, `jcascade.resume`).
+    accepts (the stream then goes on exactly as it would have: checkpoints, `jcascade.eval.checkpointing`).
     Non-finite log-probabilities are reported by a RuntimeWarning (`generation.warn_nonfinite`).
     """
     check_streaming(policy)
@@ -125,7 +127,7 @@ BLOCK = 4096  # tokens per bootstrap block: log-likelihoods of tokens this far a
 
 def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, object], *, bucket: int = 256,
                block: int = BLOCK, progress: Callable[[int], None] | None = None,
-               checkpointing: resume.Checkpointing | None = None) -> tuple[list[BookPerplexity], list[str]]:
+               checkpointing: Checkpointing | None = None) -> tuple[list[BookPerplexity], list[str]]:
     """Streams every book (name -> tokens [S]) longer than the largest bounded cache under every policy.
 
     Returns the results and the names of the books skipped as not longer than the cache.

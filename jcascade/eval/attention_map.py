@@ -2,7 +2,7 @@
 can attend to, and with what EMA score they are held, when a text is streamed through a cache.
 
 With a strided prefill, the queries of a chunk see the cache as it was before the chunk plus the chunk's
-own keys up to themselves (causal). `record` streams the text (`jcascade.perplexity.stream`) and keeps,
+own keys up to themselves (causal). `record` streams the text (`jcascade.eval.perplexity.stream`) and keeps,
 for one layer and KV head, the original positions and scores of the cache before every chunk; `render`
 turns that into an image whose row q covers the keys visible to query q.
 """
@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 import jcascade as jc
-from jcascade.perplexity import stream
+from jcascade.eval.perplexity import stream
 
 
 @dataclasses.dataclass(frozen=True)

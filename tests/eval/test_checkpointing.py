@@ -14,7 +14,8 @@ import pytest
 
 import jcascade as jc
 import tiny
-from jcascade import cli, passkey, perplexity, resume
+from jcascade import cli
+from jcascade.eval import passkey, perplexity, checkpointing
 
 SINK = "sink:window=32,sinks=4,stride=32"
 CASCADE = "cascade:cache_size=32,sinks=4,stride=32"
@@ -32,42 +33,42 @@ def test_a_checkpoint_round_trips_exactly(tmp_path):
     state = jc.init_cache(jc.Full(), 1, 2, 4, jnp.bfloat16, max_tokens=8)
     state = jc.CacheState(k=state.k + jnp.bfloat16(1.5), v=state.v, score=state.score + 0.25,
                           pos=state.pos.at[..., 0].set(7), seen=state.seen + 1)
-    assert resume.load_stream(tmp_path / "none") is None
-    resume.save_stream(tmp_path / "c", {"cache": vars(state), "logps": np.arange(5, dtype=np.float32)}, {"at": 3})
-    arrays, progress = resume.load_stream(tmp_path / "c")
+    assert checkpointing.load_stream(tmp_path / "none") is None
+    checkpointing.save_stream(tmp_path / "c", {"cache": vars(state), "logps": np.arange(5, dtype=np.float32)}, {"at": 3})
+    arrays, progress = checkpointing.load_stream(tmp_path / "c")
     restored = jc.CacheState(**arrays["cache"])
     for name in ("k", "v", "score", "pos", "seen"):
         got, want = np.asarray(getattr(restored, name)), np.asarray(getattr(state, name))
         assert got.dtype == want.dtype and np.array_equal(got, want)
     assert np.array_equal(arrays["logps"], np.arange(5)) and progress == {"at": 3}
-    resume.save_stream(tmp_path / "p", None, {"only": "progress"})
-    assert resume.load_stream(tmp_path / "p") == (None, {"only": "progress"})
+    checkpointing.save_stream(tmp_path / "p", None, {"only": "progress"})
+    assert checkpointing.load_stream(tmp_path / "p") == (None, {"only": "progress"})
 
 
 def test_a_checkpoint_cut_short_never_loads(tmp_path, monkeypatch):
-    resume.save_stream(tmp_path, {"x": np.ones(3)}, {"n": 1})
+    checkpointing.save_stream(tmp_path, {"x": np.ones(3)}, {"n": 1})
 
     def killed(*args):
         raise KeyboardInterrupt("killed before the commit")
 
     with monkeypatch.context() as m:
-        m.setattr(resume.os, "replace", killed)
+        m.setattr(checkpointing.os, "replace", killed)
         with pytest.raises(KeyboardInterrupt):
-            resume.save_stream(tmp_path, {"x": np.zeros(3)}, {"n": 2})
+            checkpointing.save_stream(tmp_path, {"x": np.zeros(3)}, {"n": 2})
     (tmp_path / "generation-00000009").mkdir()  # a folder left half-written by a killed process
-    arrays, progress = resume.load_stream(tmp_path)
+    arrays, progress = checkpointing.load_stream(tmp_path)
     assert progress == {"n": 1} and np.array_equal(arrays["x"], np.ones(3))
-    resume.save_stream(tmp_path, {"x": np.full(3, 5.0)}, {"n": 3})
-    assert resume.load_stream(tmp_path)[1] == {"n": 3}
+    checkpointing.save_stream(tmp_path, {"x": np.full(3, 5.0)}, {"n": 3})
+    assert checkpointing.load_stream(tmp_path)[1] == {"n": 3}
     assert len(list(tmp_path.glob("generation-*"))) == 1  # the old and the unfinished ones are gone
 
 
 def test_another_runs_checkpoint_is_refused(tmp_path):
-    resume.Checkpointing(tmp_path, 10, {"seed": 1, "policy": "a"}).save(None, {})
+    checkpointing.Checkpointing(tmp_path, 10, {"seed": 1, "policy": "a"}).save(None, {})
     with pytest.raises(ValueError, match="written by another run .*differs in seed"):
-        resume.Checkpointing(tmp_path, 10, {"seed": 2, "policy": "a"}).resume()
+        checkpointing.Checkpointing(tmp_path, 10, {"seed": 2, "policy": "a"}).resume()
     with pytest.raises(ValueError, match="checkpoint every must be a positive int"):
-        resume.Checkpointing(tmp_path, 0, {})
+        checkpointing.Checkpointing(tmp_path, 0, {})
 
 
 def test_a_stream_resumed_from_any_chunk_equals_the_whole_stream():
@@ -109,7 +110,7 @@ def test_perplexity_killed_and_resumed_equals_an_uninterrupted_run(model_dir, bo
     run.wait()
     assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
     assert not (out / "perplexity.json").exists()
-    saved = resume.load_stream(checkpoint)[1]
+    saved = checkpointing.load_stream(checkpoint)[1]
     assert saved["position"] > 0  # it was killed mid-run
 
     with pytest.raises(SystemExit):  # a checkpoint is there: refuse to start over silently
@@ -137,7 +138,7 @@ def test_passkey_interrupted_and_resumed_equals_an_uninterrupted_run(model_dir, 
         with pytest.raises(KeyboardInterrupt):
             cli.main(args + ["--out", str(tmp_path / "cut")])
     # batches of 3, 3, 3 and 1 prompts of 128 tokens: the fourth is short of the 300 tokens between checkpoints
-    assert resume.load_stream(tmp_path / "cut" / "checkpoint-passkey")[1]["batches"] == 3
+    assert checkpointing.load_stream(tmp_path / "cut" / "checkpoint-passkey")[1]["batches"] == 3
 
     def counted(*a, **k):
         calls.append(1)

@@ -21,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jcascade as jc
-from jcascade import compilation, resume, stats
+from jcascade import compilation
+from jcascade.eval import stats
+from jcascade.eval.checkpointing import Checkpointing
 from jcascade.generation import decode
-from jcascade.perplexity import cache_capacity
-from jcascade.texts import REPEAT_SENTENCES
+from jcascade.eval.perplexity import cache_capacity
+from jcascade.eval.texts import REPEAT_SENTENCES
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.")
@@ -222,7 +224,7 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
           samples: int = 1, filler: str = "repeat", words: Sequence[str] | None = None, seed: int = 0,
           num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8, retention: bool = False,
           progress: Callable[[int], None] | None = None,
-          checkpointing: resume.Checkpointing | None = None) -> list[PasskeyResult]:
+          checkpointing: Checkpointing | None = None) -> list[PasskeyResult]:
     """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy).
 
     Greedy answers (`answer`); every batch is padded to [batch_size, context_length] (rows repeated,
