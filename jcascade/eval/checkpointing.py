@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import shutil
+import time
 
 LATEST = "LATEST"
 
@@ -61,6 +62,14 @@ def load_stream(directory: str | pathlib.Path):
     return ocp.StandardCheckpointer().restore(target / "arrays"), progress
 
 
+def saved_progress(directory: str | pathlib.Path) -> dict | None:
+    """The JSON progress of the last committed checkpoint in `directory` (arrays not read), or None."""
+    directory = pathlib.Path(directory).absolute()
+    if not (directory / LATEST).is_file():
+        return None
+    return json.loads((directory / (directory / LATEST).read_text().strip() / "progress.json").read_text())
+
+
 def _write_synced(path: pathlib.Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -73,13 +82,17 @@ class Checkpointing:
     """Periodic checkpoints of one run: `save` every `every` tokens of progress into `directory`.
 
     run: the run's identity (its arguments, JSON-serialisable); `resume` refuses a checkpoint that
-    another run wrote.
+    another run wrote. command: the command line that resumes the run (saved with every checkpoint, shown
+    when a leftover checkpoint is found). `seconds()` counts the run's time across resumes.
     """
 
     directory: pathlib.Path
     every: int
     run: dict
+    command: str = ""
     _since: int = dataclasses.field(default=0, init=False, repr=False)  # tokens since the last checkpoint
+    _started: float = dataclasses.field(default_factory=time.perf_counter, init=False, repr=False)
+    _earlier: float = dataclasses.field(default=0.0, init=False, repr=False)  # seconds of the resumed runs
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -94,8 +107,13 @@ class Checkpointing:
         self._since = 0
         return True
 
+    def seconds(self) -> float:
+        """Seconds this run has taken so far, the runs it resumed included."""
+        return self._earlier + time.perf_counter() - self._started
+
     def save(self, arrays, progress: dict) -> None:
-        save_stream(self.directory, arrays, {"run": self.run, **progress})
+        save_stream(self.directory, arrays, {"run": self.run, "command": self.command, "seconds": self.seconds(),
+                                             **progress})
 
     def resume(self):
         """(arrays, progress) of this run's last checkpoint, or None if there is none."""
@@ -104,12 +122,30 @@ class Checkpointing:
             return None
         arrays, progress = found
         theirs = progress.pop("run")
+        progress.pop("command", None)
         if theirs != self.run:
             differ = sorted(k for k in self.run.keys() | theirs.keys() if self.run.get(k) != theirs.get(k))
             raise ValueError(f"the checkpoint in {self.directory} was written by another run (it differs in "
                              f"{', '.join(differ)}): remove it, or resume with the same arguments")
+        self._earlier = progress.pop("seconds", 0.0)
+        self._started = time.perf_counter()
         return arrays, progress
 
     def clear(self) -> None:
         """Removes the checkpoints (the run finished)."""
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def open_run(directory: pathlib.Path, every: int | None, resume: bool, run: dict, command: str) -> Checkpointing | None:
+    """A command line's checkpoints in `directory` (its --checkpoint-every `every` tokens, --resume `resume`),
+    or None when it saves none. A checkpoint left there by an unfinished run is never ignored: without
+    --resume the error names the command that resumes it (as saved with it). Raises ValueError."""
+    if resume and every is None:
+        raise ValueError("--resume continues a run made with --checkpoint-every N: pass that option again")
+    saved = saved_progress(directory)
+    if resume and saved is None:
+        raise ValueError(f"--resume: no checkpoint in {directory}")
+    if saved is not None and not resume:
+        raise ValueError(f"{directory} holds the checkpoint of an earlier, unfinished run: continue it with "
+                         f"`{saved.get('command') or 'the same command and --resume'}`, or remove that folder")
+    return None if every is None else Checkpointing(directory, every, run, command)

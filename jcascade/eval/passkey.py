@@ -155,6 +155,22 @@ def prompts(builder: PromptBuilder, context_length: int, samples: int, seed: int
             for b in range(num_buckets) for i in range(samples)]
 
 
+def equal_batches(count: int, most: int = 32) -> int:
+    """The batch size that splits `count` prompts into the fewest batches of at most `most`, as equal as
+    possible (80 -> 27: three batches, one padding row), so little of each generate call is padding."""
+    return -(-count // -(-count // most))
+
+
+def context_lengths(shortest: int, longest: int) -> list[int]:
+    """shortest, 2 shortest, 4 shortest, ... while <= longest."""
+    if longest < shortest:
+        raise ValueError(f"the longest context ({longest}) must be >= the shortest ({shortest})")
+    lengths = [shortest]
+    while lengths[-1] * 2 <= longest:
+        lengths.append(lengths[-1] * 2)
+    return lengths
+
+
 @dataclasses.dataclass(frozen=True)
 class PasskeyResult:
     policy: str  # label of the policy
@@ -229,8 +245,9 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
 
     Greedy answers (`answer`); every batch is padded to [batch_size, context_length] (rows repeated,
     lengths per row), so each (policy, context length) compiles once. `retention` also records which key
-    tokens each layer and KV head still holds when the question is fed. `progress(n)` is called with the
-    number of prompt tokens of each finished batch (padding rows excluded). `checkpointing` saves the
+    tokens each layer and KV head still holds when the question is fed. `progress(n)` is called after each
+    batch with its prompts times the context length (padding rows excluded), so the calls add up to
+    len(policies) x num_buckets x samples x sum(context_lengths). `checkpointing` saves the
     results so far every `checkpointing.every` prompt tokens and continues from its last checkpoint, if
     any (the batches it holds are not run again; the results equal an uninterrupted run's).
     """
@@ -258,7 +275,7 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                 for r, p in enumerate(rows):
                     tokens[r, : len(p.tokens)] = p.tokens
                 lengths = np.array([len(p.tokens) for p in rows], np.int32)
-                fed = int(lengths[: len(part)].sum())  # prompt tokens, padding rows excluded
+                fed = len(part) * length  # context tokens of this batch's prompts (padding rows excluded)
                 batches, tokens_done = batches + 1, tokens_done + fed
                 if batches <= resumed:
                     continue
@@ -290,14 +307,16 @@ def accuracy_table(results: Sequence[PasskeyResult]) -> dict[str, dict[int, dict
 
 def estimates(results: Sequence[PasskeyResult], value: Callable[[PasskeyResult], float] = lambda r: r.accuracy
               ) -> dict[str, dict[int, stats.Estimate]]:
-    """{policy: {context_length: mean of value(trial) with its 95 % interval}}: a bootstrap over trials,
-    redrawn within their depth bucket (a trial's digits are correlated, so the trial is the unit)."""
+    """{policy: {context_length: mean of value(trial) in [0, 1] with its 95 % interval}}: a bootstrap over
+    trials (a trial's digits are correlated, so the trial is the unit), redrawn within their depth bucket
+    when the buckets hold enough trials (`stats.mean`: its rules for strata and bounded values)."""
     cells: dict[tuple[str, int], list[PasskeyResult]] = {}
     for r in results:
         cells.setdefault((r.policy, r.context_length), []).append(r)
     table: dict[str, dict[int, stats.Estimate]] = {}
     for (policy, length), mine in cells.items():
-        table.setdefault(policy, {})[length] = stats.mean([value(r) for r in mine], strata=[r.bucket for r in mine])
+        table.setdefault(policy, {})[length] = stats.mean([value(r) for r in mine], strata=[r.bucket for r in mine],
+                                                          bounds=(0, 1))
     return table
 
 
@@ -320,7 +339,8 @@ def retention_by_layer(results: Sequence[PasskeyResult]) -> dict[str, dict[int, 
 
 def paired_differences(results: Sequence[PasskeyResult], baseline: str) -> dict[str, dict[int | str, stats.Estimate]]:
     """{policy: {context_length or "all": accuracy(policy) - accuracy(baseline)}} over the same prompts, with
-    95 % intervals (trials redrawn in pairs within their depth bucket and length), for every other policy."""
+    95 % intervals (trials redrawn in pairs, within their depth bucket and length when those strata hold
+    enough trials: `stats.paired_difference`), for every other policy."""
     by_policy: dict[str, dict[tuple[int, int, int], float]] = {}
     for r in results:
         by_policy.setdefault(r.policy, {})[(r.context_length, r.bucket, r.sample)] = r.accuracy
@@ -335,7 +355,7 @@ def paired_differences(results: Sequence[PasskeyResult], baseline: str) -> dict[
         for length in sorted({t[0] for t in trials}):
             here = [t for t in trials if t[0] == length]
             table.setdefault(policy, {})[length] = stats.paired_difference(
-                [mine[t] for t in here], [base[t] for t in here], strata=[t[1] for t in here])
+                [mine[t] for t in here], [base[t] for t in here], strata=[t[1] for t in here], bounds=(0, 1))
         table[policy]["all"] = stats.paired_difference([mine[t] for t in trials], [base[t] for t in trials],
-                                                       strata=[t[:2] for t in trials])
+                                                       strata=[t[:2] for t in trials], bounds=(0, 1))
     return table

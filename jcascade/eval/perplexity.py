@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import pathlib
 from collections.abc import Callable, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -122,6 +122,15 @@ def book_tokens(tokenizer, text: str, max_tokens: int | None = None) -> np.ndarr
     return ids if max_tokens is None else ids[:max_tokens]
 
 
+def books(tokenizer, names, max_tokens: int | None = None, log=print) -> dict[str, np.ndarray]:
+    """{name: tokens int32 [S]} of packaged books or text files (`texts.load_book`; ["all"]: every packaged
+    book), each cut to its first max_tokens."""
+    from jcascade.eval import texts
+
+    names = texts.book_names(log) if list(names) == ["all"] else names
+    return {pathlib.Path(b).stem: book_tokens(tokenizer, texts.load_book(b, log), max_tokens) for b in names}
+
+
 BLOCK = 4096  # tokens per bootstrap block: log-likelihoods of tokens this far apart are nearly independent
 
 
@@ -175,6 +184,8 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
             block_nll, _ = stats.blocks(nll, block)
             results.append(BookPerplexity(name, label, int(len(tokens)), float(nll.mean()), curve.tolist(), bucket,
                                           block_nll.tolist(), block))
+    if not results:
+        raise ValueError(f"no book is longer than the {longest}-token cache: give longer books or a larger max_tokens")
     return results, skipped
 
 
@@ -208,23 +219,41 @@ def summary(results: list[BookPerplexity]) -> dict[str, dict]:
     return out
 
 
-def paired_differences(results: list[BookPerplexity], baseline: str) -> dict[str, stats.Estimate]:
-    """{policy: perplexity(policy) - perplexity(baseline)} over the books both streamed, with 95 % intervals
-    from a bootstrap that redraws the same blocks of the same books for both (within each book)."""
+def prefix_lengths(results: list[BookPerplexity]) -> list[int]:
+    """The stream lengths the paired differences are given at: block x 8, x 16, ... (at least 8 blocks of
+    units), below the longest stream."""
+    block, longest = results[0].block, max(r.tokens for r in results)
+    lengths = [block * 8]
+    while lengths[-1] * 2 < longest:
+        lengths.append(lengths[-1] * 2)
+    return [n for n in lengths if n < longest]
+
+
+def paired_differences(results: list[BookPerplexity], baseline: str) -> dict[str, dict[int | str, stats.Estimate]]:
+    """{policy: {N or "all": perplexity(policy) - perplexity(baseline)}} over the books both streamed, with
+    95 % intervals from a bootstrap that redraws the same blocks of the same books for both (within each
+    book when the books hold enough blocks: `stats.paired_difference`). N: over the first N tokens of every
+    book (the blocks that end by then; `prefix_lengths`), "all": whole streams."""
     by_policy: dict[str, dict[str, BookPerplexity]] = {}
     for r in results:
         by_policy.setdefault(r.policy, {})[r.book] = r
     if baseline not in by_policy:
         raise ValueError(f"baseline {baseline!r} is not among the policies {list(by_policy)}")
     base = by_policy[baseline]
-    table = {}
+    table: dict[str, dict[int | str, stats.Estimate]] = {}
     for policy, mine in by_policy.items():
         if policy == baseline:
             continue
         books = [b for b in mine if b in base]
-        ours, theirs = [_units(mine[b]) for b in books], [_units(base[b]) for b in books]
-        table[policy] = stats.paired_difference(
-            np.concatenate([u[0] for u in ours]), np.concatenate([u[0] for u in theirs]),
-            weights=np.concatenate([u[1] for u in ours]), strata=[b for b, u in zip(books, ours) for _ in u[0]],
-            transform=np.exp)
+        for length in [*prefix_lengths(results), "all"]:
+            ours, theirs, names = [], [], []
+            for b in books:
+                (nll, counts), (their_nll, _) = _units(mine[b]), _units(base[b])
+                keep = slice(None) if length == "all" else slice(length // mine[b].block)
+                ours.append((nll[keep], counts[keep]))
+                theirs.append(their_nll[keep])
+                names += [b] * len(nll[keep])
+            table.setdefault(policy, {})[length] = stats.paired_difference(
+                np.concatenate([u[0] for u in ours]), np.concatenate(theirs),
+                weights=np.concatenate([u[1] for u in ours]), strata=names, transform=np.exp)
     return table

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import textwrap
 from collections.abc import Mapping
 
 import numpy as np
@@ -23,84 +22,138 @@ def _save(fig, path: str | pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _with_intervals(ax, table: Mapping[str, Mapping[int, object]], ylabel: str) -> None:
-    """One line per policy of Estimate cells {policy: {context_length: Estimate}}, 95 % intervals as bars."""
-    for label, by_length in table.items():
-        lengths = sorted(by_length)
-        cells = [by_length[n] for n in lengths]
-        values = np.array([c.value for c in cells])
-        spread = np.abs(np.array([[c.low for c in cells], [c.high for c in cells]]) - values)
-        ax.errorbar(lengths, values, yerr=np.nan_to_num(spread), marker="o", capsize=3, label=label)
+def _length_ticks(lengths) -> list[str]:
+    return [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths]
+
+
+def _with_intervals(ax, table: Mapping[str, Mapping[str, Mapping]], counts: Mapping[str, int], ylabel: str,
+                    offset: float = 0.0) -> None:
+    """One line per policy of estimate cells {label: {length: estimate dict}} (a report's), 95 % intervals as
+    bars, the x ticks the lengths with the n behind each. offset: a small x shift per line, in octaves."""
+    for i, (label, cells) in enumerate(table.items()):
+        lengths = sorted(cells, key=int)
+        values = np.array([cells[n]["value"] for n in lengths])
+        bounds = np.array([[cells[n]["low"] for n in lengths], [cells[n]["high"] for n in lengths]])
+        x = np.array([int(n) for n in lengths]) * 2.0 ** (offset * (i - (len(table) - 1) / 2))
+        ax.errorbar(x, values, yerr=np.nan_to_num(np.abs(bounds - values)), marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
-    ticks = sorted({n for by_length in table.values() for n in by_length})
-    ax.set_xticks(ticks, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in ticks])
+    ticks = sorted(counts, key=int)
+    ax.set_xticks([int(n) for n in ticks], [f"{t}\nn={counts[n]}" for t, n in zip(_length_ticks(map(int, ticks)), ticks)])
     ax.minorticks_off()
-    ax.set_xlabel("context length (tokens)")
+    ax.set_xlabel("context length (tokens); n = prompts per point")
     ax.set_ylabel(ylabel)
-    ax.set_ylim(-0.02, 1.02)
 
 
-def passkey_accuracy(accuracy: Mapping[str, Mapping[int, object]], path, title: str = "",
-                     retention: Mapping[str, Mapping[int, object]] | None = None) -> pathlib.Path:
-    """Mean per-digit accuracy vs context length with 95 % intervals, one line per policy (Figure 8 style);
-    with `retention`, a second panel shows the fraction of key tokens the question sees.
-    accuracy, retention: {policy: {context_length: Estimate}} (`jcascade.eval.passkey.estimates`)."""
-    fig, axes = _figure(2 if retention else 1)
-    _with_intervals(axes[0], accuracy, "per-digit accuracy (95 % interval)")
+def _differences(ax, report: Mapping, xlabel: str, ylabel: str, all_at: int | None = None) -> None:
+    """Each policy's paired difference to the baseline per length with its 95 % interval, and zero; the
+    difference over "all" at x = all_at, if given."""
+    colors = {label: f"C{i}" for i, label in enumerate(report["policies"])}
+    for label, cells in report["differences"].items():
+        lengths = [k for k in cells if k != "all" or all_at is not None]
+        x = np.array([all_at if k == "all" else int(k) for k in lengths], float)
+        values = np.array([cells[k]["value"] for k in lengths])
+        bounds = np.array([[cells[k]["low"] for k in lengths], [cells[k]["high"] for k in lengths]])
+        ax.errorbar(x, values, yerr=np.nan_to_num(np.abs(bounds - values)), marker="o", capsize=3,
+                    color=colors[label])
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"paired difference to {report['baseline']} (same prompts)", fontsize=9)
+
+
+def _legend_below(fig, ax) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4), fontsize=8)
+
+
+def passkey(report: Mapping, path, title: str = "") -> pathlib.Path:
+    """A passkey report (`jcascade.eval.report.passkey`) as one figure: per-digit accuracy vs context length
+    per policy with 95 % intervals (Figure 8 style); the paired difference of each policy to the baseline
+    per length (the verdict's quantity); the key tokens the question sees, when recorded. n on the axis."""
+    panels = ["accuracy"] + (["differences"] if report["differences"] else []) + (["retention"] if report.get(
+        "retention") else [])
+    fig, axes = _figure(len(panels), width=4.6, height=4.2)
+    counts = report["prompts"]
+    _with_intervals(axes[0], report["accuracy"], counts, "per-digit accuracy (95 % interval)", offset=0.04)
     axes[0].axhline(0.1, color="gray", linestyle=":", label="random digits")
-    axes[0].set_title(title or "Passkey retrieval")
-    axes[0].legend(fontsize=8)
-    if retention:
-        _with_intervals(axes[1], retention, "key tokens held when the question is fed")
-        axes[1].set_title("Retention (mean over layers and KV heads)")
-        axes[1].legend(fontsize=8)
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[0].set_title("accuracy", fontsize=9)
+    if "differences" in panels:
+        ax = axes[panels.index("differences")]
+        _differences(ax, report, "context length (tokens)", "accuracy difference (95 % interval)")
+        ticks = sorted(counts, key=int)
+        ax.set_xticks([int(n) for n in ticks], [f"{t}\nn={counts[n]}" for t, n in zip(_length_ticks(map(int, ticks)), ticks)])
+        ax.minorticks_off()
+    if "retention" in panels:
+        ax = axes[panels.index("retention")]
+        _with_intervals(ax, report["retention"], counts, "key tokens held when the question is fed", offset=0.04)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("retention (mean over layers and KV heads)", fontsize=9)
+    _legend_below(fig, axes[0])
+    fig.suptitle(title or "Passkey retrieval")
     return _save(fig, path)
 
 
-def passkey_heatmaps(table: Mapping[str, Mapping[int, Mapping[int, float]]], path, num_buckets: int = 5) -> pathlib.Path:
-    """Accuracy per depth bucket (rows) x context length (columns), one panel per policy."""
-    fig, axes = _figure(len(table), width=1.2 + 0.9 * max(len(t) for t in table.values()), height=3.6)
+def passkey_depth(report: Mapping, path, title: str = "") -> pathlib.Path:
+    """Accuracy per depth bucket (rows) x context length (columns), one panel per policy, each cell the mean
+    of its prompts (n per cell in the title)."""
+    table = report["accuracy_by_bucket"]
+    lengths = sorted(report["prompts"], key=int)
+    buckets = len(next(iter(table[next(iter(table))].values())))
+    per_cell = {report["prompts"][n] // buckets for n in lengths}
+    fig, axes = _figure(len(table), width=1.4 + 0.9 * len(lengths), height=3.6)
     for ax, (label, by_length) in zip(axes, table.items()):
-        lengths = sorted(by_length)
-        grid = np.array([[by_length[n].get(b, np.nan) for n in lengths] for b in range(num_buckets)])
+        grid = np.array([[by_length[n].get(str(b), np.nan) for n in lengths] for b in range(buckets)])
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for (b, j), value in np.ndenumerate(grid):
             if not np.isnan(value):
                 ax.text(j, b, f"{value:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_yticks(range(num_buckets), [f"{100 * b // num_buckets}-{100 * (b + 1) // num_buckets}%"
-                                           for b in range(num_buckets)])
+        ax.set_xticks(range(len(lengths)), _length_ticks(int(n) for n in lengths))
+        ax.set_yticks(range(buckets), [f"{100 * b // buckets}-{100 * (b + 1) // buckets}%" for b in range(buckets)])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("key depth")
         ax.set_title(label, fontsize=9)
     fig.colorbar(image, ax=list(axes), label="per-digit accuracy")
+    fig.suptitle((title + ": " if title else "") + f"accuracy by key depth, n={'/'.join(map(str, sorted(per_cell)))} "
+                 "prompts per cell", fontsize=10)
     return _save(fig, path)
 
 
-def perplexity_curves(summary: Mapping[str, Mapping], path, capacities: Mapping[str, int | None] | None = None,
-                      title: str = "") -> pathlib.Path:
-    """Left: perplexity of each position bucket vs position, one line per policy (Figure 7 style); dotted
-    vertical lines mark the bounded caches' capacities (label -> capacity, None for unbounded). Right: each
-    policy's overall perplexity with its 95 % interval. summary: `jcascade.eval.perplexity.summary`."""
-    fig, (ax, overall) = _figure(2, width=5.5)
+def perplexity(report: Mapping, path, title: str = "") -> pathlib.Path:
+    """A perplexity report (`jcascade.eval.report.perplexity`) as one figure: perplexity of each position
+    bucket vs position per policy (Figure 7 style; dotted lines at the bounded caches' capacities); each
+    policy's overall perplexity with its 95 % interval and n blocks; the paired difference to the baseline
+    over the first N tokens."""
+    summary = report["summary"]
+    panels = 3 if report["differences"] else 2
+    fig, axes = _figure(panels, width=4.6, height=4.2)
+    ax, overall = axes[0], axes[1]
     for label, s in summary.items():
         curve = np.exp(np.asarray(s["curve"]))
-        ax.plot((np.arange(curve.size) + 0.5) * s["bucket"], curve, label=f"{label} (overall {s['perplexity']:.2f})")
-    for capacity in sorted({c for c in (capacities or {}).values() if c}):
-        ax.axvline(capacity, color="gray", linestyle=":", label=f"cache of {capacity} tokens")
+        ax.plot((np.arange(curve.size) + 0.5) * s["bucket"], curve, label=label)
+    for capacity in sorted({c for c in report["capacities"].values() if c}):
+        ax.axvline(capacity, color="gray", linestyle=":")
     ax.set_yscale("log")
-    ax.set_xlabel("position in the book (tokens)")
+    ax.set_xlabel("position in the book (tokens); dotted: cache sizes")
     ax.set_ylabel("perplexity of the position bucket")
-    ax.set_title(title or "Streaming perplexity")
-    ax.legend(fontsize=8)
+    ax.set_title("by position", fontsize=9)
     labels = list(summary)
     values = np.array([summary[k]["perplexity"] for k in labels])
     bounds = np.array([[summary[k]["interval"]["low"], summary[k]["interval"]["high"]] for k in labels]).T
-    overall.errorbar(values, range(len(labels)), xerr=np.nan_to_num(np.abs(bounds - values)), fmt="o", capsize=4)
-    overall.set_yticks(range(len(labels)), [textwrap.fill(label.replace(",", ", "), 24) for label in labels], fontsize=7)
+    for i, label in enumerate(labels):
+        overall.errorbar(values[i], i, xerr=np.nan_to_num(np.abs(bounds[:, i:i + 1] - values[i])), fmt="o",
+                         capsize=4, color=f"C{i}")
+    overall.set_yticks(range(len(labels)), [f"{k}\nn={summary[k]['interval']['n']}" for k in labels], fontsize=8)
     overall.invert_yaxis()
     overall.set_xlabel("perplexity over all books (95 % interval)")
-    overall.set_title("Overall")
+    overall.set_title("overall; n = blocks", fontsize=9)
+    if report["differences"]:
+        longest = max(b["tokens"] for b in report["books"])
+        _differences(axes[2], report, "first N tokens of each book (the last point: whole books)",
+                     "perplexity difference (95 % interval)", all_at=longest)
+    _legend_below(fig, ax)
+    fig.suptitle(title or "Streaming perplexity")
     return _save(fig, path)
 
 

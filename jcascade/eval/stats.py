@@ -1,12 +1,28 @@
-"""95 % intervals for the evaluations: the percentile bootstrap over independent units.
+"""95 % intervals for the evaluations: the percentile bootstrap over independent units, with the rules that
+keep it from overclaiming.
 
-A unit is what can be treated as independent: a passkey trial (its 5 digits are correlated, so digits
-are never resampled on their own) or a block of consecutive tokens of a book (neighbouring tokens'
-log-likelihoods are correlated over distances far below a block). Estimates are (weighted) means over
-units, optionally passed through a transform (perplexity = exp(mean NLL)). Resampling is stratified:
-units are redrawn within their stratum (a passkey depth bucket and context length, a book), so every
-replicate keeps the design's balance. Paired differences redraw the same units for both sides, which
-is what makes a difference between two policies on the same prompts or tokens measurable.
+A unit is what can be treated as independent: a passkey trial (its 5 digits are correlated, so digits are
+never resampled on their own) or a block of consecutive tokens of a book (neighbouring tokens'
+log-likelihoods are correlated over distances far below a block). Estimates are (weighted) means over units,
+optionally passed through a transform (perplexity = exp(mean NLL)). Paired differences redraw the same units
+for both sides, which is what makes a difference between two policies on the same prompts measurable.
+
+The rules, each chosen so that an interval can only be wider than the plain bootstrap's, never narrower:
+
+- **Too few units.** With fewer than `MIN_UNITS` units there is no interval (NaN bounds) and no verdict: a
+  percentile bootstrap of 2-4 values is far too narrow (with 2 units it has 3 possible replicate means).
+- **Strata.** Units may carry a stratum (a passkey context length and depth bucket, a book). Redrawing
+  within strata keeps the design's balance and removes the variation between strata, but a stratum of n_h
+  units contributes only (n_h - 1) / n_h of its variance, none at all with one unit, and a stratum whose
+  units happen to agree contributes none either. So strata are honoured only when every stratum holds at
+  least `MIN_STRATUM` units and at least one of them varies; otherwise all units are pooled into one
+  stratum (pooling also counts the variation between strata, so it is the conservative choice).
+- **Bounded values** (`bounds=(low, high)`, e.g. an accuracy in [0, 1]): the bootstrap cannot see variation
+  that the sample happens not to show (10 trials all right give [1, 1]). The interval of a mean is widened
+  to cover Wilson's score interval for the same mean and n, the interval of a binary outcome, whose variance
+  p (1 - p) bounds that of any value in [0, 1] with mean p. A paired difference whose units all differ by
+  the same amount is widened by the range times z^2 / (n + z^2): Wilson's upper bound on the share of units
+  that could differ, when none of n did.
 """
 
 from __future__ import annotations
@@ -18,30 +34,40 @@ import numpy as np
 
 CONFIDENCE = 0.95
 RESAMPLES = 10_000
+MIN_UNITS = 5  # fewer units: no interval, no verdict
+MIN_STRATUM = 5  # strata are honoured only when each holds at least this many units (else pooled)
+_Z = 1.959963984540054  # the normal quantile of CONFIDENCE
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """A point estimate with its bootstrap interval [low, high] (NaN bounds with fewer than 2 units)."""
+    """A point estimate with its 95 % interval [low, high] (NaN bounds with fewer than `MIN_UNITS` units),
+    the number of units n behind it and how the interval was made (`method`)."""
 
     value: float
     low: float
     high: float
+    n: int
+    method: str = "bootstrap"
+
+    @property
+    def has_interval(self) -> bool:
+        return not (np.isnan(self.low) or np.isnan(self.high))
 
     @property
     def excludes_zero(self) -> bool:
-        """True when the whole interval lies on one side of zero (NaN intervals never do)."""
-        return bool(self.low > 0 or self.high < 0)
+        """True when the whole interval lies on one side of zero (missing intervals never do)."""
+        return bool(self.has_interval and (self.low > 0 or self.high < 0))
 
     def bounds(self, digits: int = 2) -> str:
-        """e.g. "[0.52, 0.75]"."""
-        return f"[{self.low:.{digits}f}, {self.high:.{digits}f}]"
+        """e.g. "[0.52, 0.75]", or "[no interval]" with too few units."""
+        return f"[{self.low:.{digits}f}, {self.high:.{digits}f}]" if self.has_interval else "[no interval]"
 
-    def format(self, digits: int = 2) -> str:
-        """e.g. "0.64 [0.52, 0.75]"."""
-        return f"{self.value:.{digits}f} {self.bounds(digits)}"
+    def format(self, digits: int = 2, n: bool = False) -> str:
+        """e.g. "0.64 [0.52, 0.75]", with n=True "0.64 [0.52, 0.75] n=50"."""
+        return f"{self.value:.{digits}f} {self.bounds(digits)}" + (f" n={self.n}" if n else "")
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
@@ -55,10 +81,21 @@ def _check_units(name: str, x, n: int | None = None) -> np.ndarray:
     return x
 
 
-def resample_indices(n: int, strata: Sequence | None, resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """int [resamples, n]: bootstrap draws of unit indices, each unit redrawn within its stratum."""
-    codes = {}
-    labels = np.zeros(n, np.int64) if strata is None else np.array([codes.setdefault(s, len(codes)) for s in strata])
+def stratum_codes(strata: Sequence | None, columns: Sequence[np.ndarray]) -> np.ndarray:
+    """int [n]: the stratum of each unit as the bootstrap uses it: the given strata when every one holds at
+    least `MIN_STRATUM` units and some stratum varies in some column, else 0 for all (pooled)."""
+    n = columns[0].size
+    if strata is None:
+        return np.zeros(n, np.int64)
+    codes: dict = {}
+    labels = np.array([codes.setdefault(s, len(codes)) for s in strata], np.int64)
+    sizes = np.bincount(labels)
+    varies = any(np.ptp(c[labels == g]) > 0 for c in columns for g in range(sizes.size))
+    return labels if sizes.min() >= MIN_STRATUM and varies else np.zeros(n, np.int64)
+
+
+def resample_indices(labels: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """int [resamples, n]: bootstrap draws of unit indices, each unit redrawn within its stratum `labels`."""
     groups = [np.flatnonzero(labels == g) for g in range(labels.max() + 1)]
     return np.concatenate([g[rng.integers(0, g.size, (resamples, g.size))] for g in groups], axis=1)
 
@@ -67,23 +104,10 @@ def _means(values: np.ndarray, weights: np.ndarray, idx: np.ndarray | slice) -> 
     return (values[idx] * weights[idx]).sum(axis=-1) / weights[idx].sum(axis=-1)
 
 
-def _interval(value: float, replicates: np.ndarray, n: int, confidence: float) -> Estimate:
-    if n < 2:
-        return Estimate(value, float("nan"), float("nan"))
-    low, high = np.quantile(replicates, [(1 - confidence) / 2, (1 + confidence) / 2])
-    return Estimate(value, float(low), float(high))
-
-
-def paired_estimates(columns: Sequence, *, weights=None, strata: Sequence | None = None,
-                     transform: Callable[[np.ndarray], np.ndarray] = np.asarray,
-                     contrast: Callable[..., np.ndarray] | None = None, confidence: float = CONFIDENCE,
-                     resamples: int = RESAMPLES, seed: int = 0) -> Estimate:
-    """The bootstrap interval of contrast(transform(mean of column 0), transform(mean of column 1), ...).
-
-    columns: per-unit values of each side, float [n] each, all over the same n units (same prompts,
-    same token blocks); weights float [n] (e.g. tokens per block; default 1); strata: a label per unit.
-    Every replicate redraws one set of units for all columns. contrast defaults to the single column.
-    """
+def _bootstrap(columns: Sequence, weights, strata, transform: Callable, contrast: Callable, seed: int
+               ) -> tuple[float, np.ndarray | None, np.ndarray, str]:
+    """(contrast of the transformed column means, its bootstrap replicates or None with too few units,
+    the weights, the method)."""
     columns = [_check_units(f"columns[{i}]", c) for i, c in enumerate(columns)]
     n = columns[0].size
     columns = [_check_units(f"columns[{i}]", c, n) for i, c in enumerate(columns)]
@@ -92,24 +116,79 @@ def paired_estimates(columns: Sequence, *, weights=None, strata: Sequence | None
         raise ValueError("weights must be positive")
     if strata is not None and len(strata) != n:
         raise ValueError(f"strata must give one label per unit ({n}), got {len(strata)}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    contrast = contrast or (lambda x: x)
-    idx = resample_indices(n, strata, resamples, np.random.default_rng(seed))
-    value = contrast(*(transform(_means(c, weights, slice(None))) for c in columns))
+    value = float(contrast(*(transform(_means(c, weights, slice(None))) for c in columns)))
+    if n < MIN_UNITS:
+        return value, None, weights, f"too few units (n={n} < {MIN_UNITS})"
+    labels = stratum_codes(strata, columns)
+    idx = resample_indices(labels, RESAMPLES, np.random.default_rng(seed))
     replicates = contrast(*(transform(_means(c, weights, idx)) for c in columns))
-    return _interval(float(value), replicates, n, confidence)
+    method = "stratified bootstrap" if labels.max() > 0 else "bootstrap"
+    return value, replicates, weights, method + (" (strata pooled)" if strata is not None and labels.max() == 0
+                                                 else "")
 
 
-def mean(values, *, weights=None, strata=None, transform=np.asarray, seed: int = 0) -> Estimate:
-    """transform(weighted mean of per-unit values) with its 95 % interval."""
-    return paired_estimates([values], weights=weights, strata=strata, transform=transform, seed=seed)
+def _percentiles(replicates: np.ndarray) -> tuple[float, float]:
+    low, high = np.quantile(replicates, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return float(low), float(high)
 
 
-def paired_difference(a, b, *, weights=None, strata=None, transform=np.asarray, seed: int = 0) -> Estimate:
-    """transform(mean a) - transform(mean b) over the same units, with its 95 % interval."""
-    return paired_estimates([a, b], weights=weights, strata=strata, transform=transform,
-                            contrast=lambda x, y: x - y, seed=seed)
+def _check_bounds(bounds) -> tuple[float, float]:
+    if len(bounds) != 2 or not bounds[0] < bounds[1]:
+        raise ValueError(f"bounds must be (low, high) with low < high, got {bounds!r}")
+    return float(bounds[0]), float(bounds[1])
+
+
+def effective_units(weights: np.ndarray) -> float:
+    """Kish's effective number of units of a weighted mean: (sum w)^2 / sum w^2 (n when weights are equal)."""
+    return float(weights.sum() ** 2 / (weights**2).sum())
+
+
+def wilson(p: float, n: float) -> tuple[float, float]:
+    """Wilson's score interval for a proportion p observed over n units."""
+    centre = (p + _Z**2 / (2 * n)) / (1 + _Z**2 / n)
+    half = _Z / (1 + _Z**2 / n) * np.sqrt(p * (1 - p) / n + _Z**2 / (4 * n**2))
+    return float(centre - half), float(centre + half)
+
+
+def mean(values, *, weights=None, strata=None, bounds: tuple[float, float] | None = None,
+         transform: Callable[[np.ndarray], np.ndarray] = np.asarray, seed: int = 0) -> Estimate:
+    """transform(weighted mean of per-unit values float [n]) with its 95 % interval (see the module doc).
+
+    weights float [n] (e.g. tokens per block; default 1); strata: a hashable label per unit; bounds: the
+    range every value lies in, when it has one (accuracies: (0, 1)); not with a transform."""
+    value, replicates, w, method = _bootstrap([values], weights, strata, transform, lambda x: x, seed)
+    n = w.size
+    if replicates is None:
+        return Estimate(value, float("nan"), float("nan"), n, method)
+    low, high = _percentiles(replicates)
+    if bounds is not None:
+        if transform is not np.asarray:
+            raise ValueError("bounds apply to untransformed means only")
+        lo, hi = _check_bounds(bounds)
+        p = min(max((value - lo) / (hi - lo), 0.0), 1.0)
+        w_low, w_high = wilson(p, effective_units(w))
+        low, high = min(low, lo + (hi - lo) * w_low), max(high, lo + (hi - lo) * w_high)
+        method += " widened to Wilson's score interval"
+    return Estimate(value, low, high, n, method)
+
+
+def paired_difference(a, b, *, weights=None, strata=None, bounds: tuple[float, float] | None = None,
+                      transform: Callable[[np.ndarray], np.ndarray] = np.asarray, seed: int = 0) -> Estimate:
+    """transform(mean a) - transform(mean b) over the same n units (float [n] each), with its 95 % interval;
+    every replicate redraws one set of units for both sides. bounds: the range of each side's values."""
+    value, replicates, w, method = _bootstrap([a, b], weights, strata, transform, lambda x, y: x - y, seed)
+    n = w.size
+    if replicates is None:
+        return Estimate(value, float("nan"), float("nan"), n, method)
+    low, high = _percentiles(replicates)
+    if bounds is not None and high - low <= 1e-12 * max(1.0, abs(value)):
+        if transform is not np.asarray:
+            raise ValueError("bounds apply to untransformed means only")
+        lo, hi = _check_bounds(bounds)
+        spread = (hi - lo) * _Z**2 / (effective_units(w) + _Z**2)
+        low, high = max(value - spread, lo - hi), min(value + spread, hi - lo)
+        method += " widened (every unit differed by the same amount)"
+    return Estimate(value, low, high, n, method)
 
 
 def blocks(values, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,15 +202,29 @@ def blocks(values, block: int) -> tuple[np.ndarray, np.ndarray]:
     return np.add.reduceat(values, starts) / counts, counts
 
 
-def verdict(difference: Estimate, first: str, second: str, higher_is: str, digits: int = 2) -> str:
-    """A sentence on a paired difference first - second, e.g. 'Cascade - Sink = 0.12 [0.05, 0.19]: Cascade is
-    better (the 95 % interval excludes zero).' higher_is: "better" or "worse" for the first side."""
+VERDICTS = ("better", "worse", "no measured difference", "too few units")
+
+
+def verdict_word(difference: Estimate, higher_is: str) -> str:
+    """One of VERDICTS for the first side of a paired difference first - second. higher_is: "better" or
+    "worse" for the first side (accuracy: "better"; perplexity: "worse")."""
     if higher_is not in ("better", "worse"):
         raise ValueError(f"higher_is must be 'better' or 'worse', got {higher_is!r}")
-    head = f"{first} - {second} = {difference.format(digits)}"
-    if np.isnan(difference.low):
-        return f"{head}: too few units for an interval."
+    if not difference.has_interval:
+        return "too few units"
     if not difference.excludes_zero:
+        return "no measured difference"
+    return "better" if (difference.value > 0) == (higher_is == "better") else "worse"
+
+
+def verdict(difference: Estimate, first: str, second: str, higher_is: str, digits: int = 2) -> str:
+    """A sentence on a paired difference first - second, e.g. 'Cascade - Sink = 0.12 [0.05, 0.19] (n=120
+    prompts): Cascade is better (the 95 % interval excludes zero).'"""
+    word = verdict_word(difference, higher_is)
+    head = f"{first} - {second} = {difference.format(digits)} (n={difference.n})"
+    if word == "too few units":
+        return f"{head}: too few units for an interval (at least {MIN_UNITS}); no verdict."
+    if word == "no measured difference":
         return f"{head}: not distinguishable from zero at 95 %: no measured difference between {first} and {second}."
-    winner = first if (difference.value > 0) == (higher_is == "better") else second
+    winner = first if word == "better" else second
     return f"{head}: {winner} is better (the 95 % interval excludes zero)."

@@ -13,6 +13,7 @@ from jcascade.policies.recycled import Recycled
 from jcascade.policies.ring import RingPolicy
 from jcascade.policies.snapkv import PyramidKV, SnapKV
 from jcascade.policies.window import Full, Sink, SlidingWindow
+from jcascade.policies.spec import parse_policy, policy_classes
 
 __all__ = ["Cascade", "Full", "H2O", "Policy", "PyramidKV", "Recycled", "RingLayout", "RingPolicy", "Sink",
-           "SlidingWindow", "SnapKV", "check_policy"]
+           "SlidingWindow", "SnapKV", "check_policy", "parse_policy", "policy_classes"]

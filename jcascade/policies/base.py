@@ -78,6 +78,11 @@ class Policy(abc.ABC):
     head_reduction: str = "max"
     observation_window: int = 0
 
+    @property
+    def label(self) -> str:
+        """A short name for tables and figure legends (e.g. "Cascade 384x2"); the repr is the full spec."""
+        return type(self).__name__
+
     @abc.abstractmethod
     def cache_slots(self, max_tokens: int | None) -> int:
         """Slots of a fresh cache. max_tokens: the tokens it must be able to receive (a positive int,

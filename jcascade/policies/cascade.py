@@ -31,6 +31,10 @@ class Cascade(RingPolicy):
     positions: Literal["cache", "original"] = "cache"
     stride: int = 4096
 
+    @property
+    def label(self) -> str:
+        return f"Cascade {self.cache_size}x{self.num_cascades}"
+
     def __post_init__(self):
         check_int(self, "cache_size", self.cache_size, 1)
         check_int(self, "sinks", self.sinks, 0)

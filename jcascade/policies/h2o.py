@@ -33,6 +33,10 @@ class H2O(RingPolicy):
     positions: Literal["cache", "original"] = "cache"
     stride: int = 4096
 
+    @property
+    def label(self) -> str:
+        return f"H2O {self.heavy}+{self.recent}"
+
     def __post_init__(self):
         check_int(self, "heavy", self.heavy, 1)
         check_int(self, "recent", self.recent, 1)

@@ -54,6 +54,10 @@ class Recycled(Policy):
     stride: int = 4096
     _branch: Literal["full", "recycled"] | None = dataclasses.field(default=None, repr=False)
 
+    @property
+    def label(self) -> str:
+        return f"Recycled {self.top_k}/{self.refresh_every}"
+
     def __post_init__(self):
         check_int(self, "top_k", self.top_k, 1)
         check_int(self, "refresh_every", self.refresh_every, 1)

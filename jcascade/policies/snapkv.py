@@ -143,6 +143,10 @@ class SnapKV(_Selection):
     positions: Literal["cache", "original"] = "original"
     stride: int = 4096
 
+    @property
+    def label(self) -> str:
+        return f"SnapKV {self.budget}"
+
     def __post_init__(self):
         self._check_fields()
 
@@ -176,6 +180,10 @@ class PyramidKV(_Selection):
     head_reduction: Literal["max", "mean"] = "mean"
     positions: Literal["cache", "original"] = "original"
     stride: int = 4096
+
+    @property
+    def label(self) -> str:
+        return f"PyramidKV {self.budget}"
 
     def __post_init__(self):
         self._check_fields()

@@ -46,6 +46,10 @@ class SlidingWindow(RingPolicy):
     positions: Literal["cache", "original"] = "cache"
     stride: int = 4096
 
+    @property
+    def label(self) -> str:
+        return f"Window {self.window}"
+
     def __post_init__(self):
         check_int(self, "window", self.window, 1)
         check_choice(self, "positions", self.positions, POSITION_MODES)
@@ -63,6 +67,10 @@ class Sink(RingPolicy):
     sinks: int = 64
     positions: Literal["cache", "original"] = "cache"
     stride: int = 4096
+
+    @property
+    def label(self) -> str:
+        return f"Sink {self.window}"
 
     def __post_init__(self):
         check_int(self, "window", self.window, 1)

@@ -113,9 +113,12 @@ def test_perplexity_killed_and_resumed_equals_an_uninterrupted_run(model_dir, bo
     saved = checkpointing.load_stream(checkpoint)[1]
     assert saved["position"] > 0  # it was killed mid-run
 
-    with pytest.raises(SystemExit):  # a checkpoint is there: refuse to start over silently
-        cli.main(args + ["--out", str(out)])
-    assert "holds the checkpoint of an earlier run: pass --resume" in capsys.readouterr().err
+    for again in (args, args[:-2]):  # a checkpoint is there: never start over silently, with or without
+        with pytest.raises(SystemExit):  # --checkpoint-every; name the command that resumes it
+            cli.main(again + ["--out", str(out)])
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"holds the checkpoint of an earlier, unfinished run: continue it with `jcascade {args[0]}" in err
+        assert f"--out {out} --resume`" in err
     cli.main(args + ["--out", str(out), "--resume"])
     assert results_of(out) == results_of(tmp_path / "whole")
     assert not checkpoint.exists()  # removed once the run finished
@@ -138,7 +141,10 @@ def test_passkey_interrupted_and_resumed_equals_an_uninterrupted_run(model_dir, 
         with pytest.raises(KeyboardInterrupt):
             cli.main(args + ["--out", str(tmp_path / "cut")])
     # batches of 3, 3, 3 and 1 prompts of 128 tokens: the fourth is short of the 300 tokens between checkpoints
-    assert checkpointing.load_stream(tmp_path / "cut" / "checkpoint-passkey")[1]["batches"] == 3
+    saved = checkpointing.load_stream(tmp_path / "cut" / "checkpoint-passkey")[1]
+    assert saved["batches"] == 3 and saved["command"].endswith(f"--out {tmp_path / 'cut'} --resume")
+    saved_seconds = saved["seconds"]
+    assert saved_seconds > 0
 
     def counted(*a, **k):
         calls.append(1)
@@ -150,6 +156,7 @@ def test_passkey_interrupted_and_resumed_equals_an_uninterrupted_run(model_dir, 
         cli.main(args + ["--out", str(tmp_path / "cut"), "--resume"])
     assert len(calls) == 2 * 2 * 4 - 3  # policies x lengths x batches, less the saved ones
     whole, cut = (json.loads((tmp_path / d / "passkey.json").read_text()) for d in ("whole", "cut"))
+    assert cut["seconds"] > saved_seconds  # the time of the run it resumed counts
     del whole["seconds"], cut["seconds"]
     assert cut == whole
 

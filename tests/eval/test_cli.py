@@ -7,6 +7,8 @@ import pytest
 
 import jcascade as jc
 from jcascade import cli
+from jcascade.eval import main_job, passkey, stats
+from jcascade.policies import parse_policy, policy_classes
 
 SINK = "sink:window=32,sinks=4,stride=32"
 CASCADE = "cascade:cache_size=32,sinks=4,stride=32"
@@ -24,13 +26,13 @@ def png(path) -> bool:
 
 
 def test_parse_policy_is_generic_over_the_policy_fields():
-    assert {"full", "sink", "cascade", "slidingwindow", "h2o"} <= set(cli.policy_classes())
-    assert cli.parse_policy("cascade:cache_size=64,gamma=0.99,head_reduction=mean") == \
+    assert {"full", "sink", "cascade", "slidingwindow", "h2o"} <= set(policy_classes())
+    assert parse_policy("cascade:cache_size=64,gamma=0.99,head_reduction=mean") == \
         jc.Cascade(cache_size=64, gamma=0.99, head_reduction="mean")
-    assert cli.parse_policy("Sliding_Window: window=8, positions=original") == \
+    assert parse_policy("Sliding_Window: window=8, positions=original") == \
         jc.SlidingWindow(window=8, positions="original")
-    assert cli.parse_policy("full") == jc.Full()
-    assert cli.parse_policy("h2o:heavy=4,recent=4,stride=16") == jc.H2O(heavy=4, recent=4, stride=16)
+    assert parse_policy("full") == jc.Full()
+    assert parse_policy("h2o:heavy=4,recent=4,stride=16") == jc.H2O(heavy=4, recent=4, stride=16)
     for spec, match in [("nope", "unknown policy 'nope'; known: .*cascade"),
                         ("cascade:size=4", "FIELD one of cache_size, sinks"),
                         ("cascade:cache_size", "expected FIELD=VALUE"),
@@ -39,7 +41,7 @@ def test_parse_policy_is_generic_over_the_policy_fields():
                         ("cascade:cache_size=64,positions=rope", "Cascade.positions must be one of"),
                         ("cascade:cache_size=63", "must be divisible")]:
         with pytest.raises(ValueError, match=match):
-            cli.parse_policy(spec)
+            parse_policy(spec)
 
 
 def test_generate(model_dir, tmp_path, capsys):
@@ -48,73 +50,91 @@ def test_generate(model_dir, tmp_path, capsys):
     result = json.loads((tmp_path / "generate.json").read_text())
     assert result["prompt"] == "The grass is" and len(result["output_ids"]) == 4
     assert result["output"] in capsys.readouterr().out
+    cli.main(["generate", "--model", model_dir, "--prompt", "The grass is", "--max-new-tokens", "4", "--json"])
+    assert json.loads(capsys.readouterr().out)["output_ids"] == result["output_ids"]
 
 
 def test_passkey_and_compare(model_dir, tmp_path, capsys):
     cli.main(["passkey", "--model", model_dir, "--policy", SINK, "--policy", CASCADE, "--min-length", "128",
-              "--max-length", "256", "--retention", "--out", str(tmp_path / "passkey")])
-    printed = capsys.readouterr().out
-    assert "context" in printed and SINK in printed and "by key depth" in printed and "key tokens the question sees" in printed
-    assert f"{CASCADE} - {SINK}, same prompts, by context length: 128: " in printed
+              "--max-length", "256", "--samples", "1", "--retention", "--out", str(tmp_path / "passkey")])
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "context     n" in printed and "Sink 32" in printed and "by key depth" in printed
+    assert "key tokens the question sees" in printed
+    assert "accuracy Cascade 32x4 - Sink 32, paired, by length: 128 context: " in printed and " n=5" in printed
+    assert "passkey: 100%" in captured.err  # the progress bar ends full
     result = json.loads((tmp_path / "passkey" / "passkey.json").read_text())
-    assert len(result["results"]) == 2 * 2 * 5 and set(result["accuracy"]) == {SINK, CASCADE}
-    assert result["baseline"] == SINK and set(result["differences"][CASCADE]) == {"128", "256", "all"}
-    cell = result["accuracy"][CASCADE]["128"]
-    assert cell["low"] <= cell["value"] <= cell["high"]
-    assert set(result["retention"][SINK]) == {"128", "256"} and len(result["retention_by_layer"][SINK]["128"]) == 2
+    assert len(result["results"]) == 2 * 2 * 5 and set(result["accuracy"]) == {"Sink 32", "Cascade 32x4"}
+    assert result["policies"]["Sink 32"] == repr(parse_policy(SINK))  # full specs in the JSON
+    assert result["baseline"] == "Sink 32" and set(result["differences"]["Cascade 32x4"]) == {"128", "256", "all"}
+    assert result["prompts"] == {"128": 5, "256": 5} and result["verdicts"]["Cascade 32x4"] in stats.VERDICTS
+    cell = result["accuracy"]["Cascade 32x4"]["128"]
+    assert cell["low"] <= cell["value"] <= cell["high"] and cell["n"] == 5 and cell["high"] > cell["low"]
+    assert set(result["retention"]["Sink 32"]) == {"128", "256"}
+    assert len(result["retention_by_layer"]["Sink 32"]["128"]) == 2
     assert all(len(r["retention"]) == 2 and len(r["retention"][0]) == 2 for r in result["results"])
     assert png(tmp_path / "passkey" / "passkey_accuracy.png") and png(tmp_path / "passkey" / "passkey_depth.png")
     cli.main(["compare", "--model", model_dir, "--cache-size", "32", "--sinks", "4", "--stride", "32",
-              "--min-length", "128", "--max-length", "128", "--samples", "1", "--out", str(tmp_path / "compare")])
-    printed = capsys.readouterr().out
-    assert "Sink vs Cascade" in printed and "key tokens the question sees" in printed
-    assert printed.strip().splitlines()[-1].startswith("  over all lengths: Cascade - Sink = ")  # the verdict ends it
+              "--min-length", "128", "--max-length", "128", "--samples", "1", "--out", str(tmp_path / "compare"),
+              "--json"])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)  # --json: stdout is the summary alone, the tables go to stderr
+    assert "Sink vs Cascade" in captured.err and "key tokens the question sees" in captured.err
+    [(cascade, difference)] = summary["differences"].items()  # Cascade 32x2: the CPU's 2 cascades
+    assert cascade == f"Cascade 32x{main_job.SETTINGS['cpu']['cascades']}"
+    assert summary["verdicts"] == {cascade: stats.verdict_word(stats.Estimate(**difference["all"]), "better")}
+    assert "results" not in summary and summary["files"][0].endswith("passkey.json")
+    assert summary["accuracy"]["Sink 32"]["128"]["n"] == 5 and summary["retention"] is not None
     compare = json.loads((tmp_path / "compare" / "passkey.json").read_text())
-    assert set(compare["accuracy"]) == {"Sink", "Cascade"} and compare["retention"] is not None
-    same_length = [r["key"] for r in result["results"] if r["context_length"] == 128 and r["policy"] == SINK]
-    assert [r["key"] for r in compare["results"] if r["policy"] == "Sink"] == same_length  # same seed, same prompts
-    assert png(tmp_path / "compare" / "passkey_accuracy.png")
+    same_length = [r["key"] for r in result["results"] if r["context_length"] == 128 and r["policy"] == "Sink 32"]
+    assert [r["key"] for r in compare["results"] if r["policy"] == "Sink 32"] == same_length  # same prompts
 
 
 def test_main_job_defaults_follow_the_machine(monkeypatch, tmp_path):
     import jax
 
-    assert cli.main_job_defaults() == cli.MAIN_JOB["cpu"] | {"model": None}  # the tests run on the CPU
+    assert main_job.defaults() == main_job.SETTINGS["cpu"] | {"model": None}  # the tests run on the CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("JCASCADE_CACHE", str(tmp_path))
-    assert cli.main_job_defaults() == cli.MAIN_JOB["gpu"] | {"model": None}
+    assert main_job.defaults() == main_job.SETTINGS["gpu"] | {"model": None}
     qwen = tmp_path / jc.models.QWEN25_CODER_05B_INSTRUCT.name
     qwen.mkdir()
     (qwen / jc.models.loading.CONVERTED_CONFIG).write_text("{}")
-    assert cli.main_job_defaults() == cli.MAIN_JOB["gpu-qwen"] | {"model": str(qwen)}
+    assert main_job.defaults() == main_job.SETTINGS["gpu-qwen"] | {"model": str(qwen)}
 
 
 def test_perplexity_and_attention_map(model_dir, book, tmp_path, capsys):
     cli.main(["perplexity", "--model", model_dir, "--policy", SINK, "--policy", CASCADE, "--book", book,
               "--max-tokens", "200", "--bucket", "50", "--block", "50", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert "grass" in printed and "95 % interval" in printed and f"perplexity {CASCADE} - {SINK} = " in printed
-    assert all(" [" in line for line in printed.splitlines() if line.startswith(("grass", "all")))
+    assert "grass" in printed and "95 % interval" in printed and "perplexity: Cascade 32x4 - Sink 32 = " in printed
+    assert all(" [" in line and " n=4" in line for line in printed.splitlines() if line.startswith(("grass", "all")))
     result = json.loads((tmp_path / "perplexity.json").read_text())
-    assert result["baseline"] == SINK and set(result["differences"]) == {CASCADE}
-    assert result["summary"][SINK]["interval"]["low"] <= result["summary"][SINK]["perplexity"]
-    assert result["summary"][SINK]["tokens"] == 200 and len(result["summary"][CASCADE]["curve"]) == 4
-    assert result["capacities"] == {SINK: 36, CASCADE: 36}
+    assert result["baseline"] == "Sink 32" and set(result["differences"]) == {"Cascade 32x4"}
+    assert result["summary"]["Sink 32"]["interval"]["n"] == 4  # 4 blocks of 50 tokens: too few for an interval
+    assert result["verdicts"] == {"Cascade 32x4": "too few units"}
+    assert result["summary"]["Sink 32"]["tokens"] == 200 and len(result["summary"]["Cascade 32x4"]["curve"]) == 4
+    assert result["capacities"] == {"Sink 32": 36, "Cascade 32x4": 36}
     assert png(tmp_path / "perplexity.png")
     cli.main(["attention-map", "--model", model_dir, "--policy", SINK, "--policy", CASCADE, "--book", book,
               "--tokens", "160", "--pixels", "64", "--out", str(tmp_path)])
     maps = json.loads((tmp_path / "attention_map.json").read_text())["maps"]
-    assert maps[SINK]["oldest_non_sink"] == 128 - 32 and maps[CASCADE]["oldest_non_sink"] < 128 - 32
+    assert maps["Sink 32"]["oldest_non_sink"] == 128 - 32 and maps["Cascade 32x4"]["oldest_non_sink"] < 128 - 32
     assert png(tmp_path / "attention_map.png")
 
 
 @pytest.mark.parametrize("argv,message", [
     (["passkey", "--policy", "nope"], "unknown policy 'nope'"),
-    (["passkey", "--policy", "cascade:cache_size=32,sinks=4", "--min-length", "16"], "--min-length 16 is too short"),
-    (["passkey", "--min-length", "4K", "--max-length", "1K"], "--max-length (1024) must be >= --min-length (4096)"),
+    (["passkey", "--policy", "cascade:cache_size=32,sinks=4", "--min-length", "16"],
+     "context_length=16 is too short: the passkey prompt without filler takes"),
+    (["passkey", "--min-length", "4K", "--max-length", "1K"], "the longest context (1024) must be >= the shortest (4096)"),
     (["perplexity", "--policy", "snapkv:budget=64"], "streaming policy"),
     (["generate", "--prompt", "hi", "--policy", "cascade:cache_size=-1"], "cache_size must be >= 1"),
-    (["passkey", "--samples", "0"], "expected a positive int"),
+    (["passkey", "--samples", "0"], "argument --samples: must be positive, got '0'"),
+    (["passkey", "--samples", "-3"], "argument --samples: must be positive, got '-3'"),
+    (["passkey", "--min-length", "-1K"], "argument --min-length: must be positive, got '-1K'"),
+    (["passkey", "--samples", "two"], "argument --samples: must be a positive int such as 4096 or 4K, got 'two'"),
+    (["passkey", "--baseline", "Sink 99"], "baseline 'Sink 99' must be one of the policy labels"),
     (["passkey", "--mesh", "data=0"], "with positive ints, got 'data=0'"),
     (["passkey", "--mesh", "rows=2"], "with positive ints, got 'rows=2'"),
     (["passkey", "--mesh", "data=2,data=4"], "each axis at most once"),
@@ -126,6 +146,16 @@ def test_bad_arguments_are_rejected_clearly(model_dir, argv, message, capsys):
         cli.main([*argv, "--model", model_dir])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err, err
+    assert f"usage: jcascade {argv[0]} [-h]" in err and "{generate," not in err, err  # the subcommand's usage
+
+
+def test_help_shows_the_effective_defaults(capsys):
+    for command, expected in [("passkey", ["(default: 10)", "(default: 1024)", "(default: 2048)"]),
+                              ("compare", ["cpu: --cache-size 384", "gpu: --cache-size 768"])]:
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(e in text for e in expected), text
 
 
 def test_a_missing_model_is_rejected(tmp_path, capsys):
@@ -135,4 +165,4 @@ def test_a_missing_model_is_rejected(tmp_path, capsys):
 
 
 def test_equal_batches():
-    assert [cli.equal_batches(n) for n in (1, 25, 32, 33, 80, 100)] == [1, 25, 32, 17, 27, 25]
+    assert [passkey.equal_batches(n) for n in (1, 25, 32, 33, 80, 100)] == [1, 25, 32, 17, 27, 25]

@@ -10,7 +10,7 @@ import pytest
 
 import jcascade as jc
 import tiny
-from jcascade.eval import attention_map, passkey, perplexity, stats, texts
+from jcascade.eval import attention_map, passkey, perplexity, texts
 
 SINK = jc.Sink(window=32, sinks=4, stride=32)
 CASCADE = jc.Cascade(cache_size=32, sinks=4, num_cascades=4, stride=32)
@@ -98,7 +98,7 @@ def test_sweep_is_deterministic_and_complete(tok, model):
     assert [(r.policy, r.bucket, r.sample) for r in results] == [(p, b, i) for p in policies for b in range(5)
                                                                  for i in range(2)]
     assert [r.answer for r in results[:10]] == [r.answer for r in results[10:]]
-    assert sum(seen) == sum(r.prompt_tokens for r in results)
+    assert sum(seen) == len(policies) * 5 * 2 * 128  # prompts x context length: the progress bar reaches 100 %
     assert all(r.accuracy == passkey.digit_accuracy(r.answer, r.key) for r in results)
     table = passkey.accuracy_table(results)
     assert set(table) == set(policies) and set(table["sink"][128]) == set(range(5))
@@ -158,11 +158,15 @@ def test_estimates_and_paired_differences_on_known_results():
     ones, mixed = [1.0] * 10, [1.0, 0.0] * 5  # each bucket: one right, one wrong
     results = _results({"Sink": mixed, "Cascade": ones})
     cells = passkey.estimates(results)
-    assert cells["Cascade"][64] == stats.Estimate(1.0, 1.0, 1.0) and cells["Sink"][64].value == 0.5
+    right = cells["Cascade"][64]  # 10 of 10 right: Wilson's interval, not [1, 1]
+    assert (right.value, right.high, right.n) == (1.0, 1.0, 10) and right.low == pytest.approx(0.7225, abs=1e-3)
+    assert cells["Sink"][64].value == 0.5 and cells["Sink"][64].n == 10
+    assert "pooled" in cells["Sink"][64].method  # 2 trials per depth bucket: too few to stratify
     difference = passkey.paired_differences(results, "Sink")["Cascade"]
     assert difference[64].value == pytest.approx(0.5) and difference["all"].value == pytest.approx(0.5)
     assert 0 < difference["all"].low < 0.5 < difference["all"].high <= 1.0 and difference["all"].excludes_zero
-    assert passkey.retention_estimates(results)["Sink"][64] == stats.Estimate(0.75, 0.75, 0.75)
+    held = passkey.retention_estimates(results)["Sink"][64]  # 0.75 in every trial: bounded, so not a point
+    assert held.value == 0.75 and held.low < 0.75 < held.high
     assert passkey.retention_by_layer(results)["Cascade"][64] == [0.75]
     with pytest.raises(ValueError, match="baseline 'Full' is not among"):
         passkey.paired_differences(results, "Full")
@@ -186,19 +190,26 @@ def test_stream_equals_score_and_perplexity_skips_short_books(model):
 
 
 def test_perplexity_intervals_and_paired_differences_on_known_results():
-    def book(policy, nll):  # 3 blocks of 4 predictions and one of 1 (the book has 14 tokens)
-        return perplexity.BookPerplexity("b", policy, 14, float(np.average(nll, weights=[4, 4, 4, 1])), [], 256,
-                                         list(nll), 4)
+    def book(policy, nll):  # blocks of 4 predictions and a last one of 1 (10 blocks: the book has 38 tokens)
+        weights = [4] * (len(nll) - 1) + [1]
+        return perplexity.BookPerplexity("b", policy, sum(weights) + 1, float(np.average(nll, weights=weights)), [],
+                                         256, list(nll), 4)
 
-    nll = np.array([2.0, 3.0, 2.5, 4.0])
+    nll = np.array([2.0, 3.0, 2.5, 2.2, 2.8, 3.1, 2.4, 2.6, 2.9, 4.0])
     results = [book("Sink", nll), book("Cascade", nll - np.log(2.0))]
     summary = perplexity.summary(results)
-    ppl = np.exp(np.average(nll, weights=[4, 4, 4, 1]))
+    ppl = np.exp(np.average(nll, weights=[4] * 9 + [1]))
     assert summary["Sink"]["perplexity"] == pytest.approx(ppl)
     interval = summary["Sink"]["interval"]
     assert interval["low"] < ppl < interval["high"] and interval["value"] == pytest.approx(ppl)
+    assert interval["n"] == 10
     difference = perplexity.paired_differences(results, "Sink")["Cascade"]
-    assert difference.value == pytest.approx(-ppl / 2) and difference.high < 0  # half the perplexity on every block
+    assert set(difference) == {32, "all"}  # the first 8 blocks (32 tokens), and whole books
+    assert difference["all"].value == pytest.approx(-ppl / 2) and difference["all"].high < 0  # half on every block
+    first = np.exp(nll[:8].mean())
+    assert difference[32].value == pytest.approx(-first / 2) and difference[32].n == 8
+    few = perplexity.paired_differences([book("Sink", nll[:4]), book("Cascade", nll[:4])], "Sink")["Cascade"]
+    assert few["all"].n == 4 and not few["all"].has_interval  # 4 blocks: no interval, no verdict
 
 
 def test_attention_map_of_a_sink_cache_is_sinks_plus_the_window(model):

@@ -6,10 +6,55 @@ import pytest
 from jcascade.eval import stats
 
 
-def test_a_constant_has_a_zero_width_interval():
+def test_a_constant_without_bounds_is_a_point_and_with_bounds_is_wilsons_interval():
+    """Unbounded values that never vary give a point; an accuracy that never varies (10 of 10 right) is not
+    known exactly: it gets Wilson's score interval, [0.72, 1.00] for 10 of 10."""
     e = stats.mean(np.full(30, 0.4))
-    assert (e.value, e.low, e.high) == pytest.approx((0.4, 0.4, 0.4))
+    assert (e.value, e.low, e.high, e.n) == pytest.approx((0.4, 0.4, 0.4, 30))
     assert e.excludes_zero and not stats.mean(np.zeros(30)).excludes_zero
+    all_right = stats.mean(np.ones(10), bounds=(0, 1))
+    assert all_right.value == 1.0 and all_right.low == pytest.approx(0.7225, abs=1e-3) and all_right.high == 1.0
+    assert "Wilson" in all_right.method
+
+
+def test_ten_fair_coin_flips_give_about_plus_minus_0_3():
+    flips = np.array([1, 0, 0, 1, 1, 0, 1, 0, 0, 1], float)
+    e = stats.mean(flips, bounds=(0, 1))
+    assert e.value == 0.5 and e.n == 10
+    assert e.low == pytest.approx(0.2, abs=0.05) and e.high == pytest.approx(0.8, abs=0.05)
+
+
+def test_one_unit_per_stratum_pools_the_strata():
+    """Strata of one unit cannot be resampled within themselves (every replicate would be the sample):
+    they are pooled, and the interval is the unstratified one."""
+    x = np.array([1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1], float)
+    e = stats.mean(x, strata=list(range(x.size)), bounds=(0, 1))
+    pooled = stats.mean(x, bounds=(0, 1))
+    assert (e.low, e.high) == (pooled.low, pooled.high) and e.high - e.low > 0.4
+    assert "pooled" in e.method
+    d = stats.paired_difference(x, 1 - x, strata=list(range(x.size)), bounds=(0, 1))
+    assert d.high - d.low > 0.5
+
+
+def test_constant_strata_are_pooled():
+    """Two strata, each constant: resampled within themselves every replicate is the sample (a point);
+    the units vary, so the strata are pooled and the interval is wide."""
+    x = np.r_[np.zeros(5), np.ones(5)]
+    labels = [(0, "a")] * 5 + [(1, "b")] * 5  # any hashable labels
+    e = stats.mean(x, strata=labels)
+    assert e.low < 0.35 and e.high > 0.65 and "pooled" in e.method
+
+
+def test_strata_that_vary_and_hold_enough_units_are_honoured():
+    """Two strata of 20 units far apart: redrawn within themselves, the interval drops the variation between
+    them and is narrower than the pooled one, and still has width."""
+    rng = np.random.default_rng(0)
+    x = np.r_[rng.random(20) * 0.2, 0.8 + rng.random(20) * 0.2]
+    e = stats.mean(x, strata=[0] * 20 + [1] * 20)
+    pooled = stats.mean(x)
+    assert e.method == "stratified bootstrap" and 0 < e.high - e.low < 0.5 * (pooled.high - pooled.low)
+    small = stats.mean(x[16:24], strata=[0] * 4 + [1] * 4)  # strata of 4 < MIN_STRATUM units: pooled
+    assert "pooled" in small.method
 
 
 def test_a_proportion_matches_the_normal_interval():
@@ -24,20 +69,9 @@ def test_a_proportion_matches_the_normal_interval():
 
 def test_weights_make_a_ratio_estimate():
     """Blocks of unequal length: the estimate is the token-weighted mean, not the mean of block means."""
-    e = stats.mean([1.0, 3.0], weights=[3.0, 1.0])
+    e = stats.mean([1.0, 3.0] * 3, weights=[3.0, 1.0] * 3)
     assert e.value == pytest.approx(1.5)
     assert 1.0 <= e.low <= e.high <= 3.0
-
-
-def test_strata_are_resampled_within_themselves():
-    """Two strata, each constant: a stratified replicate always holds 5 of each, so the interval is a point;
-    resampling across strata would give a wide one."""
-    x = np.r_[np.zeros(5), np.ones(5)]
-    labels = [(0, "a")] * 5 + [(1, "b")] * 5  # any hashable labels
-    stratified = stats.mean(x, strata=labels)
-    assert (stratified.low, stratified.high) == pytest.approx((0.5, 0.5))
-    pooled = stats.mean(x)
-    assert pooled.low < 0.35 and pooled.high > 0.65
 
 
 def test_paired_differences_cancel_what_the_sides_share():
@@ -47,6 +81,8 @@ def test_paired_differences_cancel_what_the_sides_share():
     assert (same.value, same.low, same.high) == (0.0, 0.0, 0.0) and not same.excludes_zero
     shifted = stats.paired_difference(a + 0.1, a)  # a wide spread per unit, an exact shift per pair
     assert (shifted.low, shifted.high) == pytest.approx((0.1, 0.1)) and shifted.excludes_zero
+    wins = stats.paired_difference(np.ones(10), np.zeros(10), bounds=(0, 1))  # 10 of 10 pairs differ by 1
+    assert wins.value == 1.0 and wins.low == pytest.approx(1 - 3.8415 / 13.8415, abs=1e-3) and wins.high == 1.0
     unpaired_half_width = 1.96 * np.sqrt(2 * a.var() / a.size)
     assert unpaired_half_width > 0.1  # unpaired, the same shift could not be told from zero
 
@@ -69,18 +105,39 @@ def test_blocks_split_a_stream():
     np.testing.assert_allclose(counts, [4, 4, 2])
 
 
-def test_one_unit_has_no_interval_and_the_verdict_says_so():
-    e = stats.mean([0.7])
-    assert e.value == 0.7 and np.isnan(e.low) and not e.excludes_zero
-    assert "too few units" in stats.verdict(e, "A", "B", "better")
+def test_too_few_units_have_no_interval_and_no_verdict():
+    for x in ([0.7], [0.2, 0.9], [0.1, 0.5, 0.9, 0.3]):
+        e = stats.mean(x, bounds=(0, 1))
+        assert np.isnan(e.low) and not e.excludes_zero and e.n == len(x)
+        assert "too few units" in stats.verdict(e, "A", "B", "better")
+        assert stats.verdict_word(e, "better") == "too few units"
+    d = stats.paired_difference(np.ones(4), np.zeros(4), bounds=(0, 1))
+    assert np.isnan(d.low) and stats.verdict_word(d, "better") == "too few units"
+
+
+def test_perplexity_blocks_one_per_book_and_few_blocks():
+    """One block per book (strata of one unit) pools the books; the interval is as wide as the pooled one and
+    never a point while the blocks differ."""
+    rng = np.random.default_rng(2)
+    nll, counts = rng.normal(3.0, 0.3, 8), np.full(8, 4096.0)
+    one_per_book = stats.mean(nll, weights=counts, strata=[f"book{i}" for i in range(8)], transform=np.exp)
+    pooled = stats.mean(nll, weights=counts, transform=np.exp)
+    assert (one_per_book.low, one_per_book.high) == (pooled.low, pooled.high)
+    assert one_per_book.low < np.exp(nll.mean()) < one_per_book.high
+    d = stats.paired_difference(nll + rng.normal(0.05, 0.2, 8), nll, weights=counts,
+                                strata=[f"book{i}" for i in range(8)], transform=np.exp)
+    assert d.high - d.low > 0.1
+    assert np.isnan(stats.mean(nll[:3], weights=counts[:3], transform=np.exp).low)  # 3 blocks: no interval
 
 
 def test_verdicts():
-    better = stats.Estimate(0.12, 0.05, 0.19)
-    assert stats.verdict(better, "Cascade", "Sink", "better").endswith("Cascade is better (the 95 % interval excludes zero).")
+    better = stats.Estimate(0.12, 0.05, 0.19, 120)
+    assert stats.verdict(better, "Cascade", "Sink", "better") == (
+        "Cascade - Sink = 0.12 [0.05, 0.19] (n=120): Cascade is better (the 95 % interval excludes zero).")
     assert "Sink is better" in stats.verdict(better, "Cascade", "Sink", "worse")  # e.g. a perplexity difference
-    assert "not distinguishable from zero" in stats.verdict(stats.Estimate(0.02, -0.01, 0.05), "A", "B", "better")
-    assert better.format() == "0.12 [0.05, 0.19]"
+    assert stats.verdict_word(better, "worse") == "worse"
+    assert "not distinguishable from zero" in stats.verdict(stats.Estimate(0.02, -0.01, 0.05, 50), "A", "B", "better")
+    assert better.format() == "0.12 [0.05, 0.19]" and better.format(n=True) == "0.12 [0.05, 0.19] n=120"
 
 
 def test_bad_input_is_rejected():
@@ -90,6 +147,7 @@ def test_bad_input_is_rejected():
                         (lambda: stats.mean([1.0, 2.0], weights=[1.0, 0.0]), "positive"),
                         (lambda: stats.mean([1.0, 2.0], strata=[0]), "one label per unit"),
                         (lambda: stats.blocks([1.0], 0), "block must be a positive int"),
-                        (lambda: stats.verdict(stats.Estimate(0, 0, 0), "A", "B", "higher"), "higher_is")]:
+                        (lambda: stats.mean(np.ones(6), bounds=(1, 0)), "bounds must be"),
+                        (lambda: stats.verdict(stats.Estimate(0, 0, 0, 9), "A", "B", "higher"), "higher_is")]:
         with pytest.raises(ValueError, match=match):
             call()

@@ -1,0 +1,193 @@
+"""Reports: evaluation results turned into the JSON payloads and printed tables of the `jcascade` command,
+callable from a notebook. A report is a JSON-serialisable dict; `*_text` prints it, `summary` drops the
+per-trial records (what `--json` prints), `jcascade.eval.plots` draws it.
+
+    from jcascade.eval import passkey, report
+    policies = report.labelled([jc.Sink(window=384), jc.Cascade(cache_size=384, num_cascades=2)])
+    results = passkey.sweep(model, tokenizer, policies, [768], samples=24)
+    rep = report.passkey(results, policies, run={"model": "SmolLM2-135M"})
+    print(report.passkey_text(rep))          # the tables `jcascade passkey` prints
+    rep["verdicts"]                          # {"Cascade 384x2": "better"}: vs the baseline, the first policy
+
+Every estimate is {"value", "low", "high", "n", "method"} (`stats.Estimate.as_dict`): n is the number of
+units behind it (prompts, or token blocks for perplexity), method how its 95 % interval was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from jcascade.eval import passkey as passkey_eval
+from jcascade.eval import perplexity as perplexity_eval
+from jcascade.eval import stats
+
+
+def labelled(policies: Sequence) -> dict[str, object]:
+    """{short label: policy} (`Policy.label`, e.g. "Cascade 384x2"); labels that collide get " #2", " #3"."""
+    out: dict[str, object] = {}
+    for policy in policies:
+        label, k = policy.label, 1
+        while label in out:
+            k += 1
+            label = f"{policy.label} #{k}"
+        out[label] = policy
+    return out
+
+
+def _estimates(table: Mapping) -> dict:
+    """{label: {key: Estimate}} -> {label: {str(key): dict}}."""
+    return {label: {str(k): e.as_dict() for k, e in cells.items()} for label, cells in table.items()}
+
+
+def _estimate(d: Mapping) -> stats.Estimate:
+    return stats.Estimate(**d)
+
+
+def baseline_label(policies: Mapping, baseline: str | None) -> str:
+    """`baseline` checked against the policy labels, or the first label when it is None."""
+    if baseline is None:
+        return next(iter(policies))
+    if baseline not in policies:
+        raise ValueError(f"baseline {baseline!r} must be one of the policy labels {list(policies)}")
+    return baseline
+
+
+def passkey(results: Sequence[passkey_eval.PasskeyResult], policies: Mapping[str, object], *,
+            baseline: str | None = None, run: Mapping | None = None) -> dict:
+    """The report of a passkey sweep (`passkey.sweep`; policies: label -> policy, as swept): accuracy per
+    policy and context length, per depth bucket, paired differences to `baseline` (default: the first
+    policy) per length and over all, a verdict per policy, retention when recorded, every trial. run: what
+    else the payload should hold (model, filler, seconds, ...)."""
+    baseline = baseline_label(policies, baseline)
+    retained = any(r.retention is not None for r in results)
+    differences = passkey_eval.paired_differences(results, baseline) if len(policies) > 1 else {}
+    by_bucket = passkey_eval.accuracy_table(results)
+    return {
+        **dict(run or {}),
+        "policies": {label: repr(p) for label, p in policies.items()},
+        "baseline": baseline,
+        "prompts": {str(n): sum(1 for r in results if r.policy == baseline and r.context_length == n)
+                    for n in sorted({r.context_length for r in results})},
+        "accuracy": _estimates(passkey_eval.estimates(results)),
+        "accuracy_by_bucket": {label: {str(n): {str(b): a for b, a in t.items()} for n, t in v.items()}
+                               for label, v in by_bucket.items()},
+        "differences": _estimates(differences),
+        "verdicts": {label: stats.verdict_word(d["all"], "better") for label, d in differences.items()},
+        "retention": _estimates(passkey_eval.retention_estimates(results)) if retained else None,
+        "retention_by_layer": ({label: {str(n): layers for n, layers in v.items()}
+                                for label, v in passkey_eval.retention_by_layer(results).items()} if retained else None),
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+
+
+def _grid(table: Mapping, counts: Mapping[str, int], labels: Sequence[str]) -> list[str]:
+    """Rows: context lengths with their n; columns: policies' "value [low, high]"."""
+    width = max(20, *(len(label) for label in labels))
+    rows = ["context".rjust(7) + "n".rjust(6) + "".join(label.rjust(width + 2) for label in labels)]
+    for n, count in counts.items():
+        rows.append(f"{int(n):7d}{count:6d}" + "".join(
+            (_estimate(table[label][n]).format() if n in table.get(label, {}) else "-").rjust(width + 2)
+            for label in labels))
+    return rows
+
+
+def passkey_text(report: Mapping) -> str:
+    """The printed tables of a passkey report: accuracy with 95 % intervals and n per context length, by key
+    depth, retention (if recorded), then the paired differences and verdicts."""
+    labels, counts = list(report["policies"]), report["prompts"]
+    lines = ["per-digit accuracy (random digits: 0.10) [95 % interval], n prompts per policy and length:",
+             *_grid(report["accuracy"], counts, labels)]
+    buckets = len(next(iter(next(iter(report["accuracy_by_bucket"].values())).values())))
+    lines += ["", "by key depth:".ljust(30) + " ".join(
+        f"{100 * b // buckets}-{100 * (b + 1) // buckets}%".rjust(7) for b in range(buckets))]
+    for label, by_length in report["accuracy_by_bucket"].items():
+        for n, cells in by_length.items():
+            lines.append(f"{label[:21]:>21} {int(n):7d}  " + " ".join(f"{cells.get(str(b), np.nan):7.2f}"
+                                                                   for b in range(buckets)))
+    if report.get("retention"):
+        lines += ["", "key tokens the question sees (mean over layers and KV heads; 1 = all held):",
+                  *_grid(report["retention"], counts, labels)]
+    lines += ["", *difference_lines(report, "accuracy")]
+    return "\n".join(lines)
+
+
+def difference_lines(report: Mapping, measure: str) -> list[str]:
+    """Per policy: its paired difference to the baseline per length, then the overall verdict sentence."""
+    higher_is = "worse" if measure == "perplexity" else "better"
+    unit = "tokens" if measure == "perplexity" else "context"
+    lines = []
+    for label, cells in report["differences"].items():
+        parts = ", ".join(f"{k} {unit}: {_estimate(e).format(n=True)}" for k, e in cells.items() if k != "all")
+        if parts:
+            lines.append(f"{measure} {label} - {report['baseline']}, paired, by length: {parts}")
+        lines.append(f"{measure}: {stats.verdict(_estimate(cells['all']), label, report['baseline'], higher_is)}")
+    return lines
+
+
+def perplexity(results: Sequence[perplexity_eval.BookPerplexity], policies: Mapping[str, object], *,
+               skipped: Sequence[str] = (), baseline: str | None = None, run: Mapping | None = None) -> dict:
+    """The report of `perplexity.perplexity`: per policy over all books (with the position curve), per book,
+    paired differences to `baseline` (default: the first policy) over the first N tokens and whole
+    streams, and a verdict per policy (lower perplexity is better)."""
+    baseline = baseline_label(policies, baseline)
+    differences = perplexity_eval.paired_differences(list(results), baseline) if len(policies) > 1 else {}
+    return {
+        **dict(run or {}),
+        "policies": {label: repr(p) for label, p in policies.items()},
+        "capacities": {label: perplexity_eval.cache_capacity(p) for label, p in policies.items()},
+        "baseline": baseline,
+        "skipped": list(skipped),
+        "summary": perplexity_eval.summary(list(results)),
+        "differences": _estimates(differences),
+        "verdicts": {label: stats.verdict_word(d["all"], "worse") for label, d in differences.items()},
+        "books": [dataclasses.asdict(r) | {"perplexity": r.perplexity, "interval": r.interval().as_dict()}
+                  for r in results],
+    }
+
+
+def perplexity_text(report: Mapping) -> str:
+    """The printed tables of a perplexity report: per book and over all books, with 95 % intervals and the
+    number of blocks behind them, then the paired differences and verdicts."""
+    labels = list(report["policies"])
+    width = max(24, *(len(label) for label in labels))
+    block = report["books"][0]["block"]
+    lines = ["book".ljust(28) + "tokens".rjust(9) + "".join(label.rjust(width + 2) for label in labels)]
+    cells = {(b["book"], b["policy"]): _estimate(b["interval"]) for b in report["books"]}
+    for book in dict.fromkeys(b["book"] for b in report["books"]):
+        tokens = next(b["tokens"] for b in report["books"] if b["book"] == book)
+        lines.append(book[:27].ljust(28) + f"{tokens:9d}" + "".join(cells[book, k].format(n=True).rjust(width + 2)
+                                                                    for k in labels))
+    summary = report["summary"]
+    lines.append("all".ljust(28) + f"{summary[labels[0]]['tokens']:9d}"
+                 + "".join(_estimate(summary[k]["interval"]).format(n=True).rjust(width + 2) for k in labels))
+    lines += [f"(perplexity [95 % interval] n=blocks of {block} tokens: a bootstrap over blocks)", ""]
+    if report["skipped"]:
+        lines += [f"skipped (not longer than the largest cache): {', '.join(report['skipped'])}", ""]
+    return "\n".join(lines + difference_lines(report, "perplexity"))
+
+
+def attention_map(maps: Mapping, policies: Mapping[str, object], *, run: Mapping | None = None) -> dict:
+    """The report of `attention_map.record` per policy (label -> AttentionMap): what each cache holds."""
+    from jcascade.eval import attention_map as amap
+
+    return {**dict(run or {}), "policies": {label: repr(p) for label, p in policies.items()},
+            "maps": {label: amap.summary(m, getattr(policies[label], "sinks", 0)) for label, m in maps.items()}}
+
+
+def attention_map_text(report: Mapping) -> str:
+    return "\n".join(f"  {label}: before the last chunk (position {s['last_chunk_start']}) the cache holds "
+                     f"{s['held']} tokens, the oldest past the sinks at position {s['oldest_non_sink']}"
+                     for label, s in report["maps"].items())
+
+
+def summary(report: Mapping) -> dict:
+    """The report without per-trial records, per-book curves and per-layer retention: what `--json` prints."""
+    drop = {"results", "retention_by_layer", "accuracy_by_bucket"}
+    out = {k: v for k, v in report.items() if k not in drop}
+    if "summary" in out:
+        out["summary"] = {k: {f: v for f, v in s.items() if f != "curve"} for k, s in out["summary"].items()}
+        out["books"] = [{f: v for f, v in b.items() if f not in ("curve", "block_nll")} for b in out["books"]]
+    return out

