@@ -2,61 +2,77 @@
 
     python benchmarks/eval_tables.py benchmarks/results/eval-qwen
 
-Passkey: per-digit accuracy with its 95 % interval per context length and policy, Full beside them where
+The estimates are recomputed from the per-trial (passkey) and per-block (perplexity) records in the JSON
+with today's `jcascade.eval.stats`, so tables of older runs follow its rules too. Passkey: per-digit
+accuracy with its 95 % interval per context length and policy (n prompts per cell), Full beside them where
 it ran, the paired difference of each Cascade to Sink, and the key tokens the question sees. Perplexity:
-overall perplexity with its interval and the paired difference to Sink.
+overall perplexity with its interval and the paired difference to Sink over whole books.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
 
-from jcascade.eval.stats import Estimate
+from jcascade.eval import passkey, perplexity
 
 
 def short(label: str) -> str:
-    """'cascade:cache_size=2048,...,num_cascades=8,...' -> 'Cascade x8'; 'sink:...' -> 'Sink'."""
+    """'cascade:cache_size=2048,...,num_cascades=8,...' -> 'Cascade x8'; 'sink:...' -> 'Sink'; the short labels
+    of newer runs ('Cascade 2048x8') as they are."""
+    if ":" not in label:
+        return label
     name = label.split(":")[0].capitalize()
     fields = dict(item.split("=") for item in label.partition(":")[2].split(",") if item)
     return f"{name} x{fields.get('num_cascades', 4)}" if name == "Cascade" else name
 
 
-def cell(d: dict | None) -> str:
-    return "-" if d is None else Estimate(**d).format()
+def cell(e) -> str:
+    return "-" if e is None else e.format()
+
+
+def trials(run: pathlib.Path) -> list[passkey.PasskeyResult]:
+    """The per-trial records of a passkey run, policies under their short labels."""
+    records = json.loads((run / "passkey.json").read_text())["results"]
+    return [passkey.PasskeyResult(**(r | {"policy": short(r["policy"])})) for r in records]
 
 
 def passkey_table(run: pathlib.Path, full: pathlib.Path | None) -> str:
-    data = json.loads((run / "passkey.json").read_text())
-    full_data = json.loads((full / "passkey.json").read_text()) if full and full.exists() else None
-    labels = list(data["policies"])
-    head = [short(k) for k in labels] + (["Full"] if full_data else [])
-    diffs = data["differences"]
-    lines = ["| context | " + " | ".join(head) + " | " + " | ".join(f"{short(k)} - Sink" for k in diffs)
-             + " | held: " + " / ".join(short(k) for k in labels) + " |",
-             "|---" * (2 + len(head) + len(diffs)) + "|"]
-    for n in map(str, data["context_lengths"]):
-        row = [cell(data["accuracy"][k].get(n)) for k in labels]
-        if full_data:
-            row.append(cell(next(iter(full_data["accuracy"].values())).get(n)))
+    results = trials(run)
+    full_cells = next(iter(passkey.estimates(trials(full)).values())) if full and full.exists() else None
+    accuracy, held = passkey.estimates(results), passkey.retention_estimates(results)
+    labels = list(accuracy)
+    diffs = passkey.paired_differences(results, labels[0])
+    head = labels + (["Full"] if full_cells else [])
+    lines = ["| context | n | " + " | ".join(head) + " | " + " | ".join(f"{k} - {labels[0]}" for k in diffs)
+             + " | held: " + " / ".join(labels) + " |", "|---" * (3 + len(head) + len(diffs)) + "|"]
+    for n in sorted(accuracy[labels[0]]):
+        row = [cell(accuracy[k].get(n)) for k in labels] + ([cell(full_cells.get(n))] if full_cells else [])
         row += [cell(diffs[k].get(n)) for k in diffs]
-        held = " / ".join(f"{data['retention'][k][n]['value']:.2f}" for k in labels)
-        lines.append(f"| {int(n):,} | " + " | ".join(row) + f" | {held} |")
-    lines.append("| all lengths | " + " | ".join([""] * len(head)) + " | "
+        lines.append(f"| {n:,} | {accuracy[labels[0]][n].n} | " + " | ".join(row)
+                     + " | " + " / ".join(f"{held[k][n].value:.2f}" for k in labels) + " |")
+    pooled = diffs[next(iter(diffs))]["all"].n
+    lines.append(f"| all lengths | {pooled} | " + " | ".join([""] * len(head)) + " | "
                  + " | ".join(cell(diffs[k]["all"]) for k in diffs) + " | |")
     return "\n".join(lines)
 
 
 def perplexity_table(runs: list[pathlib.Path]) -> str:
-    lines = ["| cache | tokens | Sink | Cascade x4 | Cascade x8 | x4 - Sink | x8 - Sink |", "|---" * 7 + "|"]
+    lines = ["| cache | tokens | blocks | Sink | Cascade x4 | Cascade x8 | x4 - Sink | x8 - Sink |", "|---" * 8 + "|"]
+    fields = {f.name for f in dataclasses.fields(perplexity.BookPerplexity)}
     for run in runs:
-        data = json.loads((run / "perplexity.json").read_text())
-        summary, labels = data["summary"], list(data["policies"])
-        ppl = [f"{summary[k]['perplexity']:.2f} {Estimate(**summary[k]['interval']).bounds()}" for k in labels]
-        diffs = [cell(data["differences"][k]) for k in labels[1:]]
-        size = run.name.split("-")[-1]
-        lines.append(f"| {size} | {next(iter(summary.values()))['tokens']:,} | " + " | ".join(ppl + diffs) + " |")
+        books = json.loads((run / "perplexity.json").read_text())["books"]
+        results = [perplexity.BookPerplexity(**({k: v for k, v in b.items() if k in fields} | {"policy": short(b["policy"])}))
+                   for b in books]
+        summary = perplexity.summary(results)
+        labels = list(summary)
+        diffs = perplexity.paired_differences(results, labels[0])
+        interval = {k: summary[k]["interval"] for k in labels}
+        ppl = [f"{summary[k]['perplexity']:.2f} [{interval[k]['low']:.2f}, {interval[k]['high']:.2f}]" for k in labels]
+        lines.append(f"| {run.name.split('-')[-1]} | {summary[labels[0]]['tokens']:,} | {interval[labels[0]]['n']} | "
+                     + " | ".join(ppl + [cell(diffs[k]["all"]) for k in labels[1:]]) + " |")
     return "\n".join(lines)
 
 

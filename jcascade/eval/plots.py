@@ -44,10 +44,11 @@ def _with_intervals(ax, table: Mapping[str, Mapping[str, Mapping]], counts: Mapp
     ax.set_ylabel(ylabel)
 
 
-def _differences(ax, report: Mapping, xlabel: str, ylabel: str, all_at: int | None = None) -> None:
+def _differences(ax, report: Mapping, xlabel: str, ylabel: str, units: str, all_at: int | None = None) -> None:
     """Each policy's paired difference to the baseline per length with its 95 % interval, and zero; the
-    difference over "all" at x = all_at, if given."""
+    difference over "all" at x = all_at, if given. The x ticks name the lengths and the n behind them."""
     colors = {label: f"C{i}" for i, label in enumerate(report["policies"])}
+    ticks = {}
     for label, cells in report["differences"].items():
         lengths = [k for k in cells if k != "all" or all_at is not None]
         x = np.array([all_at if k == "all" else int(k) for k in lengths], float)
@@ -55,11 +56,15 @@ def _differences(ax, report: Mapping, xlabel: str, ylabel: str, all_at: int | No
         bounds = np.array([[cells[k]["low"] for k in lengths], [cells[k]["high"] for k in lengths]])
         ax.errorbar(x, values, yerr=np.nan_to_num(np.abs(bounds - values)), marker="o", capsize=3,
                     color=colors[label])
+        ticks |= {int(v): f"{'all' if k == 'all' else _length_ticks([int(k)])[0]}\nn={cells[k]['n']}"
+                  for v, k in zip(x, lengths)}
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(list(ticks), list(ticks.values()))
+    ax.minorticks_off()
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(f"paired difference to {report['baseline']} (same prompts)", fontsize=9)
+    ax.set_title(f"paired difference to {report['baseline']} (same {units})", fontsize=9)
 
 
 def _legend_below(fig, ax) -> None:
@@ -81,10 +86,7 @@ def passkey(report: Mapping, path, title: str = "") -> pathlib.Path:
     axes[0].set_title("accuracy", fontsize=9)
     if "differences" in panels:
         ax = axes[panels.index("differences")]
-        _differences(ax, report, "context length (tokens)", "accuracy difference (95 % interval)")
-        ticks = sorted(counts, key=int)
-        ax.set_xticks([int(n) for n in ticks], [f"{t}\nn={counts[n]}" for t, n in zip(_length_ticks(map(int, ticks)), ticks)])
-        ax.minorticks_off()
+        _differences(ax, report, "context length (tokens)", "accuracy difference (95 % interval)", "prompts")
     if "retention" in panels:
         ax = axes[panels.index("retention")]
         _with_intervals(ax, report["retention"], counts, "key tokens held when the question is fed", offset=0.04)
@@ -150,8 +152,8 @@ def perplexity(report: Mapping, path, title: str = "") -> pathlib.Path:
     overall.set_title("overall; n = blocks", fontsize=9)
     if report["differences"]:
         longest = max(b["tokens"] for b in report["books"])
-        _differences(axes[2], report, "first N tokens of each book (the last point: whole books)",
-                     "perplexity difference (95 % interval)", all_at=longest)
+        _differences(axes[2], report, "first N tokens of each book; all: whole books",
+                     "perplexity difference (95 % interval)", "blocks", all_at=longest)
     _legend_below(fig, ax)
     fig.suptitle(title or "Streaming perplexity")
     return _save(fig, path)

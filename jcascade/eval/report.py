@@ -85,13 +85,12 @@ def passkey(results: Sequence[passkey_eval.PasskeyResult], policies: Mapping[str
 
 def _grid(table: Mapping, counts: Mapping[str, int], labels: Sequence[str]) -> list[str]:
     """Rows: context lengths with their n; columns: policies' "value [low, high]"."""
-    width = max(20, *(len(label) for label in labels))
-    rows = ["context".rjust(7) + "n".rjust(6) + "".join(label.rjust(width + 2) for label in labels)]
-    for n, count in counts.items():
-        rows.append(f"{int(n):7d}{count:6d}" + "".join(
-            (_estimate(table[label][n]).format() if n in table.get(label, {}) else "-").rjust(width + 2)
-            for label in labels))
-    return rows
+    cells = {(label, n): _estimate(table[label][n]).format() if n in table.get(label, {}) else "-"
+             for label in labels for n in counts}
+    width = max(len(text) for text in [*labels, *cells.values()]) + 2
+    rows = ["context".rjust(7) + "n".rjust(6) + "".join(label.rjust(width) for label in labels)]
+    return rows + [f"{int(n):7d}{count:6d}" + "".join(cells[label, n].rjust(width) for label in labels)
+                   for n, count in counts.items()]
 
 
 def passkey_text(report: Mapping) -> str:
@@ -101,7 +100,8 @@ def passkey_text(report: Mapping) -> str:
     lines = ["per-digit accuracy (random digits: 0.10) [95 % interval], n prompts per policy and length:",
              *_grid(report["accuracy"], counts, labels)]
     buckets = len(next(iter(next(iter(report["accuracy_by_bucket"].values())).values())))
-    lines += ["", "by key depth:".ljust(30) + " ".join(
+    per_cell = "/".join(sorted({str(n // buckets) for n in counts.values()}))
+    lines += ["", f"by key depth (n={per_cell} per cell):".ljust(30) + " ".join(
         f"{100 * b // buckets}-{100 * (b + 1) // buckets}%".rjust(7) for b in range(buckets))]
     for label, by_length in report["accuracy_by_bucket"].items():
         for n, cells in by_length.items():
@@ -151,19 +151,17 @@ def perplexity(results: Sequence[perplexity_eval.BookPerplexity], policies: Mapp
 def perplexity_text(report: Mapping) -> str:
     """The printed tables of a perplexity report: per book and over all books, with 95 % intervals and the
     number of blocks behind them, then the paired differences and verdicts."""
-    labels = list(report["policies"])
-    width = max(24, *(len(label) for label in labels))
-    block = report["books"][0]["block"]
-    lines = ["book".ljust(28) + "tokens".rjust(9) + "".join(label.rjust(width + 2) for label in labels)]
-    cells = {(b["book"], b["policy"]): _estimate(b["interval"]) for b in report["books"]}
-    for book in dict.fromkeys(b["book"] for b in report["books"]):
-        tokens = next(b["tokens"] for b in report["books"] if b["book"] == book)
-        lines.append(book[:27].ljust(28) + f"{tokens:9d}" + "".join(cells[book, k].format(n=True).rjust(width + 2)
-                                                                    for k in labels))
-    summary = report["summary"]
-    lines.append("all".ljust(28) + f"{summary[labels[0]]['tokens']:9d}"
-                 + "".join(_estimate(summary[k]["interval"]).format(n=True).rjust(width + 2) for k in labels))
-    lines += [f"(perplexity [95 % interval] n=blocks of {block} tokens: a bootstrap over blocks)", ""]
+    labels, summary = list(report["policies"]), report["summary"]
+    cells = {(b["book"], b["policy"]): _estimate(b["interval"]).format(n=True) for b in report["books"]}
+    books = list(dict.fromkeys(b["book"] for b in report["books"]))
+    rows = [(book[:27], next(b["tokens"] for b in report["books"] if b["book"] == book), [cells[book, k] for k in labels])
+            for book in books]
+    rows.append(("all", summary[labels[0]]["tokens"], [_estimate(summary[k]["interval"]).format(n=True) for k in labels]))
+    width = max(len(text) for text in [*labels, *(c for row in rows for c in row[2])]) + 2
+    lines = ["book".ljust(28) + "tokens".rjust(9) + "".join(label.rjust(width) for label in labels)]
+    lines += [name.ljust(28) + f"{tokens:9d}" + "".join(c.rjust(width) for c in row) for name, tokens, row in rows]
+    lines += [f"(perplexity [95 % interval] n=blocks of {report['books'][0]['block']} tokens: a bootstrap over "
+              "blocks)", ""]
     if report["skipped"]:
         lines += [f"skipped (not longer than the largest cache): {', '.join(report['skipped'])}", ""]
     return "\n".join(lines + difference_lines(report, "perplexity"))

@@ -14,9 +14,10 @@ The rules, each chosen so that an interval can only be wider than the plain boot
 - **Strata.** Units may carry a stratum (a passkey context length and depth bucket, a book). Redrawing
   within strata keeps the design's balance and removes the variation between strata, but a stratum of n_h
   units contributes only (n_h - 1) / n_h of its variance, none at all with one unit, and a stratum whose
-  units happen to agree contributes none either. So strata are honoured only when every stratum holds at
-  least `MIN_STRATUM` units and at least one of them varies; otherwise all units are pooled into one
-  stratum (pooling also counts the variation between strata, so it is the conservative choice).
+  units happen to agree (5 trials all right) contributes none either, though its true variance is not zero.
+  So strata are honoured only when every stratum holds at least `MIN_STRATUM` units and every stratum's
+  units vary (for a paired difference: their differences); otherwise all units are pooled into one stratum
+  (pooling also counts the variation between strata, so it is the conservative choice).
 - **Bounded values** (`bounds=(low, high)`, e.g. an accuracy in [0, 1]): the bootstrap cannot see variation
   that the sample happens not to show (10 trials all right give [1, 1]). The interval of a mean is widened
   to cover Wilson's score interval for the same mean and n, the interval of a binary outcome, whose variance
@@ -81,17 +82,16 @@ def _check_units(name: str, x, n: int | None = None) -> np.ndarray:
     return x
 
 
-def stratum_codes(strata: Sequence | None, columns: Sequence[np.ndarray]) -> np.ndarray:
+def stratum_codes(strata: Sequence | None, units: np.ndarray) -> np.ndarray:
     """int [n]: the stratum of each unit as the bootstrap uses it: the given strata when every one holds at
-    least `MIN_STRATUM` units and some stratum varies in some column, else 0 for all (pooled)."""
-    n = columns[0].size
+    least `MIN_STRATUM` units and every one's `units` values (float [n]) vary, else 0 for all (pooled)."""
     if strata is None:
-        return np.zeros(n, np.int64)
+        return np.zeros(units.size, np.int64)
     codes: dict = {}
     labels = np.array([codes.setdefault(s, len(codes)) for s in strata], np.int64)
-    sizes = np.bincount(labels)
-    varies = any(np.ptp(c[labels == g]) > 0 for c in columns for g in range(sizes.size))
-    return labels if sizes.min() >= MIN_STRATUM and varies else np.zeros(n, np.int64)
+    groups = [units[labels == g] for g in range(len(codes))]
+    honoured = all(g.size >= MIN_STRATUM and np.ptp(g) > 0 for g in groups)
+    return labels if honoured else np.zeros(units.size, np.int64)
 
 
 def resample_indices(labels: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
@@ -119,7 +119,7 @@ def _bootstrap(columns: Sequence, weights, strata, transform: Callable, contrast
     value = float(contrast(*(transform(_means(c, weights, slice(None))) for c in columns)))
     if n < MIN_UNITS:
         return value, None, weights, f"too few units (n={n} < {MIN_UNITS})"
-    labels = stratum_codes(strata, columns)
+    labels = stratum_codes(strata, columns[0] - columns[1] if len(columns) == 2 else columns[0])
     idx = resample_indices(labels, RESAMPLES, np.random.default_rng(seed))
     replicates = contrast(*(transform(_means(c, weights, idx)) for c in columns))
     method = "stratified bootstrap" if labels.max() > 0 else "bootstrap"

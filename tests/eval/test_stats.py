@@ -43,6 +43,12 @@ def test_constant_strata_are_pooled():
     labels = [(0, "a")] * 5 + [(1, "b")] * 5  # any hashable labels
     e = stats.mean(x, strata=labels)
     assert e.low < 0.35 and e.high > 0.65 and "pooled" in e.method
+    # one stratum varying is not enough: the constant one would count as known exactly (5 of 5 right)
+    some = stats.mean(np.r_[np.ones(5), [0, 1, 0, 1, 1.0]], strata=labels)
+    assert "pooled" in some.method
+    # a paired difference stratifies by the per-unit differences: sides that vary but agree pool
+    a = np.r_[[0, 1, 0, 1, 1.0], [1, 0, 1, 0, 0.0]]
+    assert "pooled" in stats.paired_difference(a, a, strata=labels).method
 
 
 def test_strata_that_vary_and_hold_enough_units_are_honoured():
