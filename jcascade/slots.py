@@ -321,14 +321,15 @@ def check_lengths(lengths, batch: int, chunk_len: int) -> jax.Array:
     """int32 [B] valid-token counts (a prefix of each chunk row); None means the whole chunk."""
     if lengths is None:
         return jnp.full((batch,), chunk_len, jnp.int32)
-    lengths = jnp.asarray(lengths)
-    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    if not isinstance(lengths, jax.Array):
+        lengths = np.asarray(lengths)  # checked in its own dtype: jnp.asarray would narrow an int64 first
+    if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
         raise ValueError(f"lengths must be an int array of shape [batch={batch}], got {lengths.dtype}{list(lengths.shape)}")
     if concrete(lengths):
-        bad = np.asarray(lengths)
-        if bad.min() < 0 or bad.max() > chunk_len:
-            raise ValueError(f"lengths must lie in [0, chunk length {chunk_len}], got {bad.tolist()}")
-    return lengths.astype(jnp.int32)
+        values = np.asarray(lengths)
+        if values.min() < 0 or values.max() > chunk_len:
+            raise ValueError(f"lengths must lie in [0, chunk length {chunk_len}], got {values.tolist()}")
+    return jnp.asarray(lengths, jnp.int32)
 
 
 

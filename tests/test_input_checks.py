@@ -296,3 +296,16 @@ def test_a_book_or_word_list_that_is_not_utf8_text_is_refused(tmp_path, content,
     for load in (texts.load_book, texts.word_list):
         with pytest.raises(ValueError, match=rf"input.txt: {match}"):
             load(path)
+
+
+def test_attend_and_update_check_lengths_in_their_own_dtype():
+    """The cache-level API too: an int64 length of 2**32 + 1 is refused, not narrowed to 1."""
+    policy = jc.Sink(window=8, sinks=2, stride=4)
+    state = jc.init_cache(policy, batch=1, num_kv_heads=1, head_dim=4)
+    q = k = v = jnp.ones((1, 4, 1, 4))
+    for call in (lambda n: jc.attend(policy, state, q, k, v, lengths=n),
+                 lambda n: jc.update(policy, state, k, v, None, lengths=n)):
+        with pytest.raises(ValueError, match=r"lengths must lie in \[0, chunk length 4\], got \[4294967297\]"):
+            call(np.array([2**32 + 1], np.int64))
+        with pytest.raises(ValueError, match="lengths must be an int array"):
+            call(np.array([2.0]))
