@@ -1,0 +1,301 @@
+"""RULER's synthetic long-context tasks (Hsieh et al. 2024; hsiehjackson/RULER, `scripts/data/synthetic/`),
+generated offline at a context length counted in the model's tokens, and RULER's scoring.
+
+Tasks (`TASKS`), as RULER's `synthetic.yaml` defines them:
+
+- needle in a haystack: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue, niah_multiquery. Keys are
+  "adjective-noun" words or UUIDs, values 7-digit numbers or UUIDs, in needle sentences "One of the special
+  magic numbers for {key} is: {value}." hidden in a haystack of repeated noise sentences, of distractor
+  needles, or of prose. RULER's prose is Paul Graham's essays, which it downloads; here it is the
+  public-domain books jcascade ships (`texts.load_book`), so scores of the prose tasks (niah_single_2/3,
+  niah_multikey_1, niah_multivalue, niah_multiquery) are not comparable with RULER's published ones.
+- vt (variable tracking): a chain of 5 assignments "VAR ABCDE = 12345", "VAR FGHIJ = VAR ABCDE" hidden in
+  noise; the answer is every variable that holds the value, after a one-shot example.
+- cwe (common words extraction): a numbered list where 10 words appear 30 times and the others 3 times; the
+  answer is the 10 common ones, after a one-shot example.
+- fwe (frequent words extraction): random 6-letter "coded words" with Zipf frequencies (alpha 2); the answer
+  is the three most frequent after the noise word "...".
+
+RULER's two QA tasks are left out: their data (SQuAD, HotpotQA) comes only from a model hub.
+
+A prompt is the tokenizer's chat template (when it has one) around the task text as the user message, then
+RULER's answer prefix, which the model continues. Its length is sized by binary search over the haystack
+units to the largest prompt with prompt tokens + the task's tokens to generate <= the context length.
+Words come from the `wonderwords` package (as in RULER). Everything is deterministic given the seed: each
+sample (task, length, index) seeds its own generator. Scoring (`string_match_all`): the fraction of the
+expected strings found in the output, case-insensitively.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+import re
+import string
+import uuid
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic {kind} for {key} is: {value}."
+NIAH = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "
+        "about the {kind} afterwards.\n{context}\nWhat are all the special magic {kind} for {query} mentioned in the "
+        "provided text?")
+NIAH_PREFIX = " The special magic {kind} for {query} mentioned in the provided text are"
+VT = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+      "Question: Find all variables that are assigned the value {query} in the text above.")
+VT_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {count} variables are "
+             "assgined the value {query}, they are: ")  # sic: RULER's spelling, kept so that prompts match
+CWE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
+       "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?")
+CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
+FWE = ("Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+       "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
+       "What are the three most frequently appeared words in the above coded text?")
+FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One RULER task: its generator family and arguments, and how many tokens the answer may take."""
+
+    family: str  # "niah", "vt", "cwe" or "fwe"
+    tokens_to_generate: int
+    haystack: str = "noise"  # niah: "noise" (repeated sentences), "needle" (distractor needles) or "prose"
+    keys: str = "words"  # niah: "words" or "uuids"
+    values: str = "numbers"  # niah: "numbers" or "uuids"
+    num_keys: int = 1  # niah: needles with distinct keys
+    num_values: int = 1  # niah: values per key
+    num_queries: int = 1  # niah: keys asked for
+
+    @property
+    def needs_prose(self) -> bool:
+        return self.haystack == "prose"
+
+
+TASKS = {
+    "niah_single_1": Task("niah", 128, haystack="noise"),
+    "niah_single_2": Task("niah", 128, haystack="prose"),
+    "niah_single_3": Task("niah", 128, haystack="prose", values="uuids"),
+    "niah_multikey_1": Task("niah", 128, haystack="prose", num_keys=4),
+    "niah_multikey_2": Task("niah", 128, haystack="needle"),
+    "niah_multikey_3": Task("niah", 128, haystack="needle", keys="uuids", values="uuids"),
+    "niah_multivalue": Task("niah", 128, haystack="prose", num_values=4),
+    "niah_multiquery": Task("niah", 128, haystack="prose", num_keys=4, num_queries=4),
+    "vt": Task("vt", 30),
+    "cwe": Task("cwe", 120),
+    "fwe": Task("fwe", 50),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One prompt of a task. text: the user message (the task text, before any chat template); prompt: the
+    token ids the model reads (chat template and answer prefix included), int32 [n]; answers: the strings
+    the output should contain; needles: (sentence, character offset in `text`) of each hidden needle or
+    chain line the answers come from."""
+
+    task: str
+    context_length: int
+    index: int
+    text: str
+    answer_prefix: str
+    prompt: np.ndarray
+    answers: tuple[str, ...]
+    needles: tuple[tuple[str, int], ...]
+
+
+def words(kind: str) -> list[str]:
+    """A `wonderwords` word list ("noun", "adjective" or "verb"), read from the installed package's data."""
+    text = importlib.resources.files("wonderwords.assets").joinpath(f"{kind}list.txt").read_text(encoding="utf-8")
+    return [w.strip() for w in text.splitlines() if w.strip()]
+
+
+def sentences(prose: str) -> list[str]:
+    """Prose split into sentences (at ., ! or ? followed by white space), white space collapsed."""
+    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(prose.split())) if s]
+
+
+def string_match_all(output: str, answers: Sequence[str]) -> float:
+    """RULER's score of one output: the fraction of `answers` found in it, case-insensitively, in [0, 1]."""
+    if not answers:
+        raise ValueError("answers must name at least one expected string")
+    found = output.strip().lower()
+    return sum(a.lower() in found for a in answers) / len(answers)
+
+
+# ---- generators: each builds (text, answer prefix, answers, needles) from a unit count and a generator --------
+
+
+def _value(kind: str, rng: np.random.Generator, adjectives: list[str], nouns: list[str]) -> str:
+    if kind == "numbers":
+        return str(int(rng.integers(1_000_000, 10_000_000)))
+    if kind == "uuids":
+        return str(uuid.UUID(bytes=rng.bytes(16), version=4))
+    return f"{adjectives[rng.integers(len(adjectives))]}-{nouns[rng.integers(len(nouns))]}"
+
+
+def _with_needles(units: list[str], needles: list[str], at: list[int], sep: str) -> tuple[str, list[tuple[str, int]]]:
+    """`units` joined by `sep` with needles[i] inserted before unit at[i] (sorted); returns the text and each
+    needle with its character offset."""
+    parts, placed, offset, k = [], [], 0, 0
+    order = np.argsort(at, kind="stable")
+    for i in range(len(units) + 1):
+        while k < len(order) and at[order[k]] == i:
+            placed.append((needles[order[k]], offset))
+            parts.append(needles[order[k]])
+            offset += len(needles[order[k]]) + len(sep)
+            k += 1
+        if i < len(units):
+            parts.append(units[i])
+            offset += len(units[i]) + len(sep)
+    return sep.join(parts), placed
+
+
+def _niah(task: Task, units: int, rng: np.random.Generator, lists: dict, prose: list[str] | None, context_length: int):
+    keys_kind = task.keys
+    values_kind = task.values
+    num_keys = max(task.num_keys, task.num_queries)
+    keys = [_value(keys_kind, rng, lists["adjective"], lists["noun"]) for _ in range(num_keys)]
+    values = [[_value(values_kind, rng, lists["adjective"], lists["noun"]) for _ in range(task.num_values)]
+              for _ in keys]
+    needles = [NEEDLE.format(kind=values_kind, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
+    rng.shuffle(needles)
+    if task.haystack == "prose":
+        haystack, sep = prose[:units], " "
+    elif task.haystack == "needle":
+        haystack = [NEEDLE.format(kind=values_kind, key=_value(keys_kind, rng, lists["adjective"], lists["noun"]),
+                                  value=_value(values_kind, rng, lists["adjective"], lists["noun"])) for _ in range(units)]
+        sep = "\n"
+    else:
+        haystack, sep = [NOISE] * units, "\n"
+    at = sorted(rng.choice(len(haystack) + 1, size=len(needles), replace=len(haystack) + 1 < len(needles)).tolist())
+    context, placed = _with_needles(haystack, needles, at, sep)
+    asked = sorted(rng.choice(num_keys, size=task.num_queries, replace=False).tolist())
+    query = keys[asked[0]] if len(asked) == 1 else ", ".join(keys[i] for i in asked[:-1]) + ", and " + keys[asked[-1]]
+    template, prefix, kind = NIAH, NIAH_PREFIX, values_kind
+    if task.num_queries * task.num_values == 1:  # RULER asks for one value in the singular
+        template, prefix = (t.replace("Some", "A").replace("are all", "is").replace("are", "is") for t in (NIAH, NIAH_PREFIX))
+        kind = values_kind[:-1]
+    head = template.format(kind=kind, context="", query=query).split("\n")[0] + "\n"
+    text = template.format(kind=kind, context=context, query=query)
+    answers = tuple(v for i in asked for v in values[i])
+    return text, prefix.format(kind=kind, query=query), answers, tuple((s, o + len(head)) for s, o in placed)
+
+
+def _chain_names(count: int, length: int, rng: np.random.Generator) -> list[str]:
+    names: list[str] = []
+    while len(names) < count:
+        name = "".join(rng.choice(list(string.ascii_uppercase), length))
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _vt_instance(units: int, rng: np.random.Generator, name_length: int):
+    names = _chain_names(5, name_length, rng)
+    value = str(int(rng.integers(10_000, 100_000)))
+    chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]}" for j in range(4)]
+    at = sorted(rng.choice(units + 1, size=len(chain), replace=True).tolist())
+    context, placed = _with_needles([NOISE] * units, chain, at, "\n")
+    return context, placed, value, tuple(names)
+
+
+def _vt(task: Task, units: int, rng: np.random.Generator, lists: dict, prose, context_length: int):
+    example_context, _, example_value, example_names = _vt_instance(8, rng, 3)
+    example = (VT.format(context=example_context, query=example_value)
+               + VT_PREFIX.format(count=5, query=example_value) + " ".join(example_names))
+    context, placed, value, names = _vt_instance(units, rng, 5)
+    head = example + "\n\n" + VT.format(context="", query=value).split("\n\n")[0] + "\n\n"
+    text = example + "\n\n" + VT.format(context=context, query=value)
+    return text, VT_PREFIX.format(count=5, query=value), names, tuple((s, o + len(head)) for s, o in placed)
+
+
+def _cwe_list(units: int, rng: np.random.Generator, vocabulary: list[str], common: int, rare: int):
+    chosen = [vocabulary[i] for i in rng.choice(len(vocabulary), size=min(units, len(vocabulary)), replace=False)]
+    items = chosen[:10] * common + chosen[10:] * rare
+    rng.shuffle(items)
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(items)), tuple(chosen[:10])
+
+
+def _cwe(task: Task, units: int, rng: np.random.Generator, lists: dict, prose, context_length: int):
+    vocabulary = lists["cwe"]
+    short = context_length < 4096  # RULER's smaller lists below 4K tokens
+    example_context, example_answers = _cwe_list(20 if short else 40, rng, vocabulary, *((3, 1) if short else (10, 3)))
+    example = (CWE.format(context=example_context) + CWE_PREFIX
+               + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_answers)))
+    context, answers = _cwe_list(max(units, 11), rng, vocabulary, *((6, 1) if short else (30, 3)))
+    return example + "\n" + CWE.format(context=context), CWE_PREFIX, answers, ()
+
+
+def _fwe(task: Task, units: int, rng: np.random.Generator, lists: dict, prose, context_length: int):
+    vocabulary = sorted({"".join(rng.choice(list(string.ascii_lowercase), 6)) for _ in range(context_length // 50)})
+    rng.shuffle(vocabulary)
+    vocabulary[0] = "..."
+    zeta = math.pi**2 / 6  # sum of k^-2, the Zipf normaliser for alpha = 2
+    counts = [int(units * k**-2.0 / zeta) for k in range(1, len(vocabulary) + 1)]
+    coded = [w for w, c in zip(vocabulary, counts) for _ in range(c)]
+    rng.shuffle(coded)
+    return FWE.format(context=" ".join(coded)), FWE_PREFIX, tuple(vocabulary[1:4]), ()
+
+
+_GENERATORS: dict[str, Callable] = {"niah": _niah, "vt": _vt, "cwe": _cwe, "fwe": _fwe}
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------
+
+
+class Generator:
+    """Builds RULER samples in the tokens of `tokenizer` (a Hugging Face tokenizer). prose: the text of the
+    prose haystack (e.g. `texts.load_book("paradise_lost")`), needed by the tasks whose `needs_prose`."""
+
+    def __init__(self, tokenizer, prose: str | None = None):
+        self.tokenizer = tokenizer
+        nouns, adjectives = words("noun"), words("adjective")
+        self.lists = {"noun": nouns, "adjective": adjectives,
+                      "cwe": sorted(set(nouns) | set(adjectives) | set(words("verb")))}
+        self.prose = sentences(prose) if prose is not None else None
+
+    def _prompt(self, text: str, prefix: str) -> np.ndarray:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            head = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+            ids = tok(head + prefix, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tok(text + prefix)["input_ids"]
+        return np.asarray(ids, np.int32)
+
+    def sample(self, task: str, context_length: int, index: int, seed: int = 0) -> Sample:
+        """Sample `index` of `task` at `context_length` tokens (prompt + the task's tokens to generate)."""
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+        spec = TASKS[task]
+        if spec.needs_prose and self.prose is None:
+            raise ValueError(f"task {task!r} hides its needles in prose: give the Generator a prose text")
+        budget = context_length - spec.tokens_to_generate
+
+        def build(units: int):
+            rng = np.random.default_rng([seed, context_length, index, list(TASKS).index(task)])
+            text, prefix, answers, needles = _GENERATORS[spec.family](spec, units, rng, self.lists, self.prose, context_length)
+            return Sample(task, context_length, index, text, prefix, self._prompt(text, prefix), answers, needles)
+
+        most = len(self.prose) if spec.needs_prose else (len(self.lists["cwe"]) if spec.family == "cwe" else None)
+        best = build(1)
+        if len(best.prompt) > budget:
+            raise ValueError(f"context_length={context_length} is too short for {task}: its smallest prompt takes "
+                             f"{len(best.prompt)} tokens + {spec.tokens_to_generate} to generate")
+        low, high = 1, None  # `low` units fit; `high` do not (None: not found yet); at most `most` units exist
+        while (high is None or high - low > 1) and low != most:
+            units = (2 * low if most is None else min(2 * low, most)) if high is None else (low + high) // 2
+            candidate = build(units)
+            if len(candidate.prompt) <= budget:
+                low, best = units, candidate
+            else:
+                high = units
+        return best  # with all the prose (or words) fitting, shorter than asked, as RULER's are
+
+    def samples(self, task: str, context_length: int, count: int, seed: int = 0) -> list[Sample]:
+        return [self.sample(task, context_length, i, seed) for i in range(count)]
