@@ -1,37 +1,25 @@
-"""The `jcascade` command line: generation and the evaluations of papers/000 on a real model.
-
-  jcascade compare | generate | passkey | perplexity | attention-map     (`jcascade COMMAND --help`)
-
---model takes a model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched from PyPI once).
-Results go to --out as JSON and PNG; --json prints the summary (verdicts as fields) to stdout. Policies
-are NAME[:FIELD=VALUE,...] (a policy class in lower case and its dataclass fields), e.g.
+"""The `jcascade` command line: `jcascade compare | generate | passkey | perplexity | ruler | attention-map`
+(`jcascade COMMAND --help`), a thin layer over `jcascade.eval`. --model takes a model directory or .gguf file
+(default: SmolLM2-135M-Instruct from PyPI); results go to --out as JSON and PNG; --json prints the summary to
+stdout. Policies are NAME[:FIELD=VALUE,...], a policy class in lower case and its dataclass fields, e.g.
   --policy cascade:cache_size=1024,sinks=64,stride=512 --policy sink:window=1024,sinks=64,stride=512
-The work is done by `jcascade.eval` (passkey, perplexity, attention_map, report, plots).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import pathlib
 import shlex
 import sys
-import time
 
-import jax
-import numpy as np
-
-import jcascade as jc
-from jcascade.eval import attention_map, main_job, passkey, perplexity, plots, report, runner, texts
+from jcascade.eval import attention_map, main_job, passkey, perplexity, plots, report, ruler, runner, texts
 from jcascade.models import sharding
 from jcascade.policies import parse_policy, policy_classes
 
-DEFAULT_OUT = "jcascade-out"
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr)
+_log = functools.partial(print, file=sys.stderr)
 
 
 def _load(args, batched: bool):
@@ -74,13 +62,11 @@ def _positive(text: str) -> int:
 
 def _argument(parse):
     """An argparse type from a parser raising ValueError."""
-
     def convert(text: str):
         try:
             return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    convert.__name__ = parse.__name__
     return convert
 
 
@@ -95,18 +81,11 @@ def _policies(args) -> dict:
 
 def cmd_generate(args) -> None:
     model, tokenizer, name, _ = _load(args, batched=False)
-    chat = getattr(tokenizer, "chat_template", None) and not args.raw
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                        return_dict=False) if chat else tokenizer(args.prompt)["input_ids"]
-    start = time.perf_counter()
-    out = np.asarray(jc.generate(model, np.array([ids]), args.policy, max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, top_p=args.top_p, eos_id=tokenizer.eos_token_id,
-                                 rng=jax.random.key(args.seed) if args.temperature > 0 else None))[0]
-    text = tokenizer.decode(out[out >= 0], skip_special_tokens=True)
-    result = {"model": name, "policy": repr(args.policy), "prompt": args.prompt, "prompt_tokens": len(ids),
-              "output": text, "output_ids": out.tolist(), "seconds": time.perf_counter() - start}
-    print(json.dumps(result, indent=1) if args.json else text)
-    _log(f"[{len(ids)} prompt tokens, {result['seconds']:.1f} s, {name}, {args.policy}]")
+    result = {"model": name} | runner.generate(model, tokenizer, args.prompt, args.policy, raw=args.raw, seed=args.seed,
+                                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                               top_p=args.top_p)
+    print(json.dumps(result, indent=1) if args.json else result["output"])
+    _log(f"[{result['prompt_tokens']} prompt tokens, {result['seconds']:.1f} s, {name}, {args.policy}]")
     if args.out is not None:
         runner.write(args.out, "generate", result)
 
@@ -134,14 +113,8 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
              lambda out: plots.passkey_depth(rep, out / "passkey_depth.png", name)], checkpointing)
 
 
-def cmd_passkey(args) -> None:
-    run_passkey(args, _policies(args), "Passkey retrieval", args.retention)
-
-
 def cmd_compare(args) -> None:
-    for field, value in main_job.defaults().items():
-        if getattr(args, field) is None:
-            setattr(args, field, value)
+    vars(args).update({k: v for k, v in main_job.defaults().items() if getattr(args, k) is None})
     policies = report.labelled(main_job.policies(args.cache_size, args.sinks, args.cascades, args.stride))
     run_passkey(args, policies, f"Sink vs Cascade: {args.sinks} sinks + {args.cache_size} tokens each "
                                 f"(Cascade: {args.cascades} cascades), prefill stride {args.stride}", retention=True)
@@ -166,19 +139,36 @@ def cmd_perplexity(args) -> None:
             [lambda out: plots.perplexity(rep, out / "perplexity.png", f"Streaming perplexity ({name})")], checkpointing)
 
 
+def cmd_ruler(args) -> None:
+    lengths, tasks = passkey.context_lengths(args.min_length, args.max_length), args.tasks
+    at = lambda n: {k: v for b in args.budget for k, v in ruler.policies_at(args.policy, b, n).items()}  # noqa: E731
+    specs = {k: repr(v) for n in lengths for k, v in at(n).items()}
+    report.baseline_label(specs, args.baseline)  # checked before the model loads
+    model, tokenizer, name, _ = _load(args, batched=True)
+    prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
+    generator = ruler.Generator(tokenizer, prose)
+    results, seconds, checkpointing = _evaluate(
+        args, "ruler", len(specs) * len(tasks) * args.samples * sum(lengths), {"model": name, "policies": specs},
+        lambda progress, checkpointing: ruler.sweep(model, generator, tasks, lengths, at, samples=args.samples,
+                                                    seed=args.seed, batch_size=args.batch_size, progress=progress,
+                                                    checkpointing=checkpointing))
+    rep = report.ruler(results, {k: repr(v) for k, v in at(lengths[-1]).items()}, baseline=args.baseline, run={
+        "model": name, "tasks": tasks, "budgets": args.budget, "samples": args.samples, "seconds": seconds})
+    _finish(args, "ruler", rep, f"\nRULER, {name}, {seconds:.0f} s\n" + report.ruler_text(rep),
+            [lambda out: plots.ruler(rep, out / "ruler.png", f"RULER ({name})")], checkpointing)
+
+
 def cmd_attention_map(args) -> None:
     policies = _policies(args)
     model, tokenizer, name, _ = _load(args, batched=False)
     tokens = perplexity.book_tokens(tokenizer, texts.load_book(args.book, _log), args.tokens)
-    if len(tokens) < 2:
-        raise ValueError(f"--book {args.book!r} has fewer than 2 tokens")
     layer = model.config.num_layers // 2 if args.layer is None else args.layer
     maps, _, _ = runner.run("attention map", len(policies) * len(tokens), lambda progress, _: {
         k: attention_map.record(model, p, tokens, layer, args.kv_head, progress=progress) for k, p in policies.items()})
-    heading = f"{name}, layer {layer}, KV head {args.kv_head}"
+    heading, images = f"{name}, layer {layer}, KV head {args.kv_head}", {k: attention_map.render(m, args.pixels)
+                                                                           for k, m in maps.items()}
     rep = report.attention_map(maps, policies, run={"model": name, "book": str(args.book), "tokens": len(tokens),
                                                     "layer": layer, "kv_head": args.kv_head})
-    images = {k: attention_map.render(m, args.pixels) for k, m in maps.items()}
     _finish(args, "attention_map", rep, f"\nAttention maps, {heading}, first {len(tokens)} tokens of "
             f"{pathlib.Path(args.book).stem}\n" + report.attention_map_text(rep),
             [lambda out: plots.attention_maps(images, len(tokens), out / "attention_map.png", heading)])
@@ -198,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy, pair = _argument(parse_policy), "Sink and Cascade of {sinks} sinks + {cache_size} tokens, {cascades} " \
         "cascades, stride {stride}".format(**main_job.PAIR)
 
-    def command(name: str, help: str, run, batched: bool, out: str | None = DEFAULT_OUT, policies: bool = True):
+    def command(name: str, help: str, run, batched: bool, out: str | None = "jcascade-out", policies: bool = True):
         p = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
         p.set_defaults(run=run, parser=p)
         p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
@@ -229,34 +219,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
+    def sweep(p, shortest, longest, samples, per: str):
+        """Context lengths, samples and seed of a sweep, and the evaluation options."""
+        for flag, default, help in (("--min-length", shortest, "shortest context (tokens; 1K = 1024)"),
+                                    ("--max-length", longest, "longest context; lengths double"),
+                                    ("--samples", samples, f"prompts per {per} and length")):
+            p.add_argument(flag, type=_positive, default=default, help=help)
+        p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+        evaluation(p)
+
     def passkey_options(p, machine: bool = False):
         """The passkey options; with `machine`, None defaults (the main job's per machine: `main_job.defaults`)."""
-        p.add_argument("--min-length", type=_positive, default=None if machine else 1024, help="shortest context "
-                       "(tokens; 1K = 1024)")
-        p.add_argument("--max-length", type=_positive, default=None if machine else 2048, help="longest context; "
-                       "lengths double")
-        p.add_argument("--samples", type=_positive, default=None if machine else 10, help="prompts per depth bucket "
-                       "and length")
+        sweep(p, *((None, None, None) if machine else (1024, 2048, 10)), "depth bucket")
         p.add_argument("--filler", choices=("repeat", "words"), default=None if machine else "repeat",
                        help="repeated sentences or random dictionary words")
         p.add_argument("--buckets", type=_positive, default=5, help="depth buckets")
         p.add_argument("--words-file", help="word list for --filler words (default: Debian's wamerican)")
-        p.add_argument("--seed", type=int, default=0, help="seed of keys, depths and words")
         p.add_argument("--batch-size", type=_positive, help="prompts per generate call, a multiple of the mesh's "
                        "data axis D (default: buckets x samples in equal batches of at most 32 x D)")
-        evaluation(p)
 
     p = command("compare", "the main job: passkey retrieval under Sink vs Cascade caches of the same size. Unset "
-                "options take this machine's defaults, " + "; ".join(f"{machine}: " + ", ".join(
-                    f"--{k.replace('_', '-')} {v}" for k, v in settings.items()) for machine, settings in
-                    main_job.SETTINGS.items()), cmd_compare, True, policies=False)
+                "options take this machine's defaults, " + main_job.describe(), cmd_compare, True, policies=False)
     passkey_options(p, machine=True)
     p.add_argument("--cache-size", type=_positive, help="non-sink tokens of each cache")
     p.add_argument("--sinks", type=int, help="sink tokens of each cache")
     p.add_argument("--cascades", type=_positive, help="Cascade's sub-caches")
     p.add_argument("--stride", type=_positive, help="prefill chunk (tokens)")
 
-    p = command("passkey", "passkey retrieval over context lengths x key depths x policies", cmd_passkey, True)
+    p = command("passkey", "passkey retrieval over context lengths x key depths x policies",
+                lambda args: run_passkey(args, _policies(args), "Passkey retrieval", args.retention), True)
     passkey_options(p)
     p.add_argument("--retention", action="store_true", help="also record how many of the key's tokens each layer "
                    "and KV head holds when the question is fed")
@@ -269,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=_positive, default=perplexity.BLOCK, help="tokens per block, the unit of the bootstrap")
     evaluation(p)
 
+    p = command("ruler", "RULER's synthetic tasks under every policy at a KV budget", cmd_ruler, True, policies=False)
+    p.add_argument("--tasks", type=_argument(ruler.task_list), default="all", help="comma-separated, or all: "
+                   + ", ".join(ruler.TASKS))
+    p.add_argument("--policy", type=_argument(ruler.policy_list), default=",".join(ruler.POLICIES),
+                   help="comma-separated policy names, each at every --budget")
+    p.add_argument("--budget", type=_argument(ruler.budget_list), default="0.25,0.5", help="KV slots kept, sinks "
+                   "and windows included: fractions of the context (<1) or token counts, comma-separated")
+    p.add_argument("--batch-size", type=_positive, default=8, help="prompts per generate call")
+    p.add_argument("--book", default="paradise_lost", help="the prose haystack (RULER's essays are not offline)")
+    sweep(p, 4096, 8192, 50, "task")
+
     p = command("attention-map", "which positions each query sees while a book streams through a cache",
                 cmd_attention_map, False)
     p.add_argument("--book", default="paradise_lost", metavar="NAME|FILE", help="a packaged book or a text file")
@@ -280,8 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _negative_values(argv: list[str]) -> list[str]:
-    """"--opt -1K" -> "--opt=-1K": a negative value reaches the option's check, not argparse's "expected one
-    argument"."""
+    """"--opt -1K" -> "--opt=-1K": a negative value reaches the option's check, not "expected one argument"."""
     out: list[str] = []
     for arg in argv:
         joined = out and out[-1].startswith("--") and "=" not in out[-1] and arg[:1] == "-" and arg[1:2].isdigit()

@@ -33,3 +33,9 @@ def defaults() -> dict:
     if (qwen / jc.models.loading.CONVERTED_CONFIG).is_file():
         return SETTINGS["gpu-qwen"] | {"model": str(qwen)}
     return SETTINGS["gpu"] | {"model": None}
+
+
+def describe() -> str:
+    """The settings per machine as options, e.g. "cpu: --cache-size 384, ...; gpu: ..."."""
+    return "; ".join(f"{machine}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+                     for machine, settings in SETTINGS.items())

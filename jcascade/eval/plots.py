@@ -159,6 +159,33 @@ def perplexity(report: Mapping, path, title: str = "") -> pathlib.Path:
     return _save(fig, path)
 
 
+def ruler(report: Mapping, path, title: str = "") -> pathlib.Path:
+    """A RULER report (`jcascade.eval.report.ruler`) as one figure: the average over tasks vs context length
+    per policy with 95 % intervals (n on the axis), the paired difference to the baseline per length, and a
+    task x policy heat map of the score (mean over lengths)."""
+    fig, axes = _figure(3, width=4.8, height=4.4)
+    _with_intervals(axes[0], report["average"], report["prompts"], "average score over tasks (95 % interval)",
+                    offset=0.04)
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[0].set_title("average over tasks", fontsize=9)
+    if report["differences"]:
+        _differences(axes[1], report, "context length (tokens)", "score difference (95 % interval)", "prompts")
+    labels = list(report["policies"])
+    tasks = list(dict.fromkeys(t for v in report["scores"].values() for t in v))
+    grid = np.array([[np.mean([e["value"] for e in report["scores"][label][task].values()]) for label in labels]
+                     for task in tasks])
+    image = axes[2].imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+        axes[2].text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+    axes[2].set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    axes[2].set_yticks(range(len(tasks)), tasks, fontsize=8)
+    axes[2].set_title("score by task (mean over lengths)", fontsize=9)
+    fig.colorbar(image, ax=axes[2])
+    _legend_below(fig, axes[0])
+    fig.suptitle(title or "RULER")
+    return _save(fig, path)
+
+
 def attention_maps(images: Mapping[str, np.ndarray], length: int, path, title: str = "") -> pathlib.Path:
     """One panel per policy of `jcascade.eval.attention_map.render` images (query rows, key columns): held keys
     coloured by log10 EMA score, keys visible without a score in one colour, white where nothing is."""

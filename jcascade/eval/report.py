@@ -117,7 +117,7 @@ def passkey_text(report: Mapping) -> str:
 def difference_lines(report: Mapping, measure: str) -> list[str]:
     """Per policy: its paired difference to the baseline per length, then the overall verdict sentence."""
     higher_is = "worse" if measure == "perplexity" else "better"
-    unit = "tokens" if measure == "perplexity" else "context"
+    unit = "tokens" if measure == "perplexity" else "context"  # RULER and passkey: by context length
     lines = []
     for label, cells in report["differences"].items():
         parts = ", ".join(f"{k} {unit}: {_estimate(e).format(n=True)}" for k, e in cells.items() if k != "all")
@@ -165,6 +165,64 @@ def perplexity_text(report: Mapping) -> str:
     if report["skipped"]:
         lines += [f"skipped (not longer than the largest cache): {', '.join(report['skipped'])}", ""]
     return "\n".join(lines + difference_lines(report, "perplexity"))
+
+
+def ruler(results: Sequence, policies: Mapping[str, str], *, baseline: str | None = None,
+          run: Mapping | None = None) -> dict:
+    """The report of a RULER sweep (`ruler.sweep`; policies: label -> spec): RULER's score (string_match_all,
+    in [0, 1]) per policy, task and length, the average over tasks per length (a bootstrap over samples,
+    stratified by task), paired differences to `baseline` (default: the first policy) on the same prompts per
+    length and over all lengths, and a verdict per policy."""
+    baseline = baseline_label(policies, baseline)
+    cells: dict[tuple, list] = {}
+    for r in results:
+        cells.setdefault((r.policy, r.task, r.context_length), []).append(r)
+    lengths = sorted({r.context_length for r in results})
+    scores: dict = {}
+    for (label, task, n), mine in cells.items():
+        scores.setdefault(label, {}).setdefault(task, {})[n] = stats.mean([r.score for r in mine], bounds=(0, 1))
+    average, differences = {}, {}
+    by_prompt = {label: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == label}
+                 for label in policies}
+    for label, mine in by_prompt.items():
+        for n in [*lengths, "all"]:
+            keys = sorted(k for k in mine if n == "all" or k[1] == n)
+            strata = [k[:2] if n == "all" else k[0] for k in keys]
+            if n != "all":
+                average.setdefault(label, {})[n] = stats.mean([mine[k] for k in keys], strata=strata, bounds=(0, 1))
+            if label != baseline:
+                shared = [k for k in keys if k in by_prompt[baseline]]
+                differences.setdefault(label, {})[n] = stats.paired_difference(
+                    [mine[k] for k in shared], [by_prompt[baseline][k] for k in shared], bounds=(0, 1),
+                    strata=[k[:2] if n == "all" else k[0] for k in shared])
+    return {
+        **dict(run or {}),
+        "policies": dict(policies),
+        "baseline": baseline,
+        "prompts": {str(n): sum(1 for r in results if r.policy == baseline and r.context_length == n) for n in lengths},
+        "scores": {label: {task: {str(n): e.as_dict() for n, e in t.items()} for task, t in v.items()}
+                   for label, v in scores.items()},
+        "average": _estimates(average),
+        "differences": _estimates(differences),
+        "verdicts": {label: stats.verdict_word(d["all"], "better") for label, d in differences.items()},
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+
+
+def ruler_text(report: Mapping) -> str:
+    """The printed tables of a RULER report: the average over tasks per length and policy (95 % interval, n
+    prompts), each task's score per policy (pooled over lengths), then the paired differences and verdicts."""
+    labels = list(report["policies"])
+    lines = ["RULER average over tasks (string_match_all, 0-1) [95 % interval], n prompts per policy and length:",
+             *_grid(report["average"], report["prompts"], labels), ""]
+    tasks = list(dict.fromkeys(t for v in report["scores"].values() for t in v))
+    width = max(len(label) for label in labels) + 2
+    n = "/".join(sorted({str(e["n"]) for v in report["scores"].values() for t in v.values() for e in t.values()}))
+    lines += [f"by task, mean over lengths (n={n} per length):", " " * 20 + "".join(k.rjust(width) for k in labels)]
+    for task in tasks:
+        means = [np.mean([e["value"] for e in report["scores"][label][task].values()]) for label in labels]
+        lines.append(f"{task:>20}" + "".join(f"{m:.2f}".rjust(width) for m in means))
+    return "\n".join(lines + ["", *difference_lines(report, "RULER")])
 
 
 def attention_map(maps: Mapping, policies: Mapping[str, object], *, run: Mapping | None = None) -> dict:

@@ -299,3 +299,133 @@ class Generator:
 
     def samples(self, task: str, context_length: int, count: int, seed: int = 0) -> list[Sample]:
         return [self.sample(task, context_length, i, seed) for i in range(count)]
+
+
+# ---- evaluation: every policy at one budget ------------------------------------------------------------------
+
+POLICIES = ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv")  # the names `policies_at` knows
+
+
+def _names(text: str, known, what: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in known]
+    if unknown or not names:
+        raise ValueError(f"{what} must be comma-separated names among {', '.join(known)}, got {text!r}")
+    return names
+
+
+def task_list(text: str) -> list[str]:
+    """"niah_single_1,vt" -> the task names; "all" -> every task. Raises ValueError naming the known ones."""
+    return list(TASKS) if text.strip() == "all" else _names(text, TASKS, "tasks")
+
+
+def policy_list(text: str) -> list[str]:
+    """"full,cascade" -> the policy names of `policies_at`."""
+    return _names(text, POLICIES, "policies")
+
+
+def budget_list(text: str) -> list[float]:
+    """"0.25,0.5" or "2048,4096" -> budgets (fractions of the context, or token counts)."""
+    try:
+        budgets = [float(b) for b in text.split(",")]
+    except ValueError:
+        budgets = []
+    if not budgets or any(not b > 0 or (b >= 1 and b != int(b)) for b in budgets):
+        raise ValueError(f"budgets must be comma-separated fractions in (0, 1) or token counts, got {text!r}")
+    return budgets
+
+
+def budget_slots(budget: float, context_length: int) -> int:
+    """The KV slots a budget keeps at `context_length`: a fraction of the context when 0 < budget < 1, else a
+    number of tokens. Sinks, windows and observation windows all count against it."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ValueError(f"budget must be a fraction in (0, 1) or a token count >= 1, got {budget!r}")
+    slots = int(budget * context_length) if budget < 1 else int(budget)
+    if slots < 128:
+        raise ValueError(f"budget {budget} keeps {slots} slots at {context_length} tokens: at least 128 are needed")
+    return slots
+
+
+def policies_at(names: Sequence[str], budget: float, context_length: int) -> dict[str, object]:
+    """{label: policy} for each policy name ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv") keeping
+    `budget_slots(budget, context_length)` KV slots: Sink 64 sinks + the rest as window; Cascade 64 sinks + 4
+    cascades; H2O half heavy, half recent; SnapKV and PyramidKV their budget (window 32 and 8). Streaming
+    policies prefill in chunks of half their slots (at most 2048); labels name the budget ("Cascade 25%")."""
+    import jcascade as jc
+
+    slots = budget_slots(budget, context_length)
+    tag = f"{budget:.0%}" if budget < 1 else str(int(budget))
+    stride = min(2048, slots // 2)
+    make = {"full": lambda: jc.Full(stride=2048),
+            "sink": lambda: jc.Sink(window=slots - 64, sinks=64, stride=stride),
+            "cascade": lambda: jc.Cascade(cache_size=(slots - 64) // 4 * 4, sinks=64, num_cascades=4, stride=stride),
+            "h2o": lambda: jc.H2O(heavy=slots // 2, recent=slots - slots // 2, stride=stride),
+            "snapkv": lambda: jc.SnapKV(budget=slots, stride=2048),
+            "pyramidkv": lambda: jc.PyramidKV(budget=slots, stride=2048)}
+    if any(n not in make for n in names):
+        raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
+    return {("Full" if n == "full" else f"{make[n]().label.split()[0]} {tag}"): make[n]() for n in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class RulerResult:
+    policy: str  # label of the policy
+    task: str
+    context_length: int
+    index: int
+    prompt_tokens: int
+    output: str
+    score: float  # string_match_all(output, answers)
+
+
+def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int],
+          policies: Callable[[int], dict], *, samples: int = 50, seed: int = 0, batch_size: int = 8,
+          progress: Callable[[int], None] | None = None, checkpointing=None) -> list[RulerResult]:
+    """Every task x context length x policy on the same `samples` prompts, greedy as RULER decodes.
+
+    policies(context_length) -> {label: policy} (e.g. `policies_at` at a budget; labels must not depend on
+    the length). Prompts are right-padded to [batch_size, context_length] (rows repeated), so each
+    (policy, length, task family) compiles once. progress(n) after each batch with its prompts times the
+    context length. checkpointing (`checkpointing.Checkpointing`): results saved every `every` such tokens,
+    and a run continues from its last checkpoint, the batches it holds not run again.
+    """
+    import jcascade as jc
+
+    for name, value in (("samples", samples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks must be a non-empty list of {list(TASKS)}, got {list(tasks)}")
+    results, resumed, batches = [], 0, 0
+    found = checkpointing.resume() if checkpointing is not None else None
+    if found is not None:
+        results, resumed = [RulerResult(**r) for r in found[1]["results"]], found[1]["batches"]
+        if progress is not None:
+            progress(sum(r.context_length for r in results))
+    tok = generator.tokenizer
+    for length in context_lengths:
+        for task in tasks:
+            prompts = generator.samples(task, length, samples, seed)
+            for label, policy in policies(length).items():
+                for first in range(0, samples, batch_size):
+                    part = prompts[first: first + batch_size]
+                    batches += 1
+                    if batches <= resumed:
+                        continue
+                    rows = [part[i % len(part)] for i in range(batch_size)]
+                    tokens = np.zeros((batch_size, length), np.int32)
+                    for r, s in enumerate(rows):
+                        tokens[r, : len(s.prompt)] = s.prompt
+                    out = np.asarray(jc.generate(model, tokens, policy, lengths=np.array([len(s.prompt) for s in rows]),
+                                                 max_new_tokens=TASKS[task].tokens_to_generate, eos_id=tok.eos_token_id))
+                    for s, ids in zip(part, out):
+                        text = tok.decode(ids[ids >= 0], skip_special_tokens=True)
+                        results.append(RulerResult(label, task, length, s.index, len(s.prompt), text,
+                                                   string_match_all(text, s.answers)))
+                    if progress is not None:
+                        progress(len(part) * length)
+                    if checkpointing is not None and checkpointing.due(len(part) * length):
+                        checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results],
+                                                  "batches": batches})
+    return results

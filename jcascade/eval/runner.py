@@ -24,6 +24,25 @@ def load(model: str | None = None, mesh=None, log=print):
     return jc.load_pretrained(path, mesh=mesh), jc.load_tokenizer(path), path.stem if path.is_file() else path.name
 
 
+def generate(model, tokenizer, prompt: str, policy, *, raw: bool = False, max_new_tokens: int = 64,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> dict:
+    """Continues `prompt` (the user message of the tokenizer's chat template, or raw text with `raw` or
+    without a template) under `policy`; returns the prompt, output text, output ids and seconds taken."""
+    import jax
+    import numpy as np
+
+    chat = getattr(tokenizer, "chat_template", None) and not raw
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_dict=False) if chat else tokenizer(prompt)["input_ids"]
+    start = time.perf_counter()
+    out = np.asarray(jc.generate(model, np.array([ids]), policy, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, eos_id=tokenizer.eos_token_id,
+                                 rng=jax.random.key(seed) if temperature > 0 else None))[0]
+    return {"policy": repr(policy), "prompt": prompt, "prompt_tokens": len(ids),
+            "output": tokenizer.decode(out[out >= 0], skip_special_tokens=True), "output_ids": out.tolist(),
+            "seconds": time.perf_counter() - start}
+
+
 def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | None = None, every: int | None = None,
         resume: bool = False, identity: dict | None = None, command: str = ""):
     """Runs work(progress, checkpointing) -> results under a progress bar of `total` tokens (stderr; the

@@ -123,6 +123,18 @@ def test_perplexity_and_attention_map(model_dir, book, tmp_path, capsys):
     assert png(tmp_path / "attention_map.png")
 
 
+def test_ruler(model_dir, tmp_path, capsys):
+    cli.main(["ruler", "--model", model_dir, "--tasks", "niah_single_1,vt", "--policy", "full,cascade",
+              "--budget", "0.25", "--min-length", "1K", "--max-length", "1K", "--samples", "5", "--batch-size", "5",
+              "--out", str(tmp_path), "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["baseline"] == "Full" and set(summary["verdicts"]) == {"Cascade 25%"}
+    assert summary["average"]["Full"]["1024"]["n"] == 10 and set(summary["scores"]["Full"]) == {"niah_single_1", "vt"}
+    result = json.loads((tmp_path / "ruler.json").read_text())
+    assert len(result["results"]) == 2 * 2 * 5 and png(tmp_path / "ruler.png")
+    assert result["policies"]["Cascade 25%"].startswith("Cascade(cache_size=192, sinks=64, num_cascades=4")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["passkey", "--policy", "nope"], "unknown policy 'nope'"),
     (["passkey", "--policy", "cascade:cache_size=32,sinks=4", "--min-length", "16"],
@@ -135,6 +147,8 @@ def test_perplexity_and_attention_map(model_dir, book, tmp_path, capsys):
     (["passkey", "--min-length", "-1K"], "argument --min-length: must be positive, got '-1K'"),
     (["passkey", "--samples", "two"], "argument --samples: must be a positive int such as 4096 or 4K, got 'two'"),
     (["passkey", "--baseline", "Sink 99"], "baseline 'Sink 99' must be one of the policy labels"),
+    (["ruler", "--tasks", "qa_1"], "argument --tasks: tasks must be comma-separated names among niah_single_1"),
+    (["ruler", "--budget", "0.01", "--policy", "sink"], "budget 0.01 keeps 40 slots at 4096 tokens"),
     (["passkey", "--mesh", "data=0"], "with positive ints, got 'data=0'"),
     (["passkey", "--mesh", "rows=2"], "with positive ints, got 'rows=2'"),
     (["passkey", "--mesh", "data=2,data=4"], "each axis at most once"),

@@ -97,3 +97,40 @@ def test_bad_requests_are_refused(generator):
         ruler.Generator(tiny.tokenizer()).sample("niah_single_2", 2048, 0)
     with pytest.raises(ValueError, match="too short for niah_single_1"):
         generator.sample("niah_single_1", 100, 0)
+
+
+def test_every_policy_keeps_the_budget():
+    import jcascade as jc
+
+    policies = ruler.policies_at(ruler.POLICIES, 0.25, 8192)  # 2048 slots, sinks and windows included
+    assert list(policies) == ["Full", "Sink 25%", "Cascade 25%", "H2O 25%", "SnapKV 25%", "PyramidKV 25%"]
+    for label, policy in policies.items():
+        if label != "Full":
+            slots = policy.budget if isinstance(policy, (jc.SnapKV, jc.PyramidKV)) else policy.cache_slots(None)
+            assert slots == 2048, (label, slots)
+    assert ruler.policies_at(["sink"], 4096, 16384)["Sink 4096"].cache_slots(None) == 4096
+    assert ruler.task_list("all") == list(ruler.TASKS) and ruler.budget_list("0.25,2048") == [0.25, 2048.0]
+    for call, match in [(lambda: ruler.budget_slots(0.01, 4096), "at least 128"),
+                        (lambda: ruler.task_list("niah_single_1,qa_1"), "tasks must be comma-separated names"),
+                        (lambda: ruler.policy_list("full,tova"), "policies must be"),
+                        (lambda: ruler.budget_list("0.25,-1"), "budgets must be"),
+                        (lambda: ruler.budget_list("half"), "budgets must be")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_the_report_averages_tasks_and_pairs_prompts():
+    from jcascade.eval import report
+
+    def results(label, scores):  # 2 tasks x 10 prompts at one length
+        return [ruler.RulerResult(label, task, 4096, i, 4000, "", scores[t * 10 + i])
+                for t, task in enumerate(("vt", "cwe")) for i in range(10)]
+
+    full, cascade = [1.0] * 20, [1.0] * 10 + [0.0, 1.0] * 5
+    rep = report.ruler(results("Full", full) + results("Cascade 25%", cascade), {"Full": "Full()", "Cascade 25%": "C"})
+    assert rep["baseline"] == "Full" and rep["prompts"] == {"4096": 20}
+    assert rep["average"]["Cascade 25%"]["4096"]["value"] == 0.75 and rep["average"]["Full"]["4096"]["n"] == 20
+    assert rep["scores"]["Cascade 25%"]["cwe"]["4096"]["value"] == 0.5
+    difference = rep["differences"]["Cascade 25%"]["all"]
+    assert difference["value"] == -0.25 and difference["high"] < 0 and rep["verdicts"] == {"Cascade 25%": "worse"}
+    assert "RULER: Cascade 25% - Full = -0.25" in report.ruler_text(rep)
