@@ -381,13 +381,15 @@ class RulerResult:
 def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int],
           policies: Callable[[int], dict], *, samples: int = 50, seed: int = 0, batch_size: int = 8,
           progress: Callable[[int], None] | None = None, checkpointing=None) -> list[RulerResult]:
-    """Every task x context length x policy on the same `samples` prompts, greedy as RULER decodes.
+    """Every task x context length x policy on the same `samples` prompts per task, greedy as RULER decodes.
 
     policies(context_length) -> {label: policy} (e.g. `policies_at` at a budget; labels must not depend on
-    the length). Prompts are right-padded to [batch_size, context_length] (rows repeated), so each
-    (policy, length, task family) compiles once. progress(n) after each batch with its prompts times the
-    context length. checkpointing (`checkpointing.Checkpointing`): results saved every `every` such tokens,
-    and a run continues from its last checkpoint, the batches it holds not run again.
+    the length). The prompts of all tasks at a length are right-padded to [batch_size, context_length] (rows
+    repeated) and continued by the most tokens any of the tasks generates; each output is then cut to its
+    task's `tokens_to_generate` (greedy decoding: the same tokens as generating that many), so each (policy,
+    length) compiles once. progress(n) after each batch with its prompts times the context length.
+    checkpointing (`checkpointing.Checkpointing`): results saved every `every` such tokens, and a run
+    continues from its last checkpoint, the batches it holds not run again.
     """
     import jcascade as jc
 
@@ -403,29 +405,29 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
         results, resumed = [RulerResult(**r) for r in found[1]["results"]], found[1]["batches"]
         if progress is not None:
             progress(sum(r.context_length for r in results))
-    tok = generator.tokenizer
+    tok, longest = generator.tokenizer, max(TASKS[t].tokens_to_generate for t in tasks)
     for length in context_lengths:
-        for task in tasks:
-            prompts = generator.samples(task, length, samples, seed)
-            for label, policy in policies(length).items():
-                for first in range(0, samples, batch_size):
-                    part = prompts[first: first + batch_size]
-                    batches += 1
-                    if batches <= resumed:
-                        continue
-                    rows = [part[i % len(part)] for i in range(batch_size)]
-                    tokens = np.zeros((batch_size, length), np.int32)
-                    for r, s in enumerate(rows):
-                        tokens[r, : len(s.prompt)] = s.prompt
-                    out = np.asarray(jc.generate(model, tokens, policy, lengths=np.array([len(s.prompt) for s in rows]),
-                                                 max_new_tokens=TASKS[task].tokens_to_generate, eos_id=tok.eos_token_id))
-                    for s, ids in zip(part, out):
-                        text = tok.decode(ids[ids >= 0], skip_special_tokens=True)
-                        results.append(RulerResult(label, task, length, s.index, len(s.prompt), text,
-                                                   string_match_all(text, s.answers)))
-                    if progress is not None:
-                        progress(len(part) * length)
-                    if checkpointing is not None and checkpointing.due(len(part) * length):
-                        checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results],
-                                                  "batches": batches})
+        prompts = [s for task in tasks for s in generator.samples(task, length, samples, seed)]
+        for label, policy in policies(length).items():
+            for first in range(0, len(prompts), batch_size):
+                part = prompts[first: first + batch_size]
+                batches += 1
+                if batches <= resumed:
+                    continue
+                rows = [part[i % len(part)] for i in range(batch_size)]
+                tokens = np.zeros((batch_size, length), np.int32)
+                for r, s in enumerate(rows):
+                    tokens[r, : len(s.prompt)] = s.prompt
+                out = np.asarray(jc.generate(model, tokens, policy, lengths=np.array([len(s.prompt) for s in rows]),
+                                             max_new_tokens=longest, eos_id=tok.eos_token_id))
+                for s, ids in zip(part, out):
+                    ids = ids[: TASKS[s.task].tokens_to_generate]
+                    text = tok.decode(ids[ids >= 0], skip_special_tokens=True)
+                    results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
+                                               string_match_all(text, s.answers)))
+                if progress is not None:
+                    progress(len(part) * length)
+                if checkpointing is not None and checkpointing.due(len(part) * length):
+                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results],
+                                              "batches": batches})
     return results

@@ -134,3 +134,16 @@ def test_the_report_averages_tasks_and_pairs_prompts():
     difference = rep["differences"]["Cascade 25%"]["all"]
     assert difference["value"] == -0.25 and difference["high"] < 0 and rep["verdicts"] == {"Cascade 25%": "worse"}
     assert "RULER: Cascade 25% - Full = -0.25" in report.ruler_text(rep)
+
+
+def test_outputs_cut_to_the_tasks_length_equal_generating_that_many(generator):
+    """The sweep continues all tasks' prompts by the longest answer (128 tokens) and cuts each output to its
+    task's tokens_to_generate (vt: 30): the same outputs as a sweep of vt alone."""
+    import jcascade as jc
+
+    model = tiny.model(len(generator.tokenizer))
+    policies = lambda n: {"Sink": jc.Sink(window=96, sinks=4, stride=128)}  # noqa: E731
+    both = ruler.sweep(model, generator, ["vt", "niah_single_1"], [1024], policies, samples=2, batch_size=4)
+    alone = ruler.sweep(model, generator, ["vt"], [1024], policies, samples=2, batch_size=4)
+    assert [r.output for r in both if r.task == "vt"] == [r.output for r in alone]
+    assert len(both) == 4 and all(0 <= r.score <= 1 for r in both)
