@@ -341,12 +341,8 @@ def paired_differences(results: Sequence[PasskeyResult], baseline: str) -> dict[
     """{policy: {context_length or "all": accuracy(policy) - accuracy(baseline)}} over the same prompts, with
     95 % intervals (trials redrawn in pairs, within their depth bucket and length when those strata hold
     enough trials: `stats.paired_difference`), for every other policy."""
-    by_policy: dict[str, dict[tuple[int, int, int], float]] = {}
-    for r in results:
-        by_policy.setdefault(r.policy, {})[(r.context_length, r.bucket, r.sample)] = r.accuracy
-    if baseline not in by_policy:
-        raise ValueError(f"baseline {baseline!r} is not among the policies {list(by_policy)}")
-    base = by_policy[baseline]
+    by_policy, base = stats.by_policy(results, lambda r: (r.context_length, r.bucket, r.sample),
+                                      lambda r: r.accuracy, baseline)
     table: dict[str, dict[int | str, stats.Estimate]] = {}
     for policy, mine in by_policy.items():
         if policy == baseline:

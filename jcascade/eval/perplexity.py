@@ -234,12 +234,7 @@ def paired_differences(results: list[BookPerplexity], baseline: str) -> dict[str
     95 % intervals from a bootstrap that redraws the same blocks of the same books for both (within each
     book when the books hold enough blocks: `stats.paired_difference`). N: over the first N tokens of every
     book (the blocks that end by then; `prefix_lengths`), "all": whole streams."""
-    by_policy: dict[str, dict[str, BookPerplexity]] = {}
-    for r in results:
-        by_policy.setdefault(r.policy, {})[r.book] = r
-    if baseline not in by_policy:
-        raise ValueError(f"baseline {baseline!r} is not among the policies {list(by_policy)}")
-    base = by_policy[baseline]
+    by_policy, base = stats.by_policy(results, lambda r: r.book, lambda r: r, baseline)
     table: dict[str, dict[int | str, stats.Estimate]] = {}
     for policy, mine in by_policy.items():
         if policy == baseline:

@@ -202,6 +202,17 @@ def blocks(values, block: int) -> tuple[np.ndarray, np.ndarray]:
     return np.add.reduceat(values, starts) / counts, counts
 
 
+def by_policy(results, unit, value, baseline: str) -> tuple[dict, dict]:
+    """({policy: {unit(r): value(r)}} over results r with a `.policy` label, the baseline's own dict); raises
+    ValueError when no result is the baseline's. The units pair the sides of a paired difference."""
+    table: dict[str, dict] = {}
+    for r in results:
+        table.setdefault(r.policy, {})[unit(r)] = value(r)
+    if baseline not in table:
+        raise ValueError(f"baseline {baseline!r} is not among the policies {list(table)}")
+    return table, table[baseline]
+
+
 VERDICTS = ("better", "worse", "no measured difference", "too few units")
 
 
