@@ -1,4 +1,23 @@
+"""Shared test set-up: jax on the CPU, the hypothesis profile, the tiny model directory, and tests that need
+several devices (`@pytest.mark.devices(n)`).
+
+The device count of a jax process is fixed when jax starts, and most tests want the one CPU device (the
+command line, for one, splits its batches over every device it sees). A test marked `devices(n)` therefore
+runs in a child pytest process started with n emulated CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=n`) whenever this process has fewer. One child runs all of
+a run's tests that need n devices: it starts as soon as they are collected (under xdist, by the first worker
+to get there; the others share it) and runs beside the other tests, which come first; each of those tests
+then reports here, under its own name, what the child reported for it (setup, call and teardown: outcome,
+failure, captured output, duration), waiting for it if need be. `pytest path::test[param]` runs one of them
+alone the same way; a process that already has n devices runs them in place.
+"""
+
+import json
 import os
+import subprocess
+import sys
+import threading
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -20,3 +39,167 @@ def model_dir(tmp_path_factory) -> str:
     import tiny
 
     return str(tiny.save(tmp_path_factory.mktemp("tiny-model")))
+
+
+# ---- tests that need several devices -------------------------------------------------------------------
+
+REPORTS = "JCASCADE_TEST_REPORTS"  # set for a child run: the file it writes its reports to, one JSON line each
+CHILD_TIMEOUT = 3600  # seconds a child run may take in all
+_CHILDREN = pytest.StashKey[dict]()
+
+
+def devices_needed(item) -> int:
+    mark = item.get_closest_marker("devices")
+    return mark.args[0] if mark else 0
+
+
+def _missing_devices(n: int) -> bool:
+    import jax
+
+    return jax.device_count() < n
+
+
+def pytest_configure(config):
+    path = os.environ.pop(REPORTS, None)
+    if path:  # a child run: write every report for the parent
+        config.pluginmanager.register(_ReportWriter(config, path), "jcascade-report-writer")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that need more devices go last, so that their child runs while the others do."""
+    items[:] = [i for i in items if not devices_needed(i)] + [i for i in items if devices_needed(i)]
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    children = session.config.stash.setdefault(_CHILDREN, {})
+    for n in sorted({devices_needed(i) for i in session.items} - {0}):
+        if _missing_devices(n):
+            children[n] = _Child(session, n)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    child = item.config.stash.get(_CHILDREN, {}).get(devices_needed(item))
+    if child is None:
+        return None  # an ordinary test, or this process has the devices
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in child.reports(item):
+        item.ihook.pytest_runtest_logreport(report=report)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    # nothing was set up here for this test; finish what the previous test left that the next one does not share
+    item.session._setupstate.teardown_exact(nextitem)
+    return True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    stopped = exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or session.shouldstop
+    for child in session.config.stash.get(_CHILDREN, {}).values():
+        child.finish(kill=bool(stopped))
+
+
+class _ReportWriter:
+    def __init__(self, config, path):
+        self.config, self.file = config, open(path, "a")
+
+    def pytest_runtest_logreport(self, report):
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        self.file.write(json.dumps(data) + "\n")
+        self.file.flush()
+
+    def pytest_unconfigure(self):
+        self.file.close()
+
+
+class _Child:
+    """The child pytest process with `n` emulated CPU devices running the session's tests that need them, in a
+    folder that every xdist worker of the run shares: the worker that creates it starts the child, and a
+    thread of that worker writes `exit` there when the child ends."""
+
+    def __init__(self, session, n: int):
+        config = self.config = session.config
+        base = config._tmp_path_factory.getbasetemp()
+        self.folder = (base.parent if hasattr(config, "workerinput") else base) / f"devices{n}-child"
+        self.reports_path, self.output, self.exit = (self.folder / name for name in ("reports.jsonl", "output.txt", "exit"))
+        self.process, self.received, self.offset = None, {}, 0
+        self.deadline = time.monotonic() + CHILD_TIMEOUT
+        try:
+            self.folder.mkdir()
+        except FileExistsError:
+            return  # another worker started it
+        self.reports_path.touch()
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **{REPORTS: str(self.reports_path)})
+        ini = ["-c", str(config.inipath)] if config.inipath is not None else []
+        nodeids = [i.nodeid for i in session.items if devices_needed(i) == n]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ini,
+                   f"--rootdir={config.rootpath}", f"--basetemp={self.folder / 'tmp'}", *nodeids]
+        with open(self.output, "w") as out:
+            self.process = subprocess.Popen(command, cwd=config.rootpath, env=env, stdout=out,
+                                            stderr=subprocess.STDOUT)
+
+        def wait():
+            code = self.process.wait()
+            (self.folder / "exit.tmp").write_text(str(code))
+            os.replace(self.folder / "exit.tmp", self.exit)
+
+        threading.Thread(target=wait, daemon=True).start()
+
+    def _read(self) -> None:
+        if not self.reports_path.exists():
+            return
+        with open(self.reports_path, "rb") as f:
+            f.seek(self.offset)
+            text = f.read()
+        complete = text[: text.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            data = json.loads(line)
+            self.received.setdefault(data["nodeid"], []).append(data)
+
+    def _done(self, nodeid: str) -> bool:
+        got = self.received.get(nodeid, [])
+        return bool(got) and got[-1]["when"] == "teardown"
+
+    def reports(self, item) -> list:
+        nodeid = item.nodeid
+        while True:
+            ended = self.exit.exists()  # before reading: every report is written by then
+            self._read()
+            if self._done(nodeid):
+                return self._deserialize(self.received[nodeid], item)
+            if ended or time.monotonic() > self.deadline:
+                return [*self._deserialize(self.received.get(nodeid, []), item), self._lost(item, ended)]
+            time.sleep(0.05)
+
+    def _deserialize(self, data: list, item) -> list:
+        reports = [self.config.hook.pytest_report_from_serializable(config=self.config, data=d) for d in data]
+        for report in reports:  # JSON made lists of the tuples
+            report.nodeid, report.location = item.nodeid, item.location
+            report.sections = [tuple(section) for section in report.sections]
+            if isinstance(report.longrepr, list):  # a skip: (path, line, reason)
+                report.longrepr = tuple(report.longrepr)
+        return reports
+
+    def _lost(self, item, ended: bool):
+        why = f"exited with code {self.exit.read_text()}" if ended else f"ran past {CHILD_TIMEOUT} s"
+        tail = self.output.read_text(errors="replace")[-6000:] if self.output.exists() else ""
+        return pytest.TestReport(item.nodeid, item.location, {k: 1 for k in item.keywords}, "failed",
+                                 f"the child pytest process with {devices_needed(item)} devices {why} before "
+                                 f"reporting this test; the end of its output ({self.output}):\n{tail}", "call")
+
+    def finish(self, kill: bool) -> None:
+        """At the end of the session of the worker that started the child: let it finish for the other workers
+        (unless the run was stopped), then make sure it is gone."""
+        if self.process is None:
+            return
+        if not kill:
+            try:
+                self.process.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
