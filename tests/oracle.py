@@ -1,4 +1,5 @@
-"""Numpy references written for the tests: the token-by-token cascading-cache oracle (DESIGN §3), RoPE.
+"""Numpy references written for the tests: the token-by-token cascading-cache oracle (DESIGN §3), H2O's,
+RoPE, softmax and pooling; and the tagged inputs the cache oracles are fed.
 
 One `CascadeOracle` per (batch row, KV head). Items are [position, score]; rings are Python lists from
 oldest to newest. This is the rule as written, one token at a time, with no shared code with jcascade.
@@ -96,3 +97,62 @@ class H2OOracle:
         self.seen += n
         ranked = sorted(self.heavy + pushed, key=lambda item: -item[1])  # stable: residents first on ties
         self.heavy = ranked[: self.num_heavy]
+
+
+def np_softmax_rows(logits):
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_pool(x: np.ndarray, kernel: int, pooling: str) -> np.ndarray:
+    """torch's max_pool1d / avg_pool1d (count_include_pad) with padding kernel // 2, stride 1, in numpy."""
+    pad = kernel // 2
+    fill = -np.inf if pooling == "max" else 0.0
+    padded = np.concatenate([np.full(pad, fill), x, np.full(pad, fill)])
+    windows = np.stack([padded[i : i + len(x)] for i in range(kernel)])
+    return windows.max(0) if pooling == "max" else windows.sum(0) / kernel
+
+
+# ---- inputs -------------------------------------------------------------------------------------------
+
+HEAD_DIM = 4  # of tagged chunks
+
+
+def tagged_chunk(seen: np.ndarray, T: int, H: int):
+    """K/V whose rows name their token: k = (position, head, row, 1), v = -k."""
+    import jax.numpy as jnp
+
+    B = seen.shape[0]
+    pos = seen[:, None] + np.arange(T)[None]  # [B, T]
+    k = np.zeros((B, T, H, HEAD_DIM), np.float32)
+    k[..., 0] = pos[:, :, None]
+    k[..., 1] = np.arange(H)[None, None, :]
+    k[..., 2] = np.arange(B)[:, None, None]
+    k[..., 3] = 1.0
+    return jnp.asarray(k), jnp.asarray(-k)
+
+
+def random_scores(rng, B, H, cap, T, tied: bool):
+    """jc.Scores of a chunk: few distinct values (exact in float32, so that ties really happen) if `tied`."""
+    import jax.numpy as jnp
+
+    import jcascade as jc
+
+    if tied:
+        values = np.array([0.0, 0.25, 0.5, 1.0], np.float32)
+        return jc.Scores(
+            cache=jnp.asarray(rng.choice(values[:2], size=(B, H, cap))),
+            chunk=jnp.asarray(rng.choice(values, size=(B, H, T))),
+        )
+    return jc.Scores(
+        cache=jnp.asarray(rng.random((B, H, cap), np.float32) * 0.1),
+        chunk=jnp.asarray(rng.random((B, H, T), np.float32)),
+    )
+
+
+def random_qkv(key, B, S, Hq, Hkv, D):
+    import jax
+
+    kq, kk, kv = jax.random.split(key, 3)
+    return (jax.random.normal(kq, (B, S, Hq, D)), jax.random.normal(kk, (B, S, Hkv, D)),
+            jax.random.normal(kv, (B, S, Hkv, D)))

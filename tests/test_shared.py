@@ -1,5 +1,6 @@
-"""Shared-prefix attention: the merge operator's properties, the multi-query prefix kernel (interpret
-mode) against its reference, shared == flat attention (one and two levels), and `num_samples`."""
+"""Shared-prefix attention (jcascade/shared.py): the merge operator's properties, shared == flat attention
+(one and two levels), and `num_samples`. The multi-query prefix kernel against its reference:
+tests/pallas_kernels/test_gpu.py."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,6 @@ from hypothesis import strategies as st
 
 import jcascade as jc
 import tiny
-from jcascade import pallas_kernels
 
 ROPE = jc.RoPE(100.0)
 
@@ -58,23 +58,6 @@ def test_merging_two_key_sets_is_attention_over_their_union():
     np.testing.assert_allclose(lse, lse_all, rtol=1e-6)
 
 
-@pytest.mark.parametrize("P, R, Hq, Hkv, D, S, dtype", [(1, 5, 8, 2, 64, 100, jnp.float32),
-                                                       (2, 37, 4, 4, 32, 70, jnp.float32),
-                                                       (1, 16, 8, 2, 64, 129, jnp.bfloat16)])
-def test_prefix_kernel_matches_the_reference(P, R, Hq, Hkv, D, S, dtype):
-    keys = jax.random.split(jax.random.key(P * R + S), 4)
-    q = jax.random.normal(keys[0], (P, R, Hq, D)).astype(dtype)
-    k = jax.random.normal(keys[1], (P, Hkv, S, D)).astype(dtype)
-    v = jax.random.normal(keys[2], (P, Hkv, S, D)).astype(dtype)
-    valid = jax.random.bernoulli(keys[3], 0.8, (P, Hkv, S)).at[-1, -1].set(False)
-    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * 3, (P, 1, S))
-    want = pallas_kernels.prefix_attention(q, k, v, valid, positions, ROPE, implementation="xla")
-    got = pallas_kernels.prefix_attention(q, k, v, valid, positions, ROPE, implementation="triton")
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=tol, rtol=tol)
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=tol, rtol=tol)
-
-
 def full_state(k, v, lengths=None):
     B, T, H, D = k.shape
     state = jc.init_cache(jc.Full(), B, H, D, max_tokens=T + 8)
@@ -93,15 +76,21 @@ def test_two_level_shared_prefixes_equal_flat_attention(implementation):
     k2, v2 = jax.random.normal(ks[4], (4, Ls, H, D)), jax.random.normal(ks[5], (4, Ls, H, D))
     q, kc = jax.random.normal(ks[6], (4, T, Hq, D)), jax.random.normal(ks[7], (4, T, H, D))
     own = jnp.array([5, 3, 0, 4], jnp.int32)
-    level0 = jc.share_prefix(jc.Full(), full_state(k0, v0))
-    level1 = jc.share_prefix(jc.Full(), full_state(k1, v1), offset=L0)
-    suffix = full_state(k2, v2, own)
-    got = jc.attend_shared(jc.Full(), suffix, q, kc, kc, [level0, level1], jnp.array([3, 3, 2, 3]), ROPE,
-                           implementation=implementation)
-    rep = lambda x, n: jnp.repeat(x, n, axis=0)
-    flat = full_state(jnp.concatenate([rep(k0, 4), rep(k1, 2)], 1), jnp.concatenate([rep(v0, 4), rep(v1, 2)], 1))
-    flat = jc.update(jc.Full(), flat, k2, v2, None, own)
-    want, _ = jc.attend(jc.Full(), flat, q, kc, kc, jnp.array([3, 3, 2, 3]), ROPE)
+
+    @jax.jit
+    def shared_and_flat(k0, v0, k1, v1, k2, v2, q, kc):
+        level0 = jc.share_prefix(jc.Full(), full_state(k0, v0))
+        level1 = jc.share_prefix(jc.Full(), full_state(k1, v1), offset=L0)
+        suffix = full_state(k2, v2, own)
+        got = jc.attend_shared(jc.Full(), suffix, q, kc, kc, [level0, level1], jnp.array([3, 3, 2, 3]), ROPE,
+                               implementation=implementation)
+        rep = lambda x, n: jnp.repeat(x, n, axis=0)  # noqa: E731
+        flat = full_state(jnp.concatenate([rep(k0, 4), rep(k1, 2)], 1), jnp.concatenate([rep(v0, 4), rep(v1, 2)], 1))
+        flat = jc.update(jc.Full(), flat, k2, v2, None, own)
+        want, _ = jc.attend(jc.Full(), flat, q, kc, kc, jnp.array([3, 3, 2, 3]), ROPE)
+        return got, want
+
+    got, want = shared_and_flat(k0, v0, k1, v1, k2, v2, q, kc)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
 
 

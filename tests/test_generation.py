@@ -1,0 +1,130 @@
+"""jc.score, jc.generate and the strided prefill (jcascade/generation.py) on a tiny random model: every policy
+equals Full while the sequence fits, score(prefix=) replays generate, strides, ragged rows, eos, sampling,
+nesting in a user's jit, input checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jcascade as jc
+import tiny
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.model(VOCAB, seed=0, scale=0.2, hidden_size=64, intermediate_size=96, num_layers=3,
+                      head_dim=16, max_position_embeddings=512)
+
+
+FITTING = [jc.Cascade(cache_size=96, sinks=4, num_cascades=4, stride=16),
+           jc.SnapKV(budget=128, window=8, stride=16), jc.PyramidKV(budget=128, window=4, stride=16),
+           jc.Recycled(top_k=128, refresh_every=5, stride=16), jc.SnapKV(budget=128, positions="cache", stride=16),
+           jc.Recycled(top_k=128, refresh_every=3, positions="cache", stride=16)]
+
+
+@pytest.mark.parametrize("policy", FITTING, ids=lambda p: f"{type(p).__name__}-{p.positions}")
+def test_policies_equal_full_while_the_sequence_fits(model, policy):
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (2, 70))
+    lengths = np.array([70, 52])
+    full = jc.score(model, tokens, jc.Full(stride=16), lengths=lengths)
+    prefix = 40 if policy.needs_prompt else None
+    np.testing.assert_allclose(jc.score(model, tokens, policy, lengths=lengths, prefix=prefix), full, atol=2e-5)
+    want = jc.generate(model, tokens[:, :40], jc.Full(stride=16), max_new_tokens=12)
+    np.testing.assert_array_equal(jc.generate(model, tokens[:, :40], policy, max_new_tokens=12), want)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [jc.SnapKV(budget=24, window=4, stride=16), jc.PyramidKV(budget=24, window=4, beta=4, stride=16),
+     jc.Recycled(top_k=12, refresh_every=4, stride=16, kernel=3)],
+    ids=lambda p: type(p).__name__,
+)
+def test_score_with_a_prefix_replays_generate(model, policy):
+    """Teacher-forced scoring after a prompt sees what decoding saw: every greedy token is at least as
+    likely under score(prefix=) as any substitute at its step, and the policy differs from Full."""
+    rng = np.random.default_rng(6)
+    prompt = rng.integers(0, VOCAB, (1, 60))
+    new = np.asarray(jc.generate(model, prompt, policy, max_new_tokens=8))[0]
+    seq = np.concatenate([prompt[0], new])
+    rows, where = [seq], []
+    for i in range(8):
+        for token in rng.integers(0, VOCAB, 4):
+            row = seq.copy()
+            row[60 + i] = token
+            rows.append(row)
+            where.append(i)
+    logp = np.asarray(jc.score(model, np.stack(rows), policy, prefix=60))
+    chosen = logp[0, 59:]
+    for r, i in enumerate(where, start=1):
+        assert logp[r, 59 + i] <= chosen[i] + 1e-6
+    full = np.asarray(jc.score(model, seq[None], jc.Full(stride=16)))[0, 59:]
+    assert not np.allclose(chosen, full, atol=1e-4)  # the policy really dropped something
+
+
+def test_strided_prefill_equals_one_shot_under_full(model):
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (1, 70))
+    one_shot = jc.score(model, tokens, jc.Full(stride=70))
+    for stride in (1, 13, 64):
+        np.testing.assert_allclose(jc.score(model, tokens, jc.Full(stride=stride)), one_shot, atol=1e-5)
+
+
+def test_ragged_rows_equal_the_same_rows_alone(model):
+    rng = np.random.default_rng(6)
+    policy = jc.Cascade(cache_size=24, sinks=2, num_cascades=3, stride=8)
+    rows = [rng.integers(0, VOCAB, n) for n in (30, 11, 19)]
+    batch = np.zeros((3, 30), np.int64)
+    for i, r in enumerate(rows):
+        batch[i, : len(r)] = r
+    lengths = jnp.array([len(r) for r in rows])
+    scores = np.asarray(jc.score(model, batch, policy, lengths=lengths))
+    generated = np.asarray(jc.generate(model, batch, policy, max_new_tokens=10, lengths=lengths))
+    for i, r in enumerate(rows):
+        alone = np.asarray(jc.score(model, r[None], policy))[0]
+        np.testing.assert_allclose(scores[i, : len(r) - 1], alone, atol=1e-5)
+        assert not scores[i, len(r) - 1 :].any()
+        np.testing.assert_array_equal(generated[i], np.asarray(jc.generate(model, r[None], policy, max_new_tokens=10))[0])
+
+
+def test_generate_stops_at_eos_and_samples_with_a_key(model):
+    prompt = np.random.default_rng(7).integers(0, VOCAB, (2, 12))
+    full = jc.Full(stride=16)
+    greedy = np.asarray(jc.generate(model, prompt, full, max_new_tokens=8))
+    eos = int(greedy[0, 2])
+    stopped = np.asarray(jc.generate(model, prompt, full, max_new_tokens=8, eos_id=eos))
+    first = list(greedy[0]).index(eos)
+    np.testing.assert_array_equal(stopped[0, : first + 1], greedy[0, : first + 1])
+    assert (stopped[0, first + 1 :] == eos).all()
+    a = jc.generate(model, prompt, full, max_new_tokens=8, temperature=1.0, top_p=0.9, rng=jax.random.key(1))
+    b = jc.generate(model, prompt, full, max_new_tokens=8, temperature=1.0, top_p=0.9, rng=jax.random.key(1))
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="rng"):
+        jc.generate(model, prompt, full, max_new_tokens=8, temperature=0.7)
+
+
+def test_generate_and_score_nest_inside_a_users_jit(model):
+    prompt = jnp.asarray(np.random.default_rng(8).integers(0, VOCAB, (1, 16)), jnp.int32)
+    policy = jc.Sink(window=8, sinks=2, stride=4)
+
+    @jax.jit
+    def pipeline(model, prompt):
+        out = jc.generate(model, prompt, policy, max_new_tokens=6)
+        return out, jc.score(model, jnp.concatenate([prompt, out], axis=1), policy)
+
+    out, logp = pipeline(model, prompt)
+    np.testing.assert_array_equal(out, jc.generate(model, prompt, policy, max_new_tokens=6))
+    assert logp.shape == (1, 21) and np.isfinite(np.asarray(logp)).all()
+
+
+def test_bad_inputs_raise_clear_errors(model):
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, vocab_size={VOCAB}\)"):
+        jc.generate(model, np.array([[1, 2, VOCAB]]), jc.Full(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="tokens is empty"):
+        jc.score(model, np.zeros((1, 0), np.int32), jc.Full())
+    with pytest.raises(ValueError, match="at least one token"):
+        jc.generate(model, np.ones((2, 4), np.int32), jc.Full(), max_new_tokens=2, lengths=np.array([4, 0]))
+    with pytest.warns(UserWarning, match="exceed the model's 512 trained positions"):
+        jc.generate(model, np.ones((1, 500), np.int32), jc.Full(stride=256), max_new_tokens=20)
+    jc.generate(model, np.ones((1, 500), np.int32), jc.Sink(window=32, sinks=4, stride=256), max_new_tokens=20)  # bounded: fine
