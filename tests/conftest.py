@@ -20,6 +20,11 @@ import threading
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU backend compiles with LLVM at -O0: the tests are compile-bound (a tiny model's generate compiles in
+# ~5 s and runs in ms), and -O0 cuts compile time by about 40 % at the same results (no fast-math either way).
+# Set before jax starts; subprocesses (the device child, the multi-process and fetch tests) inherit it.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
