@@ -119,8 +119,8 @@ class _ReportWriter:
 
 class _Child:
     """The child pytest process with `n` emulated CPU devices running the session's tests that need them, in a
-    folder that every xdist worker of the run shares: the worker that creates it starts the child, and a
-    thread of that worker writes `exit` there when the child ends."""
+    folder that every xdist worker of the run shares: the worker that creates it starts the child and writes
+    its `pid` there, and a thread of that worker writes `exit` (its exit code) when it ends."""
 
     def __init__(self, session, n: int):
         config = self.config = session.config
@@ -144,13 +144,16 @@ class _Child:
         with open(self.output, "w") as out:
             self.process = subprocess.Popen(command, cwd=config.rootpath, env=env, stdout=out,
                                             stderr=subprocess.STDOUT)
+        self._write("pid", self.process.pid)
 
         def wait():
-            code = self.process.wait()
-            (self.folder / "exit.tmp").write_text(str(code))
-            os.replace(self.folder / "exit.tmp", self.exit)
+            self._write("exit", self.process.wait())
 
         threading.Thread(target=wait, daemon=True).start()
+
+    def _write(self, name: str, value: int) -> None:
+        (self.folder / f"{name}.tmp").write_text(str(value))
+        os.replace(self.folder / f"{name}.tmp", self.folder / name)
 
     def _read(self) -> None:
         if not self.reports_path.exists():
@@ -168,10 +171,22 @@ class _Child:
         got = self.received.get(nodeid, [])
         return bool(got) and got[-1]["when"] == "teardown"
 
+    def _ended(self) -> bool:
+        """Whether the child has ended: its starter wrote `exit`, or (the starter gone) no such process remains."""
+        if self.exit.exists():
+            return True
+        if self.process is not None or not (self.folder / "pid").exists():
+            return False
+        try:
+            os.kill(int((self.folder / "pid").read_text()), 0)
+        except ProcessLookupError:
+            return True
+        return False
+
     def reports(self, item) -> list:
         nodeid = item.nodeid
         while True:
-            ended = self.exit.exists()  # before reading: every report is written by then
+            ended = self._ended()  # before reading: every report is written by then
             self._read()
             if self._done(nodeid):
                 return self._deserialize(self.received[nodeid], item)
@@ -189,7 +204,8 @@ class _Child:
         return reports
 
     def _lost(self, item, ended: bool):
-        why = f"exited with code {self.exit.read_text()}" if ended else f"ran past {CHILD_TIMEOUT} s"
+        code = self.exit.read_text() if self.exit.exists() else "?"
+        why = f"exited with code {code}" if ended else f"ran past {CHILD_TIMEOUT} s"
         tail = self.output.read_text(errors="replace")[-6000:] if self.output.exists() else ""
         return pytest.TestReport(item.nodeid, item.location, {k: 1 for k in item.keywords}, "failed",
                                  f"the child pytest process with {devices_needed(item)} devices {why} before "
