@@ -7,7 +7,7 @@ axis and run under `lax.scan`, so a model compiles as one layer whatever its dep
 stacked cache is the scan's carry and is never sliced: each layer sees the whole K/V stack with its layer
 index (`CacheState.layer`), the kernels and scatters read and write that layer in place, and only the
 small per-slot arrays (scores, positions) are sliced and written back. The cache is held once
-(tests/test_memory.py) and a decode step moves no K/V beyond what it reads and inserts. A policy's
+(tests/models/test_decoder.py) and a decode step moves no K/V beyond what it reads and inserts. A policy's
 data-dependent branch that all layers take alike (`Policy.step_branch`) is decided once, around the loop.
 
 Weights use the x @ W convention (W is [in, out], the transpose of PyTorch's Linear weight).
@@ -208,7 +208,7 @@ def _layer_view(state: slots.CacheState, index: jax.Array) -> slots.CacheState:
 def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.CacheState]:
     """(out, state) as one value: every read of the K/V stack by the attention that made `out` precedes the
     update's in-place writes to `state`, and nothing downstream recomputes `out` from the stack (else XLA
-    copies the stack to keep an unordered read valid; tests/test_memory.py)."""
+    copies the stack to keep an unordered read valid; tests/models/test_decoder.py)."""
     return jax.lax.optimization_barrier((out, state))
 
 
