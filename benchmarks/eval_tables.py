@@ -1,12 +1,17 @@
-"""Markdown tables for benchmarks/RESULTS.md from the JSON that `benchmarks/run_evaluation.sh` writes.
+"""Markdown tables for benchmarks/RESULTS.md from the JSON that `benchmarks/run_evaluation.sh` and `jcascade ruler`
+write.
 
     python benchmarks/eval_tables.py benchmarks/results/eval-qwen
+    python benchmarks/eval_tables.py ruler benchmarks/results/ruler-qwen benchmarks/results/ruler-qwen-16k-32k
 
 The estimates are recomputed from the per-trial (passkey) and per-block (perplexity) records in the JSON
 with today's `jcascade.eval.stats`, so tables of older runs follow its rules too. Passkey: per-digit
 accuracy with its 95 % interval per context length and policy (n prompts per cell), Full beside them where
 it ran, the paired difference of each Cascade to Sink, and the key tokens the question sees. Perplexity:
-overall perplexity with its interval and the paired difference to Sink over whole books.
+overall perplexity with its interval and the paired difference to Sink over whole books. RULER: the runs'
+per-prompt records merged (each prompt scored once per policy), then the average over tasks per length and
+policy, the paired differences to Full and of Cascade to Sink at the same budget, and each task's score per
+length.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import pathlib
 import sys
 
-from jcascade.eval import passkey, perplexity
+from jcascade.eval import passkey, perplexity, report, ruler, stats
 
 
 def short(label: str) -> str:
@@ -76,6 +81,45 @@ def perplexity_table(runs: list[pathlib.Path]) -> str:
     return "\n".join(lines)
 
 
+def ruler_tables(runs: list[pathlib.Path]) -> str:
+    results = {}
+    for run in runs:
+        for r in json.loads((run / "ruler.json").read_text())["results"]:
+            results[(r["policy"], r["task"], r["context_length"], r["index"])] = ruler.RulerResult(**r)
+    results = list(results.values())
+    labels = list(dict.fromkeys(r.policy for r in results))
+    merged = report.ruler(results, dict.fromkeys(labels, ""), baseline="Full")
+    lengths = sorted(int(n) for n in merged["prompts"])
+    average, differences = merged["average"], merged["differences"]
+
+    def est(table, label, n):  # a report's estimate as a table cell, "-" where that policy did not run
+        found = table.get(label, {}).get(str(n))
+        return cell(found and stats.Estimate(**found))
+
+    lines = ["**Average over the tasks** (n prompts per policy and length)", "",
+             "| context | n | " + " | ".join(labels) + " |", "|---" * (2 + len(labels)) + "|"]
+    lines += [f"| {n:,} | {merged['prompts'][str(n)]} | " + " | ".join(est(average, k, n) for k in labels) + " |"
+              for n in lengths]
+    pairs = [(k, "Full") for k in labels if k != "Full"]
+    pairs += [(k, k.replace("Cascade", "Sink")) for k in labels if k.startswith("Cascade")
+              and k.replace("Cascade", "Sink") in labels]
+    lines += ["", "**Paired differences** on the same prompts, per length and over the lengths each pair ran", "",
+              "| difference | " + " | ".join(f"{n // 1024}K" for n in lengths) + " | all |",
+              "|---" * (2 + len(lengths)) + "|"]
+    for mine, base in pairs:
+        table = differences if base == "Full" else report.ruler(
+            [r for r in results if r.policy in (mine, base)], {base: "", mine: ""}, baseline=base)["differences"]
+        lines.append(f"| {mine} - {base} | " + " | ".join(est(table, mine, n) for n in [*lengths, "all"]) + " |")
+    tasks = list(ruler.TASKS)
+    lines += ["", "**Each task** (score per length, n = 50 prompts each; - not run)", "",
+              "| task | " + " | ".join(labels) + " |", "|---" * (1 + len(labels)) + "|"]
+    for task in tasks:
+        scores = [merged["scores"][k].get(task, {}) for k in labels]
+        row = [" / ".join(f"{s[str(n)]['value']:.2f}" if str(n) in s else "-" for n in lengths) for s in scores]
+        lines.append(f"| {task} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(root: str) -> None:
     root = pathlib.Path(root)
     for run in sorted(root.glob("passkey-*")):
@@ -87,4 +131,7 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "ruler":
+        print(ruler_tables([pathlib.Path(p) for p in sys.argv[2:]]))
+    else:
+        main(sys.argv[1])

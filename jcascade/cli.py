@@ -32,12 +32,12 @@ def _load(args, batched: bool):
     return *runner.load(args.model, mesh, _log), mesh
 
 
-def _evaluate(args, name: str, total: int, identity: dict, work):
-    """`runner.run` with the checkpoints of --checkpoint-every / --resume in --out/checkpoint-<name>."""
+def _evaluate(args, name: str, total: int, identity: dict, work, unit: str = "tok"):
+    """`runner.run` (progress in `unit`s) with the checkpoints of --checkpoint-every / --resume in --out/checkpoint-<name>."""
     skip = ("run", "parser", "argv", "resume", "checkpoint_every", "out", "json", "policy")  # policies: by repr
     return runner.run(name, total, work, pathlib.Path(args.out) / f"checkpoint-{name}", args.checkpoint_every,
                       args.resume, {k: v for k, v in vars(args).items() if k not in skip} | identity,
-                      shlex.join(["jcascade", *args.argv] + ([] if args.resume else ["--resume"])))
+                      shlex.join(["jcascade", *args.argv] + ([] if args.resume else ["--resume"])), unit)
 
 
 def _finish(args, name: str, result: dict, text: str, figures, checkpointing=None) -> None:
@@ -142,17 +142,18 @@ def cmd_perplexity(args) -> None:
 def cmd_ruler(args) -> None:
     lengths, tasks = passkey.context_lengths(args.min_length, args.max_length), args.tasks
     at = lambda n: {k: v for b in args.budget for k, v in ruler.policies_at(args.policy, b, n).items()}  # noqa: E731
-    specs = {k: repr(v) for n in lengths for k, v in at(n).items()}
+    specs = {k: {str(n): repr(at(n)[k]) for n in lengths} for k in at(lengths[0])}  # a budget's slots grow with n
     report.baseline_label(specs, args.baseline)  # checked before the model loads
-    model, tokenizer, name, _ = _load(args, batched=True)
+    model, tokenizer, name, mesh = _load(args, batched=True)
+    batch = args.batch_size or 8 * (1 if mesh is None else mesh.shape["data"])
     prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
     generator = ruler.Generator(tokenizer, prose)
     results, seconds, checkpointing = _evaluate(
-        args, "ruler", len(specs) * len(tasks) * args.samples * sum(lengths), {"model": name, "policies": specs},
+        args, "ruler", len(specs) * len(tasks) * args.samples * len(lengths), {"model": name, "policies": specs},
         lambda progress, checkpointing: ruler.sweep(model, generator, tasks, lengths, at, samples=args.samples,
-                                                    seed=args.seed, batch_size=args.batch_size, progress=progress,
-                                                    checkpointing=checkpointing))
-    rep = report.ruler(results, {k: repr(v) for k, v in at(lengths[-1]).items()}, baseline=args.baseline, run={
+                                                    seed=args.seed, batch_size=batch, progress=progress,
+                                                    checkpointing=checkpointing), unit="prompt")
+    rep = report.ruler(results, specs, baseline=args.baseline, run={
         "model": name, "tasks": tasks, "budgets": args.budget, "samples": args.samples, "seconds": seconds})
     _finish(args, "ruler", rep, f"\nRULER, {name}, {seconds:.0f} s\n" + report.ruler_text(rep),
             [lambda out: plots.ruler(rep, out / "ruler.png", f"RULER ({name})")], checkpointing)
@@ -267,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated policy names, each at every --budget")
     p.add_argument("--budget", type=_argument(ruler.budget_list), default="0.25,0.5", help="KV slots kept, sinks "
                    "and windows included: fractions of the context (<1) or token counts, comma-separated")
-    p.add_argument("--batch-size", type=_positive, default=8, help="prompts per generate call")
+    p.add_argument("--batch-size", type=_positive, help="prompts per generate call, a multiple of the mesh's data "
+                   "axis D (default: 8 x D)")
     p.add_argument("--book", default="paradise_lost", help="the prose haystack (RULER's essays are not offline)")
     sweep(p, 4096, 8192, 50, "task")
 

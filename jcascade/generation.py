@@ -305,7 +305,8 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
         if not policy.shareable:
             raise ValueError(f"num_samples does not support {type(policy).__name__} (its cache cannot be shared by "
                              "the samples)")
-    _check_positions(model, policy, tokens.shape[1] + max_new_tokens)
+    longest = tokens.shape[1] if isinstance(lengths, jax.core.Tracer) else int(jnp.max(lengths))  # the longest row
+    _check_positions(model, policy, longest + max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng
     return _generate(model, tokens, policy, lengths, rng, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, eos_id=eos_id, num_samples=num_samples, implementation=implementation)

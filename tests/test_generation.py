@@ -2,6 +2,8 @@
 equals Full while the sequence fits, score(prefix=) replays generate, strides, ragged rows, eos, sampling,
 nesting in a user's jit, input checks."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +130,6 @@ def test_bad_inputs_raise_clear_errors(model):
     with pytest.warns(UserWarning, match="exceed the model's 512 trained positions"):
         jc.generate(model, np.ones((1, 500), np.int32), jc.Full(stride=256), max_new_tokens=20)
     jc.generate(model, np.ones((1, 500), np.int32), jc.Sink(window=32, sinks=4, stride=256), max_new_tokens=20)  # bounded: fine
+    with warnings.catch_warnings():  # right-padded rows: the positions used are the longest row's, not the padding's
+        warnings.simplefilter("error")
+        jc.generate(model, np.ones((2, 500), np.int32), jc.Full(stride=256), max_new_tokens=20, lengths=np.array([490, 300]))

@@ -167,12 +167,12 @@ def perplexity_text(report: Mapping) -> str:
     return "\n".join(lines + difference_lines(report, "perplexity"))
 
 
-def ruler(results: Sequence, policies: Mapping[str, str], *, baseline: str | None = None,
+def ruler(results: Sequence, policies: Mapping[str, str | Mapping], *, baseline: str | None = None,
           run: Mapping | None = None) -> dict:
-    """The report of a RULER sweep (`ruler.sweep`; policies: label -> spec): RULER's score (string_match_all,
-    in [0, 1]) per policy, task and length, the average over tasks per length (a bootstrap over samples,
-    stratified by task), paired differences to `baseline` (default: the first policy) on the same prompts per
-    length and over all lengths, and a verdict per policy."""
+    """The report of a RULER sweep (`ruler.sweep`; policies: label -> spec, or -> {length: spec}): RULER's
+    score (string_match_all, in [0, 1]) per policy, task and length, the average over tasks per length (a
+    bootstrap over samples, stratified by task), paired differences to `baseline` (default: the first policy) on
+    the same prompts per length and over all lengths, and a verdict per policy."""
     baseline = baseline_label(policies, baseline)
     cells: dict[tuple, list] = {}
     for r in results:
@@ -188,10 +188,10 @@ def ruler(results: Sequence, policies: Mapping[str, str], *, baseline: str | Non
         for n in [*lengths, "all"]:
             keys = sorted(k for k in mine if n == "all" or k[1] == n)
             strata = [k[:2] if n == "all" else k[0] for k in keys]
-            if n != "all":
+            if n != "all" and keys:  # (merged runs: a policy may lack some lengths)
                 average.setdefault(label, {})[n] = stats.mean([mine[k] for k in keys], strata=strata, bounds=(0, 1))
-            if label != baseline:
-                shared = [k for k in keys if k in by_prompt[baseline]]
+            shared = [k for k in keys if k in by_prompt[baseline]]
+            if label != baseline and shared:
                 differences.setdefault(label, {})[n] = stats.paired_difference(
                     [mine[k] for k in shared], [by_prompt[baseline][k] for k in shared], bounds=(0, 1),
                     strata=[k[:2] if n == "all" else k[0] for k in shared])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import itertools
 import math
 import re
 import string
@@ -287,15 +288,25 @@ class Generator:
         if len(best.prompt) > budget:
             raise ValueError(f"context_length={context_length} is too short for {task}: its smallest prompt takes "
                              f"{len(best.prompt)} tokens + {spec.tokens_to_generate} to generate")
-        low, high = 1, None  # `low` units fit; `high` do not (None: not found yet); at most `most` units exist
-        while (high is None or high - low > 1) and low != most:
-            units = (2 * low if most is None else min(2 * low, most)) if high is None else (low + high) // 2
+        # The largest unit count whose prompt fits (prompt tokens grow with units): `low` units fit, `high` do not
+        # (None: not found yet), at most `most` exist. Guesses interpolate the tokens per unit seen so far, so a
+        # few tokenizations find it; after 8 guesses it bisects (or doubles), so it ends however the text grows.
+        tokens, low, high = {1: len(best.prompt)}, 1, None
+        for step in itertools.count():
+            if (high is not None and high - low <= 1) or low == most:
+                return best  # with all the prose (or words) fitting, shorter than asked, as RULER's are
+            other = high if high is not None else min(tokens)
+            per_unit = (tokens[other] - tokens[low]) / (other - low) if other != low else tokens[low]
+            guess = low + int((budget - tokens[low]) / max(per_unit, 1e-9)) if step < 8 else (
+                2 * low if high is None else (low + high) // 2)
+            units = max(guess, low + 1) if high is None else min(max(guess, low + 1), high - 1)
+            units = units if most is None else min(units, most)
             candidate = build(units)
-            if len(candidate.prompt) <= budget:
+            tokens[units] = len(candidate.prompt)
+            if tokens[units] <= budget:
                 low, best = units, candidate
             else:
                 high = units
-        return best  # with all the prose (or words) fitting, shorter than asked, as RULER's are
 
     def samples(self, task: str, context_length: int, count: int, seed: int = 0) -> list[Sample]:
         return [self.sample(task, context_length, i, seed) for i in range(count)]
@@ -387,9 +398,9 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     the length). The prompts of all tasks at a length are right-padded to [batch_size, context_length] (rows
     repeated) and continued by the most tokens any of the tasks generates; each output is then cut to its
     task's `tokens_to_generate` (greedy decoding: the same tokens as generating that many), so each (policy,
-    length) compiles once. progress(n) after each batch with its prompts times the context length.
-    checkpointing (`checkpointing.Checkpointing`): results saved every `every` such tokens, and a run
-    continues from its last checkpoint, the batches it holds not run again.
+    length) compiles once. progress(n) after each batch with its number of prompts. checkpointing
+    (`checkpointing.Checkpointing`): results saved every `every` tokens (prompts times the context length),
+    and a run continues from its last checkpoint, the batches it holds not run again.
     """
     import jcascade as jc
 
@@ -404,7 +415,7 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     if found is not None:
         results, resumed = [RulerResult(**r) for r in found[1]["results"]], found[1]["batches"]
         if progress is not None:
-            progress(sum(r.context_length for r in results))
+            progress(len(results))
     tok, longest = generator.tokenizer, max(TASKS[t].tokens_to_generate for t in tasks)
     for length in context_lengths:
         prompts = [s for task in tasks for s in generator.samples(task, length, samples, seed)]
@@ -426,7 +437,7 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
                     results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
                                                string_match_all(text, s.answers)))
                 if progress is not None:
-                    progress(len(part) * length)
+                    progress(len(part))
                 if checkpointing is not None and checkpointing.due(len(part) * length):
                     checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results],
                                               "batches": batches})

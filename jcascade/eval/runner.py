@@ -44,16 +44,17 @@ def generate(model, tokenizer, prompt: str, policy, *, raw: bool = False, max_ne
 
 
 def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | None = None, every: int | None = None,
-        resume: bool = False, identity: dict | None = None, command: str = ""):
-    """Runs work(progress, checkpointing) -> results under a progress bar of `total` tokens (stderr; the
-    work's progress calls add up to it) and, with `every`, checkpoints in `checkpoint_dir` every that many
-    tokens (`checkpointing.open_run`: a leftover checkpoint is resumed with `resume`, else refused naming
-    `command`). Returns (results, seconds across resumes, the Checkpointing or None)."""
+        resume: bool = False, identity: dict | None = None, command: str = "", unit: str = "tok"):
+    """Runs work(progress, checkpointing) -> results under a progress bar (stderr) of `total` units, tokens or
+    `unit` (e.g. "prompt"), with units/s; the work's progress calls add up to it. With `every`, checkpoints in
+    `checkpoint_dir` every that many tokens (`checkpointing.open_run`: a leftover checkpoint is resumed with
+    `resume`, else refused naming `command`). Returns (results, seconds across resumes, the Checkpointing or
+    None)."""
     from tqdm import tqdm
 
     checkpointing = open_run(checkpoint_dir, every, resume, identity or {}, command) if checkpoint_dir else None
     start = time.perf_counter()
-    with tqdm(total=total, desc=name, unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
+    with tqdm(total=total, desc=name, unit=unit, unit_scale=True, dynamic_ncols=True, mininterval=0.5,
               file=sys.stderr) as bar:
         results = work(bar.update, checkpointing)
     return results, checkpointing.seconds() if checkpointing else time.perf_counter() - start, checkpointing

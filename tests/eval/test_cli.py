@@ -127,12 +127,14 @@ def test_ruler(model_dir, tmp_path, capsys):
     cli.main(["ruler", "--model", model_dir, "--tasks", "niah_single_1,vt", "--policy", "full,cascade",
               "--budget", "0.25", "--min-length", "1K", "--max-length", "1K", "--samples", "5", "--batch-size", "5",
               "--out", str(tmp_path), "--json"])
-    summary = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    summary = json.loads(printed.out)
+    assert "/20.0 [" in printed.err and "prompt/s]" in printed.err  # progress counts the 20 prompts
     assert summary["baseline"] == "Full" and set(summary["verdicts"]) == {"Cascade 25%"}
     assert summary["average"]["Full"]["1024"]["n"] == 10 and set(summary["scores"]["Full"]) == {"niah_single_1", "vt"}
     result = json.loads((tmp_path / "ruler.json").read_text())
     assert len(result["results"]) == 2 * 2 * 5 and png(tmp_path / "ruler.png")
-    assert result["policies"]["Cascade 25%"].startswith("Cascade(cache_size=192, sinks=64, num_cascades=4")
+    assert result["policies"]["Cascade 25%"]["1024"].startswith("Cascade(cache_size=192, sinks=64, num_cascades=4")
 
 
 @pytest.mark.parametrize("argv,message", [

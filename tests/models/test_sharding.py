@@ -236,3 +236,18 @@ def test_the_readme_snippet_runs_as_written():
     namespace = {}
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert np.asarray(namespace["out"]).shape == (8, 8)
+
+
+def test_ruler_on_a_mesh_answers_as_on_one_device(model_dir, tmp_path):
+    """jcascade ruler splits each batch's rows over every device by default: the outputs of one device."""
+    def outputs(*option):
+        out = tmp_path / str(len(option))
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            cli.main(["ruler", "--model", model_dir, "--tasks", "niah_single_1,vt", "--policy", "cascade",
+                      "--budget", "0.25", "--min-length", "1K", "--max-length", "1K", "--samples", "6",
+                      "--out", str(out), *option])
+        results = json.loads((out / "ruler.json").read_text())["results"]
+        return [(r["policy"], r["task"], r["index"], r["output"]) for r in results]
+
+    sharded = outputs()
+    assert len(sharded) == 2 * 6 and sharded == outputs("--mesh", "data=1,model=1")

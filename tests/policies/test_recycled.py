@@ -12,7 +12,7 @@ import pytest
 
 import jcascade as jc
 import tiny
-from oracle import np_pool, np_rope, np_softmax_rows, random_qkv
+from oracle import assert_decode_steps_match_xla, np_pool, np_rope, np_softmax_rows, random_qkv
 
 THETA = 100.0
 ROPE = jc.RoPE(THETA)
@@ -92,17 +92,7 @@ def test_decode_steps_through_the_triton_kernels_match_xla():
     n = jnp.asarray(lengths - 5, jnp.int32)
     _, scores = ATTEND(policy, state, q[:, :S - 5], k[:, :S - 5], v[:, :S - 5], n, ROPE)
     state = UPDATE(policy, state, k[:, :S - 5], v[:, :S - 5], scores, n)
-    for step in range(3):  # recycled, full, recycled
-        at = jnp.asarray(lengths - 5 + step)[:, None, None, None]
-        q1, k1, v1 = (jnp.take_along_axis(x, at, axis=1) for x in (q, k, v))
-        results = []
-        for impl in ("xla", "triton"):
-            out, scores = ATTEND(policy, state, q1, k1, v1, None, ROPE, implementation=impl)
-            results.append((out, UPDATE(policy, state, k1, v1, scores, None, implementation=impl)))
-        (out_x, state), (out_t, state_t) = results
-        np.testing.assert_allclose(np.asarray(out_t), np.asarray(out_x), atol=2e-5)
-        np.testing.assert_array_equal(np.asarray(state_t.pos), np.asarray(state.pos))
-        np.testing.assert_allclose(np.asarray(state_t.k), np.asarray(state.k))
+    assert_decode_steps_match_xla(policy, state, q, k, v, lengths, ROPE, ATTEND, UPDATE)  # recycled, full, recycled
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import jcascade as jc
 import tiny
-from oracle import np_pool, np_rope, np_softmax_rows, random_qkv
+from oracle import assert_decode_steps_match_xla, np_pool, np_rope, np_softmax_rows, random_qkv
 
 THETA = 100.0
 ROPE = jc.RoPE(THETA)
@@ -170,17 +170,7 @@ def test_decode_after_a_compression_through_the_triton_kernels_matches_xla():
     q, k, v = random_qkv(jax.random.key(3), B, S, Hq, Hkv, D)
     policy = jc.SnapKV(budget=12, window=3)
     state = jc.compress(policy, snapkv_prompt(policy, q, k, v, lengths, stride=16), room=4)
-    for step in range(3):
-        at = jnp.asarray(lengths - 5 + step)[:, None, None, None]
-        q1, k1, v1 = (jnp.take_along_axis(x, at, axis=1) for x in (q, k, v))
-        results = []
-        for impl in ("xla", "triton"):
-            out, scores = ATTEND(policy, state, q1, k1, v1, None, ROPE, implementation=impl)
-            results.append((out, UPDATE(policy, state, k1, v1, scores, None, implementation=impl)))
-        (out_x, state), (out_t, state_t) = results
-        np.testing.assert_allclose(np.asarray(out_t), np.asarray(out_x), atol=2e-5)
-        np.testing.assert_array_equal(np.asarray(state_t.pos), np.asarray(state.pos))
-        np.testing.assert_allclose(np.asarray(state_t.k), np.asarray(state.k))
+    assert_decode_steps_match_xla(policy, state, q, k, v, lengths, ROPE, ATTEND, UPDATE)
 
 
 def test_invalid_parameters_raise_clear_errors():
