@@ -21,6 +21,7 @@ from jax.experimental import checkify
 from jcascade import cache, compilation, slots
 from jcascade.policies import Full, check_policy
 from jcascade.shared import share_prefix
+from jcascade.models.config import ModelConfig
 from jcascade.models.decoder import CausalLM
 
 
@@ -51,6 +52,27 @@ def _int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: 
         checkify.debug_check(~bad.any(), f"{name}: {rule}, got {{value}} at {{at}}", value=jnp.ravel(values)[first],
                              at=jnp.stack(jnp.unravel_index(first, shape)))
     return jnp.asarray(x, jnp.int32)
+
+
+def as_model(model, config: ModelConfig | None = None) -> CausalLM:
+    """The CausalLM that `model` stands for: a CausalLM; the (graphdef, state) pair that `flax.nnx.split(model)`
+    returns; or a weights pytree ({name: array}, as `CausalLM.weights()` returns them) with `config` its
+    ModelConfig. Works on traced arrays, inside a user's jit. Anything else: a TypeError saying what to pass."""
+    from flax import nnx
+
+    if isinstance(model, CausalLM) and config is None:
+        return model
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nnx.GraphDef) and config is None:
+        merged = nnx.merge(*model)
+        if isinstance(merged, CausalLM):
+            return merged
+    if isinstance(model, dict) and isinstance(config, ModelConfig):
+        return CausalLM(config, model)
+    hint = " (a dict of weights also needs config=, its ModelConfig)" if isinstance(model, dict) else \
+        " (an nnx.State alone lacks its graph: pass the pair nnx.split returns)" if isinstance(model, nnx.State) else \
+        " (config= goes only with a dict of weights)" if config is not None else ""
+    raise TypeError("model must be a jcascade CausalLM, the (graphdef, state) pair of flax.nnx.split(model), or a "
+                    f"dict of weights by name with config=ModelConfig(...); got {type(model).__name__}{hint}")
 
 
 def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None):
@@ -127,11 +149,12 @@ def _last_valid(hidden: jax.Array, n: jax.Array, fallback: jax.Array) -> jax.Arr
 
 
 def prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
-            implementation: str | None = None, targets: jax.Array | None = None):
-    """Feeds right-padded tokens [B, S] in stride chunks. Returns the cache, the final hidden state at each
+            implementation: str | None = None, targets: jax.Array | None = None, *, config: ModelConfig | None = None):
+    """Feeds right-padded tokens [B, S] in stride chunks (model: as `as_model` takes it, with `config`). Returns the cache, the final hidden state at each
     row's last valid token [B, hidden] (zeros for rows with length 0) and, when `targets` [B, S] is given,
     the log-probabilities f32 [B, S] of targets[:, t] after tokens[:, :t + 1] (else None). Ids and lengths
     (in [0, S]) are checked as `generate` checks them."""
+    model = as_model(model, config)
     tokens, lengths, targets = _check_tokens(model, tokens, lengths, least=0, targets=targets)
     return _prefill(model, policy, state, tokens, lengths, implementation, targets)
 
@@ -180,8 +203,9 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
 
 
 def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | None = None,
-          prefix: int | None = None, implementation: str | None = None) -> jax.Array:
-    """Per-token log-likelihoods log p(x_t | x_<t) under `policy`, streamed at constant memory.
+          prefix: int | None = None, implementation: str | None = None, config: ModelConfig | None = None) -> jax.Array:
+    """Per-token log-likelihoods log p(x_t | x_<t) under `policy`, streamed at constant memory. model: a
+    CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 
     tokens: int [B, S] (right-padded, `lengths` [B] valid tokens per row). Returns float32 [B, S - 1]:
     entry t is log p(tokens[:, t + 1] | tokens[:, :t + 1]); entries past a row's length are 0. Non-finite
@@ -193,6 +217,7 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     recycles while decoding) need it.
     """
     check_policy(policy)
+    model = as_model(model, config)
     tokens, lengths, _ = _check_tokens(model, tokens, lengths)
     S = tokens.shape[1]
     if prefix is None and policy.needs_prompt:
@@ -270,8 +295,9 @@ def _sample(logits: jax.Array, rng, temperature: float, top_p: float) -> jax.Arr
 def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: int | None = None, rng: jax.Array | None = None,
              lengths: jax.Array | None = None, num_samples: int | None = None,
-             implementation: str | None = None) -> jax.Array:
-    """Continues right-padded prompts tokens [B, S] (valid prefix `lengths`) by max_new_tokens tokens.
+             implementation: str | None = None, config: ModelConfig | None = None) -> jax.Array:
+    """Continues right-padded prompts tokens [B, S] (valid prefix `lengths`) by max_new_tokens tokens. model: a
+    CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 
     temperature 0 is greedy; otherwise sampling with `rng` (required) and nucleus `top_p`. A row stops at
     `eos_id` (included in its output); its later entries are eos_id. Returns int32 [B, max_new_tokens].
@@ -288,6 +314,7 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     temperature = _number("temperature", temperature, numbers.Real, "a finite float >= 0 (0 is greedy)",
                           lambda t: 0 <= t < math.inf)
     top_p = _number("top_p", top_p, numbers.Real, "a float in (0, 1]", lambda p: 0 < p <= 1)
+    model = as_model(model, config)
     vocab = model.config.vocab_size
     if eos_id is not None:  # an id the model cannot produce would never stop a row
         eos_id = _number("eos_id", eos_id, numbers.Integral, f"None or an int in [0, vocab_size={vocab})",

@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama and Qwen2 decoders, read from Hugging Face
-`config.json` files or GGUF metadata."""
+"""Model configuration: one frozen dataclass for the Llama, Mistral, Qwen2 and Qwen3 decoders, read from Hugging
+Face `config.json` files or GGUF metadata."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from typing import Any
 
 from jcascade.rope import Llama3Scaling, RoPE
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # "llama", "mistral", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -25,9 +26,10 @@ class ModelConfig:
     rope_scaling: Llama3Scaling | None
     rms_norm_eps: float
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 always; Llama with attention_bias
-    o_bias: bool  # Llama with attention_bias
+    qkv_bias: bool  # Qwen2 always; Llama and Qwen3 with attention_bias
+    o_bias: bool  # Llama and Qwen3 with attention_bias
     max_position_embeddings: int
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's features of q and k, before the rotation
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -76,6 +78,11 @@ class ModelConfig:
             raise ValueError("unsupported config.json: mlp_bias=true")
         if config.get("use_sliding_window"):
             raise ValueError("unsupported config.json: use_sliding_window=true")
+        window, positions = config.get("sliding_window"), config.get("max_position_embeddings", 2048)
+        if arch == "mistral" and window is not None and window < positions:
+            raise ValueError(f"unsupported config.json: sliding_window={window} < max_position_embeddings={positions} "
+                             "(Mistral's sliding-window attention is not implemented; models with "
+                             "sliding_window null, such as Mistral-7B v0.2 and later, load)")
         heads = config["num_attention_heads"]
         attention_bias = bool(config.get("attention_bias", False))
         eos = config.get("eos_token_id")
@@ -93,8 +100,9 @@ class ModelConfig:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch == "llama" and attention_bias,
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            o_bias=arch != "qwen2" and attention_bias,
+            max_position_embeddings=positions,
+            qk_norm=arch == "qwen3",
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )

@@ -1,7 +1,9 @@
-"""The Llama / Qwen2 decoder as a Flax NNX module, attention delegated to jcascade's cache policies.
+"""The Llama / Mistral / Qwen2 / Qwen3 decoder as a Flax NNX module, attention delegated to jcascade's cache
+policies.
 
-Both architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query attention with rotary
-positions (Qwen2 adds q/k/v biases), and a SwiGLU MLP. The L layers' weights are stacked on a leading
+These architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query attention with rotary
+positions (Qwen2 adds q/k/v biases, Qwen3 an RMSNorm of each head's q and k), and a SwiGLU MLP. Its weights
+are declared in `models.weights`. The L layers' weights are stacked on a leading
 axis and run under `lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
 `jcascade.attend` then `jcascade.update` on its view of the cache, so every policy works unchanged. The
 stacked cache is the scan's carry and is never sliced: each layer sees the whole K/V stack with its layer
@@ -24,26 +26,7 @@ from flax import nnx
 from jcascade import attention, cache, shared, slots
 from jcascade.models import sharding
 from jcascade.models.config import ModelConfig
-
-LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo", "mlp_norm", "w_gate", "w_up", "w_down")
-
-
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of every weight the config needs (layer weights with their leading layer axis)."""
-    H, L, I = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {
-        "embed": (cfg.vocab_size, H), "final_norm": (H,),
-        "attn_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv), "wv": (L, H, kv), "wo": (L, q, H),
-        "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
-    }
-    if cfg.qkv_bias:
-        shapes.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
-    if cfg.o_bias:
-        shapes["bo"] = (L, H)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (H, cfg.vocab_size)
-    return shapes
+from jcascade.models.weights import declarations, weight_shapes
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -56,7 +39,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 class CausalLM(nnx.Module):
     """A Llama or Qwen2 causal language model. `config` is static; weights are `nnx.Param`s."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, jax.Array]):
+    def __init__(self, config: ModelConfig, weights: dict[str, jax.Array], *, mesh: jax.sharding.Mesh | None = None,
+                 embed_spec=None):
+        """weights by name (`models.weights`); mesh (with the embedding table's PartitionSpec `embed_spec`): the
+        mesh the weights are placed on (`on_mesh` builds such models), which caches are then made on."""
         expected = weight_shapes(config)
         missing = sorted(set(expected) - set(weights))
         extra = sorted(set(weights) - set(expected))
@@ -66,12 +52,11 @@ class CausalLM(nnx.Module):
             if tuple(weights[name].shape) != shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, the config needs {shape}")
         self.config = config
-        self.mesh = None  # set by `jcascade.models.shard`: caches are then made with the mesh's shardings
-        self.embed_spec = None  # and the embedding table's PartitionSpec (`sharding.embed` looks tokens up)
+        self.mesh, self.embed_spec = mesh, embed_spec  # (`sharding.embed` looks tokens up by the spec)
         self.embed = nnx.Param(weights["embed"])
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
-        self.layers = nnx.Dict({name: nnx.Param(weights[name]) for name in LAYER_WEIGHTS if name in weights})
+        self.layers = nnx.Dict({name: nnx.Param(weights[name]) for name, w in declarations(config).items() if w.layer})
 
     @classmethod
     def random(cls, config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02,
@@ -170,6 +155,8 @@ class CausalLM(nnx.Module):
             q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
             out, layer_state = attend_and_update(layer_state, q, k, v, lengths, layer_prefixes)
             o = out.reshape(B, T, -1) @ w["wo"]
             x = x + (o + w["bo"] if cfg.o_bias else o)
@@ -213,8 +200,8 @@ def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.
 
 
 def shard(model: CausalLM, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:
-    """The model with its weights placed on `mesh` (axes ("data", "model")) by `sharding.RULES`, overridden
-    per weight name by `rules`; its caches (`init_cache`, and so `generate`, `score`, `prefill`) get rows
+    """The model with its weights placed on `mesh` (axes ("data", "model")) by their logical axes
+    (`models.weights`, mapped by `sharding.LOGICAL_RULES`), or per weight name by `rules` (mesh axes); its caches (`init_cache`, and so `generate`, `score`, `prefill`) get rows
     over "data" and KV heads over "model"."""
     return on_mesh(model.config, model.weights(), mesh, rules)
 
@@ -226,6 +213,4 @@ def on_mesh(config: ModelConfig, weights, mesh: jax.sharding.Mesh, rules: dict[s
     shardings = {name: jax.sharding.NamedSharding(mesh, specs[name]) for name in weight_shapes(config)}
     placed = weights(shardings) if callable(weights) else \
         {name: jax.device_put(w, shardings[name]) for name, w in weights.items()}
-    model = CausalLM(config, placed)
-    model.mesh, model.embed_spec = mesh, specs["embed"]
-    return model
+    return CausalLM(config, placed, mesh=mesh, embed_spec=specs["embed"])

@@ -12,63 +12,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcascade.models.config import ModelConfig
-from jcascade.models.decoder import CausalLM, on_mesh, weight_shapes
+from jcascade.models.decoder import CausalLM, on_mesh
+from jcascade.models.weights import WEIGHTS, declarations, weight_shapes
 from jcascade.rope import Llama3Scaling
 
 CONVERTED_CONFIG = "jcascade-config.json"
 
-# our name -> Hugging Face name ("{i}" is the layer), and whether the tensor is a transposed Linear weight
-_HF_LAYER = {
-    "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
-    "wq": ("model.layers.{i}.self_attn.q_proj.weight", True),
-    "wk": ("model.layers.{i}.self_attn.k_proj.weight", True),
-    "wv": ("model.layers.{i}.self_attn.v_proj.weight", True),
-    "bq": ("model.layers.{i}.self_attn.q_proj.bias", False),
-    "bk": ("model.layers.{i}.self_attn.k_proj.bias", False),
-    "bv": ("model.layers.{i}.self_attn.v_proj.bias", False),
-    "wo": ("model.layers.{i}.self_attn.o_proj.weight", True),
-    "bo": ("model.layers.{i}.self_attn.o_proj.bias", False),
-    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
-    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
-    "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
-    "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
-}
-_HF_GLOBAL = {"embed": ("model.embed_tokens.weight", False), "final_norm": ("model.norm.weight", False),
-              "lm_head": ("lm_head.weight", True)}
-_GGUF_LAYER = {
-    "attn_norm": ("blk.{i}.attn_norm.weight", False), "wq": ("blk.{i}.attn_q.weight", True),
-    "wk": ("blk.{i}.attn_k.weight", True), "wv": ("blk.{i}.attn_v.weight", True),
-    "bq": ("blk.{i}.attn_q.bias", False), "bk": ("blk.{i}.attn_k.bias", False), "bv": ("blk.{i}.attn_v.bias", False),
-    "wo": ("blk.{i}.attn_output.weight", True), "bo": ("blk.{i}.attn_output.bias", False),
-    "mlp_norm": ("blk.{i}.ffn_norm.weight", False), "w_gate": ("blk.{i}.ffn_gate.weight", True),
-    "w_up": ("blk.{i}.ffn_up.weight", True), "w_down": ("blk.{i}.ffn_down.weight", True),
-}
-_GGUF_GLOBAL = {"embed": ("token_embd.weight", False), "final_norm": ("output_norm.weight", False),
-                "lm_head": ("output.weight", True)}
+def _collect(cfg: ModelConfig, files: dict[str, str], read, source: str) -> dict[str, np.ndarray]:
+    """Our weights (`models.weights`), read by their `source` ("hf" or "gguf") names, checking presence and
+    shape of every tensor; `files` maps each source name to the file holding it (for the errors)."""
 
-
-def _collect(cfg: ModelConfig, files: dict[str, str], read, global_names, layer_names) -> dict[str, np.ndarray]:
-    """Our weights, read by source name, checking presence and shape of every tensor; `files` maps each
-    source name to the file holding it (for the errors)."""
-
-    def get(source: str, target_shape: tuple[int, ...], transposed: bool, ours: str) -> np.ndarray:
-        if source not in files:
-            raise ValueError(f"missing tensor {source!r} (needed for {ours}) in "
-                             f"{', '.join(sorted(set(files.values())))}")
-        array = read(source)
+    def get(name: str, target_shape: tuple[int, ...], transposed: bool, ours: str) -> np.ndarray:
+        if name not in files:
+            raise ValueError(f"missing tensor {name!r} (needed for {ours}) in {', '.join(sorted(set(files.values())))}")
+        array = read(name)
         want = target_shape[::-1] if transposed else target_shape
         if array.shape != want:
-            raise ValueError(f"{files[source]}: tensor {source!r} has shape {array.shape}, the config needs {want}")
+            raise ValueError(f"{files[name]}: tensor {name!r} has shape {array.shape}, the config needs {want}")
         return array.T if transposed else array
 
     weights = {}
-    for name, shape in weight_shapes(cfg).items():
-        if name in global_names:
-            source, transposed = global_names[name]
-            weights[name] = get(source, shape, transposed, name)
+    for ours, w in declarations(cfg).items():
+        name = getattr(w, source)
+        if w.layer:
+            weights[ours] = np.stack([get(name.format(i=i), w.shape(cfg), w.transposed, ours)
+                                      for i in range(cfg.num_layers)])
         else:
-            source, transposed = layer_names[name]
-            weights[name] = np.stack([get(source.format(i=i), shape[1:], transposed, name) for i in range(cfg.num_layers)])
+            weights[ours] = get(name, w.shape(cfg), w.transposed, ours)
     return weights
 
 
@@ -135,7 +105,7 @@ def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
                     tensors[key], where[key] = f.get_tensor(key), name
         except SafetensorError as e:  # its messages name no file
             raise ValueError(f"{path / name}: {_safetensors_problem(path / name) or e}") from e
-    return cfg, _collect(cfg, where, lambda name: np.asarray(tensors[name]), _HF_GLOBAL, _HF_LAYER)
+    return cfg, _collect(cfg, where, lambda name: np.asarray(tensors[name]), "hf")
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -145,21 +115,21 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """A llama or qwen2 GGUF file, dequantised to float32."""
+    """A llama, qwen2 or qwen3 GGUF file, dequantised to float32."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
     cfg = _gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
+    interleaved = {w.gguf.split(".")[-2]: w.gguf_interleaved for w in WEIGHTS.values() if w.gguf_interleaved}
 
     def read(name: str) -> np.ndarray:
         t = tensors[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        if cfg.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = _unpermute(w, cfg.num_heads if "attn_q" in name else cfg.num_kv_heads)
-        return w
+        heads = interleaved.get(name.split(".")[-2]) if cfg.architecture == "llama" else None
+        return w if heads is None else _unpermute(w, cfg.num_heads if heads == "q" else cfg.num_kv_heads)
 
-    return cfg, _collect(cfg, dict.fromkeys(tensors, path.name), read, _GGUF_GLOBAL, _GGUF_LAYER)
+    return cfg, _collect(cfg, dict.fromkeys(tensors, path.name), read, "gguf")
 
 
 class _PastTheEnd(Exception):
@@ -192,8 +162,8 @@ def _gguf_reader(path: pathlib.Path):
 def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama, qwen2)")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama, qwen2, qwen3)")
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: GGUF rope frequency factors (llama3 scaling) are not supported")
@@ -207,11 +177,12 @@ def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(meta[f"{arch}.feed_forward_length"]), num_layers=int(meta[f"{arch}.block_count"]),
         num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=int(meta.get(f"{arch}.rope.dimension_count") or hidden // heads),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+                     or hidden // heads),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=None,
         rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
         tie_word_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors,
-        o_bias="blk.0.attn_output.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         bos_token_id=None if bos is None else int(bos.contents()),
         eos_token_ids=() if eos is None else (int(eos.contents()),),

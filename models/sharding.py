@@ -19,21 +19,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jcascade import slots
 from jcascade.shared import SharedPrefix
+from jcascade.models import weights
 from jcascade.models.config import ModelConfig
 
 AXES = ("data", "model")
 
-# Weight name -> the mesh axis of each dimension (layer weights include their leading layer axis).
-RULES: dict[str, tuple] = {
-    "embed": ("model", None), "lm_head": (None, "model"), "final_norm": (None,),
-    "attn_norm": (None, None), "mlp_norm": (None, None),
-    "wq": (None, None, "model"), "wk": (None, None, "model"), "wv": (None, None, "model"),
-    "bq": (None, "model"), "bk": (None, "model"), "bv": (None, "model"),
-    "wo": (None, "model", None), "bo": (None, None),
-    "w_gate": (None, None, "model"), "w_up": (None, None, "model"), "w_down": (None, "model", None),
-}
-ATTENTION = ("wq", "wk", "wv", "bq", "bk", "bv", "wo")  # split by heads: all of them or none
-MLP = ("w_gate", "w_up", "w_down")
+# Logical axis (`models.weights`) -> mesh axis: the Megatron split (q/k/v and gate/up by output columns, o and
+# down by input rows, the embedding and LM head by vocabulary); other axes are replicated.
+LOGICAL_RULES: dict[str, str] = {"vocab": "model", "q": "model", "kv": "model", "mlp": "model"}
+# a logical axis -> the group that is split all together or not at all
+GROUPS = {"q": "attention", "kv": "attention", "mlp": "MLP", "vocab": "vocabulary"}
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -74,11 +69,11 @@ def check_mesh(mesh: Mesh) -> None:
 
 
 def weight_specs(config: ModelConfig, mesh: Mesh, rules: dict[str, tuple] | None = None) -> dict[str, PartitionSpec]:
-    """The PartitionSpec of every weight name under `rules` (default `RULES`, overridable per name). A
-    group whose size does not divide by the "model" axis (attention: both head counts; MLP: the
-    intermediate size; the vocabulary) is replicated along it, with one warning naming it."""
+    """The PartitionSpec of every weight of the config: its logical axes (`models.weights`) mapped by
+    `LOGICAL_RULES`, or `rules[name]` (mesh axes, the layer axis included) where given. A group whose size does
+    not divide by the "model" axis (attention: both head counts; MLP: the intermediate size; the vocabulary) is
+    replicated along it, with one warning naming it."""
     check_mesh(mesh)
-    rules = RULES | (rules or {})
     m = mesh.shape["model"]
     splits = {"attention": config.num_heads % m == 0 and config.num_kv_heads % m == 0,
               "MLP": config.intermediate_size % m == 0, "vocabulary": config.vocab_size % m == 0}
@@ -89,13 +84,13 @@ def weight_specs(config: ModelConfig, mesh: Mesh, rules: dict[str, tuple] | None
     if replicated:
         warnings.warn(f"not divisible by the mesh's model axis ({m}), replicated along it: {', '.join(replicated)}",
                       stacklevel=3)
-    group = lambda name: "attention" if name in ATTENTION else "MLP" if name in MLP else \
-        "vocabulary" if name in ("embed", "lm_head") else None
     specs = {}
-    for name, axes in rules.items():
-        if group(name) is not None and not splits[group(name)]:
-            axes = tuple(None if a == "model" else a for a in axes)
-        specs[name] = PartitionSpec(*axes)
+    for name, axes in weights.logical_axes(config).items():
+        mesh_axes = (rules or {}).get(name) or tuple(LOGICAL_RULES.get(a) if a else None for a in axes)
+        groups = {GROUPS[a] for a in axes if a in GROUPS}
+        if not all(splits[g] for g in groups):
+            mesh_axes = tuple(None if a == "model" else a for a in mesh_axes)
+        specs[name] = PartitionSpec(*mesh_axes)
     return specs
 
 

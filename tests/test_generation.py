@@ -120,6 +120,32 @@ def test_generate_and_score_nest_inside_a_users_jit(model):
     assert logp.shape == (1, 21) and np.isfinite(np.asarray(logp)).all()
 
 
+def test_the_model_may_be_its_nnx_split_pair_or_a_weights_dict_with_its_config(model):
+    """The design card's call jc.generate(params, tokens, policy): params as the model, the pair nnx.split
+    returns, or the weights with config=; also as arguments of a user's jit. Anything else: a TypeError."""
+    from flax import nnx
+
+    prompt = jnp.asarray(np.random.default_rng(9).integers(0, VOCAB, (2, 12)), jnp.int32)
+    policy = jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=4)
+    want = np.asarray(jc.generate(model, prompt, policy, max_new_tokens=5))
+    graphdef, state = nnx.split(model)
+    weights, config = model.weights(), model.config
+    np.testing.assert_array_equal(jc.generate((graphdef, state), prompt, policy, max_new_tokens=5), want)
+    np.testing.assert_array_equal(jc.generate(weights, prompt, policy, max_new_tokens=5, config=config), want)
+    jitted = jax.jit(lambda state, weights, prompt: (
+        jc.generate((graphdef, state), prompt, policy, max_new_tokens=5),
+        jc.generate(weights, prompt, policy, max_new_tokens=5, config=config),
+        jc.score(weights, prompt, policy, config=config)))
+    from_pair, from_weights, logps = jitted(state, weights, prompt)
+    np.testing.assert_array_equal(from_pair, want)
+    np.testing.assert_array_equal(from_weights, want)
+    np.testing.assert_allclose(logps, jc.score(model, prompt, policy), atol=1e-5)
+    for params, config, match in [(state, None, "nnx.State alone lacks its graph"), (weights, None, "also needs config="),
+                                  (model, config, "config= goes only with a dict"), ([1, 2], None, "got list")]:
+        with pytest.raises(TypeError, match=match):
+            jc.generate(params, prompt, policy, max_new_tokens=5, config=config)
+
+
 def test_bad_inputs_raise_clear_errors(model):
     with pytest.raises(ValueError, match=rf"token ids must lie in \[0, vocab_size={VOCAB}\)"):
         jc.generate(model, np.array([[1, 2, VOCAB]]), jc.Full(), max_new_tokens=2)

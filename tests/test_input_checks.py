@@ -143,13 +143,7 @@ def hf_directory(directory, model):
               "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": True, "max_position_embeddings": 4096}
     tensors = {}
     for ours, w in model.weights().items():
-        w = np.asarray(w)
-        if ours in loading._HF_GLOBAL:
-            name, transposed = loading._HF_GLOBAL[ours]
-            tensors[name] = w.T if transposed else w
-        else:
-            name, transposed = loading._HF_LAYER[ours]
-            tensors.update({name.format(i=i): w[i].T if transposed else w[i] for i in range(c.num_layers)})
+        tensors.update(tiny.source_tensors(ours, w, "hf", c.num_layers))
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, directory / "model.safetensors")
@@ -210,14 +204,8 @@ def write_gguf(path, model, intermediate_size=None):
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
     for ours, w in model.weights().items():  # GGUF's (llama.cpp's) row permutation of Q/K does not matter here
-        w = np.asarray(w)
-        if ours in loading._GGUF_GLOBAL:
-            name, transposed = loading._GGUF_GLOBAL[ours]
-            writer.add_tensor(name, np.ascontiguousarray(w.T if transposed else w))
-        else:
-            name, transposed = loading._GGUF_LAYER[ours]
-            for i in range(c.num_layers):
-                writer.add_tensor(name.format(i=i), np.ascontiguousarray(w[i].T if transposed else w[i]))
+        for name, tensor in tiny.source_tensors(ours, w, "gguf", c.num_layers).items():
+            writer.add_tensor(name, np.ascontiguousarray(tensor))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -6,8 +6,10 @@ import dataclasses
 import pathlib
 
 import jax
+import numpy as np
 
 import jcascade as jc
+from jcascade.models.weights import WEIGHTS
 from jcascade.eval.passkey import INTRO, NEEDLE, PRIME, QUESTION
 from jcascade.eval.texts import REPEAT_SENTENCES
 
@@ -52,3 +54,12 @@ def save(directory: pathlib.Path) -> pathlib.Path:
     jc.save_converted(model(len(tok)), directory)
     tok.save_pretrained(directory)
     return directory
+
+
+def source_tensors(name: str, weight, source: str, num_layers: int) -> dict[str, np.ndarray]:
+    """Our weight `name` (layers stacked) as the tensors of a Hugging Face ("hf") or GGUF ("gguf") file, by
+    their names there (`models.weights`; without llama.cpp's Q/K row interleaving)."""
+    w, declared = np.asarray(weight), WEIGHTS[name]
+    parts = [(getattr(declared, source).format(i=i), w[i]) for i in range(num_layers)] if declared.layer else \
+        [(getattr(declared, source), w)]
+    return {key: part.T if declared.transposed else part for key, part in parts}

