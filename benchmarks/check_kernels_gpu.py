@@ -2,14 +2,15 @@
 
 The CPU tests run the kernels in interpret mode, which shares their logic but not the compiler's
 behaviour (NaN handling of Triton's max, masked loads, tiling at real sizes). This script runs
-`chunk_attention` on each GPU backend ("triton"; "mosaic_gpu", for chunks, on a Hopper GPU) at the
-Llama-3.1-8B layer shape (32 query heads, 8 KV heads, D = 128, bf16, RoPE fused) and compares out, lse and
+`chunk_attention` on each GPU backend ("triton"; "mosaic_gpu", for chunks, on a Hopper GPU; and "pallas", the
+default dispatch, which must pick a backend that takes the shape) at a layer shape (`--shape`: Llama-3.1-8B's 32
+query heads, 8 KV heads, D = 128, or Gemma 3 270M's 4 / 1 / D = 256; bf16, RoPE fused) and compares out, lse and
 both score increments with `implementation="xla"`: decode at batch 1 and 32 over a 16K + 64 cache read in
 place from a stacked cache, chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
 caches that hold a NaN key (the NaN pattern must match on the valid slots). Relative error (norm over the
 finite entries) must stay under 1e-2, the bf16 tolerance; exits 1 otherwise.
 
-    python benchmarks/check_kernels_gpu.py [--out benchmarks/results/check-kernels-<device>.json]
+    python benchmarks/check_kernels_gpu.py [--shape gemma-3-270m] [--out benchmarks/results/check-kernels-<device>.json]
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import numpy as np
 import jcascade as jc
 from jcascade import pallas_kernels as pk
 
-HQ, HKV, D, LAYERS, LAYER = 32, 8, 128, 4, 2
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma-3-270m": (4, 1, 256)}  # query heads, KV heads, head_dim
+HQ, HKV, D = SHAPES["llama-3.1-8b"]  # set by --shape
+LAYERS, LAYER = 4, 2
 TOLERANCE = 1e-2
 
 
@@ -82,19 +85,24 @@ def check(name, implementation, batch, T, S, reduction, nan_key=False, ragged=Fa
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=SHAPES, default="llama-3.1-8b")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = SHAPES[a.shape]
     if jax.default_backend() != "gpu":
         sys.exit("check_kernels_gpu.py needs a GPU (the CPU tests run the same kernels in interpret mode)")
     S = 16384 + 64
     rows = [check("decode", "triton", 1, 1, S, "max"), check("decode", "triton", 32, 1, S, "mean"),
-            check("chunk", "triton", 1, 512, 4096 + 64, "max"), check("decode, a NaN key", "triton", 1, 1, S, "max", nan_key=True)]
-    if pk.is_hopper():
+            check("chunk", "triton", 1, 512, 4096 + 64, "max"), check("decode, a NaN key", "triton", 1, 1, S, "max", nan_key=True),
+            check("chunk, default", "pallas", 1, 512, 4096 + 64, "max")]
+    if pk.is_hopper() and D in pk.mosaic_gpu.HEAD_DIMS:
         rows += [check("chunk", "mosaic_gpu", 1, 4096, S, "max"),
                  check("chunk, ragged rows", "mosaic_gpu", 2, 512, 4096 + 64, "mean", ragged=True),
                  check("chunk, a NaN key", "mosaic_gpu", 1, 512, 4096 + 64, "max", nan_key=True)]
     device = jax.devices()[0].device_kind
-    print(f"{device}, jax {jax.__version__}: Pallas kernels vs the XLA reference (relative error, tolerance {TOLERANCE})")
+    print(f"{device}, jax {jax.__version__}, {a.shape} (Hq {HQ}, Hkv {HKV}, D {D}): Pallas kernels vs the XLA reference "
+          f"(relative error, tolerance {TOLERANCE})")
     print(f"{'case':<20} {'backend':<10} {'batch':>5} {'T':>4} {'S':>6} {'out':>9} {'lse':>9} {'inc_cache':>9} "
           f"{'inc_chunk':>9}  ok")
     for r in rows:
@@ -102,7 +110,8 @@ def main():
               f"{r['lse']:9.2e} {r['inc_cache']:9.2e} {r['inc_chunk']:9.2e}  {r['ok']}")
     out = pathlib.Path(a.out or f"benchmarks/results/check-kernels-{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(device=device, jax=jax.__version__, tolerance=TOLERANCE, rows=rows), indent=2))
+    out.write_text(json.dumps(dict(device=device, jax=jax.__version__, shape=a.shape, tolerance=TOLERANCE, rows=rows),
+                              indent=2))
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
 

