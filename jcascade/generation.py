@@ -150,10 +150,10 @@ def _last_valid(hidden: jax.Array, n: jax.Array, fallback: jax.Array) -> jax.Arr
 
 def prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
             implementation: str | None = None, targets: jax.Array | None = None, *, config: ModelConfig | None = None):
-    """Feeds right-padded tokens [B, S] in stride chunks (model: as `as_model` takes it, with `config`). Returns the cache, the final hidden state at each
-    row's last valid token [B, hidden] (zeros for rows with length 0) and, when `targets` [B, S] is given,
-    the log-probabilities f32 [B, S] of targets[:, t] after tokens[:, :t + 1] (else None). Ids and lengths
-    (in [0, S]) are checked as `generate` checks them."""
+    """Feeds right-padded tokens [B, S] in stride chunks (model: as `as_model` takes it, with `config`).
+    Returns the cache, the final hidden state at each row's last valid token [B, hidden] (zeros for rows with
+    length 0) and, when `targets` [B, S] is given, the log-probabilities f32 [B, S] of targets[:, t] after
+    tokens[:, :t + 1] (else None). Ids and lengths (in [0, S]) are checked as `generate` checks them."""
     model = as_model(model, config)
     tokens, lengths, targets = _check_tokens(model, tokens, lengths, least=0, targets=targets)
     return _prefill(model, policy, state, tokens, lengths, implementation, targets)
@@ -203,7 +203,8 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
 
 
 def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | None = None,
-          prefix: int | None = None, implementation: str | None = None, config: ModelConfig | None = None) -> jax.Array:
+          prefix: int | None = None, implementation: str | None = None,
+          config: ModelConfig | None = None) -> jax.Array:
     """Per-token log-likelihoods log p(x_t | x_<t) under `policy`, streamed at constant memory. model: a
     CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 

@@ -201,8 +201,8 @@ def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.
 
 def shard(model: CausalLM, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:
     """The model with its weights placed on `mesh` (axes ("data", "model")) by their logical axes
-    (`models.weights`, mapped by `sharding.LOGICAL_RULES`), or per weight name by `rules` (mesh axes); its caches (`init_cache`, and so `generate`, `score`, `prefill`) get rows
-    over "data" and KV heads over "model"."""
+    (`models.weights`, mapped by `sharding.LOGICAL_RULES`), or per weight name by `rules` (mesh axes); its
+    caches (`init_cache`, and so `generate`, `score`, `prefill`) get rows over "data" and KV heads over "model"."""
     return on_mesh(model.config, model.weights(), mesh, rules)
 
 

@@ -140,8 +140,9 @@ def test_the_model_may_be_its_nnx_split_pair_or_a_weights_dict_with_its_config(m
     np.testing.assert_array_equal(from_pair, want)
     np.testing.assert_array_equal(from_weights, want)
     np.testing.assert_allclose(logps, jc.score(model, prompt, policy), atol=1e-5)
-    for params, config, match in [(state, None, "nnx.State alone lacks its graph"), (weights, None, "also needs config="),
-                                  (model, config, "config= goes only with a dict"), ([1, 2], None, "got list")]:
+    for params, config, match in [(state, None, "nnx.State alone lacks its graph"),
+                                  (weights, None, "also needs config="), (model, config, "config= goes only with a dict"),
+                                  ([1, 2], None, "got list")]:
         with pytest.raises(TypeError, match=match):
             jc.generate(params, prompt, policy, max_new_tokens=5, config=config)
 
@@ -158,4 +159,5 @@ def test_bad_inputs_raise_clear_errors(model):
     jc.generate(model, np.ones((1, 500), np.int32), jc.Sink(window=32, sinks=4, stride=256), max_new_tokens=20)  # bounded: fine
     with warnings.catch_warnings():  # right-padded rows: the positions used are the longest row's, not the padding's
         warnings.simplefilter("error")
-        jc.generate(model, np.ones((2, 500), np.int32), jc.Full(stride=256), max_new_tokens=20, lengths=np.array([490, 300]))
+        jc.generate(model, np.ones((2, 500), np.int32), jc.Full(stride=256), max_new_tokens=20,
+                    lengths=np.array([490, 300]))
