@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jcascade import cache, compilation, slots
+from jcascade import compilation, slots
 from jcascade.policies import Full, check_policy
 from jcascade.shared import share_prefix
 from jcascade.models.config import ModelConfig
@@ -199,7 +199,7 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
         in_window = jnp.arange(w)[None, :] < window[:, None]
         window_logps = token_log_probs(model, hidden, jnp.take_along_axis(targets, at, axis=1))
         logps = logps.at[jnp.arange(B)[:, None], jnp.where(in_window, at, S)].set(window_logps, mode="drop")
-    return cache.compress(policy, state, room), last, logps
+    return model.compress(policy, state, room), last, logps
 
 
 def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | None = None,
@@ -333,6 +333,8 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
         if not policy.shareable:
             raise ValueError(f"num_samples does not support {type(policy).__name__} (its cache cannot be shared by "
                              "the samples)")
+        if model.config.sliding_layers:
+            raise ValueError("num_samples is not supported yet for models with sliding layers (Gemma 3)")
     longest = tokens.shape[1] if isinstance(lengths, jax.core.Tracer) else int(jnp.max(lengths))  # the longest row
     _check_positions(model, policy, longest + max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng

@@ -24,16 +24,49 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jcascade import attention, cache, shared, slots
+from jcascade.policies import SlidingWindow
 from jcascade.models import sharding
 from jcascade.models.config import ModelConfig
 from jcascade.models.weights import declarations, weight_shapes
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """As Hugging Face: normalise in float32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -> jax.Array:
+    """As Hugging Face: normalise in float32, cast back, then scale by weight (Llama); with `gemma`, scale by
+    (1 + weight) in float32, then cast back."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if gemma:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
+
+
+def window_attention(state: slots.CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
+                     window: int) -> jax.Array:
+    """Exact sliding-window attention (Gemma 3's sliding layers, masked as Hugging Face masks them): the query at
+    position p sees the keys at positions p - window + 1 .. p, from the layer's window cache (`state`, holding
+    at least the window - 1 tokens before the chunk) and the chunk. q [B, T, Hq, D], k, v [B, T, Hkv, D]
+    un-rotated; lengths [B] valid queries. Returns out [B, T, Hq, D] (zeros for padding queries). Plain XLA."""
+    B, T, Hq, D = q.shape
+    Hkv, f32 = k.shape[2], jnp.float32
+    cached_k, cached_v = slots.cached_kv(state)
+    q_pos = state.seen[:, None] + jnp.arange(T)  # [B, T]
+    chunk = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
+    keys = jnp.concatenate([rope(cached_k, state.pos), chunk(rope(k, q_pos[:, :, None]))], axis=2)
+    values = jnp.concatenate([cached_v, chunk(v)], axis=2)
+    k_pos = jnp.concatenate([state.pos, jnp.broadcast_to(q_pos[:, None, :], (B, Hkv, T))], axis=2)  # [B, Hkv, S]
+    k_valid = jnp.concatenate([state.pos >= 0, jnp.broadcast_to((jnp.arange(T) < lengths[:, None])[:, None, :],
+                                                                (B, Hkv, T))], axis=2)
+    qg = rope(q, q_pos[:, :, None]).reshape(B, T, Hkv, Hq // Hkv, D).astype(f32) * D**-0.5
+    scores = jnp.einsum("bthgd,bhsd->bhgts", qg, keys.astype(f32), precision=jax.lax.Precision.HIGHEST)
+    behind = q_pos[:, None, :, None] - k_pos[:, :, None, :]  # [B, Hkv, T, S]
+    seen = k_valid[:, :, None, :] & (behind >= 0) & (behind < window) & (jnp.arange(T) < lengths[:, None])[:, None, :, None]
+    scores = jnp.where(seen[:, :, None], scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    e = jnp.exp(scores - jnp.where(jnp.isneginf(top), 0.0, top))
+    total = e.sum(-1, keepdims=True)
+    p = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)
+    out = jnp.einsum("bhgts,bhsd->bthgd", p, values.astype(f32), precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(B, T, Hq, D).astype(q.dtype)
 
 
 class CausalLM(nnx.Module):
@@ -89,40 +122,69 @@ class CausalLM(nnx.Module):
             weights["lm_head"] = self.lm_head[...]
         return weights
 
-    def init_cache(self, policy, batch: int, max_tokens: int | None = None) -> slots.CacheState:
-        """An empty cache for every layer (leading layer axis), in the model's dtype; on a sharded model's
-        mesh, rows over "data" and KV heads over "model"."""
-        cfg = self.config
-        state = cache.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                 max_tokens=max_tokens, num_layers=cfg.num_layers)
-        if self.mesh is None:
-            return state
-        return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, self.mesh), self.mesh)
+    def window_policy(self, policy):
+        """The cache policy of the sliding layers: the model's window minus the query itself, with `policy`'s
+        stride."""
+        return SlidingWindow(window=self.config.sliding_window - 1, positions="original", stride=policy.stride)
 
-    def __call__(self, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
+    def init_cache(self, policy, batch: int, max_tokens: int | None = None):
+        """An empty cache for every layer (leading layer axis), in the model's dtype; on a sharded model's
+        mesh, rows over "data" and KV heads over "model". A model with sliding layers (Gemma 3) gets a pair:
+        (`policy`'s cache of its global layers, the window cache of its sliding layers, `window_policy`)."""
+        cfg = self.config
+        sliding = len(cfg.sliding_layers)
+
+        def make(policy, layers):
+            state = cache.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                     max_tokens=max_tokens, num_layers=layers)
+            if self.mesh is None:
+                return state
+            return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, self.mesh), self.mesh)
+
+        if not sliding:
+            return make(policy, cfg.num_layers)
+        return make(policy, cfg.num_layers - sliding), make(self.window_policy(policy), sliding)
+
+    def compress(self, policy, state, room: int):
+        """`jcascade.compress` of the cache after a prompt (SnapKV, PyramidKV): of the global layers' cache only
+        when the model has sliding layers."""
+        if isinstance(state, tuple):
+            return cache.compress(policy, state[0], room), state[1]
+        return cache.compress(policy, state, room)
+
+    def __call__(self, policy, state, tokens: jax.Array, lengths: jax.Array,
                  implementation: str | None = None, prefixes: tuple = ()) -> tuple[jax.Array, slots.CacheState]:
         """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row;
         prefixes: `jcascade.SharedPrefix` levels (layers stacked) that the rows' histories begin with.
-        Returns the final-norm hidden states [B, T, hidden] and the updated cache."""
+        Returns the final-norm hidden states [B, T, hidden] and the updated cache (`init_cache`'s)."""
         cfg = self.config
         B, T = tokens.shape
+        if prefixes and cfg.sliding_layers:
+            raise ValueError("shared prefixes (num_samples) are not supported yet for models with sliding layers")
         x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
+        if cfg.gemma:
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
         layers = functools.partial(self._layers, lengths=lengths, implementation=implementation, prefixes=tuple(prefixes))
-        branch = policy.step_branch(_layer_view(state, jnp.int32(0)), T, lengths)
+        branch = policy.step_branch(_layer_view(state[0] if isinstance(state, tuple) else state, jnp.int32(0)), T,
+                                    lengths)
         if branch is None:
             x, state = layers(policy, x, state)
         else:
             index, branch_policies = branch
             x, state = jax.lax.switch(index, [functools.partial(layers, p) for p in branch_policies], x, state)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), state
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma), state
 
-    def _layers(self, policy, x: jax.Array, state: slots.CacheState, *, lengths: jax.Array, implementation,
+    def _layers(self, policy, x: jax.Array, state, *, lengths: jax.Array, implementation,
                 prefixes: tuple) -> tuple[jax.Array, slots.CacheState]:
-        """x [B, T, hidden] (embedded) through every layer under `lax.scan`; returns it and the cache."""
+        """x [B, T, hidden] (embedded) through every layer under `lax.scan`; returns it and the cache. With
+        sliding layers the scan's carry holds both caches and each layer picks its attention with `lax.cond`
+        on its type, so each layer type compiles once."""
         cfg = self.config
         B, T = x.shape[:2]
         rope = cfg.rope
         weights = {name: p[...] for name, p in self.layers.items()}
+        norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, gemma=cfg.gemma)
+        scale = 1.0 if cfg.query_scale is None else cfg.query_scale * cfg.head_dim**0.5
 
         def attend_and_update(layer_state, q, k, v, lengths, layer_prefixes):
             if layer_prefixes:  # requests' own caches keep no scores under shared prefixes
@@ -144,11 +206,22 @@ class CausalLM(nnx.Module):
                           specs["prefixes"]),
                 out_specs=(specs["chunk"], specs["state"]))
 
+        def global_layer(state, index, q, k, v, layer_prefixes):
+            out, layer_state = attend_and_update(_layer_view(state, index), q, k, v, lengths, layer_prefixes)
+            return out, _written_back(state, layer_state, index)
+
+        def sliding_layer(state, index, q, k, v):
+            layer_state = _layer_view(state, index)
+            out, layer_state = _ordered(window_attention(layer_state, q, k, v, lengths, cfg.local_rope,
+                                                         cfg.sliding_window), layer_state)
+            layer_state = cache.update(self.window_policy(policy), layer_state, k, v, None, lengths,
+                                       implementation=implementation)
+            return out, _written_back(state, layer_state, index)
+
         def layer(carry, inputs):
             x, state = carry
-            w, index, layer_prefixes = inputs
-            layer_state = _layer_view(state, index)
-            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+            w, index, sliding, layer_prefixes = inputs
+            h = norm(x, w["attn_norm"])
             q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
@@ -156,23 +229,32 @@ class CausalLM(nnx.Module):
             k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-            out, layer_state = attend_and_update(layer_state, q, k, v, lengths, layer_prefixes)
+                q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+            if scale != 1.0:  # the attention scales by head_dim ** -0.5
+                q = q * jnp.asarray(scale, q.dtype)
+            if cfg.sliding_layers:
+                out, state = jax.lax.cond(
+                    sliding, lambda s: (lambda o, w: (o, (s[0], w)))(*sliding_layer(s[1], index, q, k, v)),
+                    lambda s: (lambda o, g: (o, (g, s[1])))(*global_layer(s[0], index, q, k, v, layer_prefixes)),
+                    state)
+            else:
+                out, state = global_layer(state, index, q, k, v, layer_prefixes)
             o = out.reshape(B, T, -1) @ w["wo"]
-            x = x + (o + w["bo"] if cfg.o_bias else o)
-            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+            o = o + w["bo"] if cfg.o_bias else o
+            x = x + (norm(o, w["post_attn_norm"]) if cfg.gemma else o)
+            h = norm(x, w["mlp_norm"])
             # two views of h: XLA would merge the two products into one over [w_gate | w_up], concatenated
             # anew every step (a copy of both weights: 1.8 ms of a TP=2 8B decode step on two H200s)
             h_gate, h_up = jax.lax.optimization_barrier((h, h))
-            x = x + (jax.nn.silu(h_gate @ w["w_gate"]) * (h_up @ w["w_up"])) @ w["w_down"]
-            state = slots.CacheState(k=layer_state.k, v=layer_state.v,
-                                     score=state.score.at[index].set(layer_state.score),
-                                     pos=state.pos.at[index].set(layer_state.pos),
-                                     seen=state.seen.at[index].set(layer_state.seen))
+            gate = jax.nn.gelu(h_gate @ w["w_gate"], approximate=True) if cfg.gemma else jax.nn.silu(h_gate @ w["w_gate"])
+            m = (gate * (h_up @ w["w_up"])) @ w["w_down"]
+            x = x + (norm(m, w["post_mlp_norm"]) if cfg.gemma else m)
             return (x, state), None
 
-        indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, state), _ = jax.lax.scan(layer, (x, state), (weights, indices, prefixes))
+        sliding = jnp.asarray([i in cfg.sliding_layers for i in range(cfg.num_layers)])
+        index = jnp.cumsum(jnp.where(sliding, 1, 0)) - 1  # each layer's place among the layers of its type
+        index = jnp.where(sliding, index, jnp.arange(cfg.num_layers) - index - 1).astype(jnp.int32)
+        (x, state), _ = jax.lax.scan(layer, (x, state), (weights, index, sliding, prefixes))
         return x, state
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -190,6 +272,13 @@ def _layer_view(state: slots.CacheState, index: jax.Array) -> slots.CacheState:
     """Layer `index`'s view of the stacked cache: the whole K/V stack with its layer index, its own small arrays."""
     return slots.CacheState(k=state.k, v=state.v, score=state.score[index], pos=state.pos[index],
                             seen=state.seen[index], layer=index)
+
+
+def _written_back(state: slots.CacheState, layer_state: slots.CacheState, index: jax.Array) -> slots.CacheState:
+    """The stacked cache after a layer's update: its K/V stack (written in place) and its small arrays set at
+    `index`."""
+    return slots.CacheState(k=layer_state.k, v=layer_state.v, score=state.score.at[index].set(layer_state.score),
+                            pos=state.pos.at[index].set(layer_state.pos), seen=state.seen.at[index].set(layer_state.seen))
 
 
 def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.CacheState]:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade.models.config import ModelConfig
+from jcascade.models.config import GLOBAL, SLIDING, ModelConfig
 from jcascade.models.decoder import CausalLM, on_mesh
 from jcascade.models.weights import WEIGHTS, declarations, weight_shapes
 from jcascade.rope import Llama3Scaling
@@ -115,7 +115,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """A llama, qwen2 or qwen3 GGUF file, dequantised to float32."""
+    """A llama, qwen2, qwen3 or gemma3 GGUF file, dequantised to float32 (gemma3's norm weights: llama.cpp's
+    converter stores 1 + w, the scale it multiplies by; ours are w)."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
@@ -127,6 +128,8 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         t = tensors[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         heads = interleaved.get(name.split(".")[-2]) if cfg.architecture == "llama" else None
+        if cfg.gemma and name.endswith("norm.weight"):
+            w = w - 1.0
         return w if heads is None else _unpermute(w, cfg.num_heads if heads == "q" else cfg.num_kv_heads)
 
     return cfg, _collect(cfg, dict.fromkeys(tensors, path.name), read, "gguf")
@@ -162,8 +165,8 @@ def _gguf_reader(path: pathlib.Path):
 def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama, qwen2, qwen3)")
+    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama, qwen2, qwen3, gemma3)")
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: GGUF rope frequency factors (llama3 scaling) are not supported")
@@ -173,9 +176,14 @@ def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     vocab = int(meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    layers = int(meta[f"{arch}.block_count"])
+    gemma = {}
+    if arch == "gemma3":  # as llama.cpp runs it: every 6th layer global, RoPE base 10K on the sliding ones
+        gemma = dict(layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)),
+                     sliding_window=int(meta[f"{arch}.attention.sliding_window"]), rope_local_theta=10000.0)
+    return ModelConfig(**gemma,
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]), num_layers=int(meta[f"{arch}.block_count"]),
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]), num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads,
         head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
                      or hidden // heads),
@@ -210,6 +218,7 @@ def _converted_config(directory: pathlib.Path) -> ModelConfig:
     raw = _json(directory / CONVERTED_CONFIG)
     raw["rope_scaling"] = None if raw["rope_scaling"] is None else Llama3Scaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    raw["layer_types"] = tuple(raw.get("layer_types", ()))  # (absent from checkpoints converted before Gemma 3)
     return ModelConfig(**raw)
 
 

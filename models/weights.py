@@ -84,9 +84,21 @@ WEIGHTS: dict[str, Weight] = {
 }
 
 
+# Gemma 3: its MLP norm is "pre_feedforward_layernorm" (Llama's "post_attention_layernorm" is its norm after the
+# attention), and norms after the attention and the MLP.
+GEMMA3: dict[str, Weight] = {
+    "mlp_norm": dataclasses.replace(WEIGHTS["mlp_norm"], hf="model.layers.{i}.pre_feedforward_layernorm.weight"),
+    "post_attn_norm": Weight(lambda c: (c.hidden_size,), (None,), "model.layers.{i}.post_attention_layernorm.weight",
+                             "blk.{i}.post_attention_norm.weight"),
+    "post_mlp_norm": Weight(lambda c: (c.hidden_size,), (None,), "model.layers.{i}.post_feedforward_layernorm.weight",
+                            "blk.{i}.post_ffw_norm.weight"),
+}
+
+
 def declarations(cfg: ModelConfig) -> dict[str, Weight]:
     """The weights a config has, by our name, in a fixed order."""
-    return {name: w for name, w in WEIGHTS.items() if w.needed(cfg)}
+    table = WEIGHTS | (GEMMA3 if cfg.gemma else {})
+    return {name: w for name, w in table.items() if w.needed(cfg)}
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

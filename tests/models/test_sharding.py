@@ -87,10 +87,15 @@ def test_sharded_score_and_generate_equal_one_device(model, one_device, shape, n
     np.testing.assert_array_equal(generated, want_generated)
 
 
+GEMMA3 = dict(architecture="gemma3", qk_norm=True, layer_types=("sliding", "global"), sliding_window=8,
+              rope_local_theta=10000.0, query_scale=0.3)
+
+
 @pytest.mark.parametrize("family", [dict(architecture="qwen3", qk_norm=True, head_dim=12),
-                                    dict(architecture="qwen2", qkv_bias=True)], ids=["qwen3", "qwen2"])
+                                    dict(architecture="qwen2", qkv_bias=True), GEMMA3], ids=["qwen3", "qwen2", "gemma3"])
 def test_each_family_sharded_equals_one_device(family):
-    """The weights a family adds (Qwen3's q/k norms, Qwen2's biases) follow their logical axes onto the mesh."""
+    """The weights a family adds (Qwen3's q/k norms, Qwen2's biases, Gemma 3's norms) follow their logical axes
+    onto the mesh; Gemma 3's window cache of its sliding layers too."""
     model = tiny.model(96, seed=1, **TINY | family)
     want_score, want_generated = score_and_generate(model, CASCADE, *inputs())
     score, generated = score_and_generate(jc.models.shard(model, mesh_of((2, 4))), CASCADE, *inputs())
