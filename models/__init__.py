@@ -1,4 +1,4 @@
-"""Flax Llama / Mistral / Qwen2 / Qwen3 models and weight loading (installed as `jcascade.models`)."""
+"""Flax Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 models and weight loading (installed as `jcascade.models`)."""
 
 from jcascade.models.config import ModelConfig
 from jcascade.models.decoder import CausalLM, shard

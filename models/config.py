@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama, Mistral, Qwen2 and Qwen3 decoders, read from Hugging
-Face `config.json` files or GGUF metadata."""
+"""Model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3 and Gemma 3 decoders, read from
+Hugging Face `config.json` files or GGUF metadata."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""The Llama / Mistral / Qwen2 / Qwen3 decoder as a Flax NNX module, attention delegated to jcascade's cache
-policies.
+"""The Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 decoder as a Flax NNX module, attention delegated to jcascade's
+cache policies.
 
 These architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query attention with rotary
-positions (Qwen2 adds q/k/v biases, Qwen3 an RMSNorm of each head's q and k), and a SwiGLU MLP. Its weights
-are declared in `models.weights`. The L layers' weights are stacked on a leading
+positions (Qwen2 adds q/k/v biases, Qwen3 an RMSNorm of each head's q and k), and a SwiGLU MLP; Gemma 3 adds
+(1 + w) norms after attention and MLP too, a GeLU-tanh MLP, scaled embeddings, and sliding-window layers with a
+window cache of their own (`window_attention`) beside the global ones. Its weights are declared in
+`models.weights`. The L layers' weights are stacked on a leading
 axis and run under `lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
 `jcascade.attend` then `jcascade.update` on its view of the cache, so every policy works unchanged. The
 stacked cache is the scan's carry and is never sliced: each layer sees the whole K/V stack with its layer
