@@ -235,10 +235,15 @@ class CausalLM(nnx.Module):
             if scale != 1.0:  # the attention scales by head_dim ** -0.5
                 q = q * jnp.asarray(scale, q.dtype)
             if cfg.sliding_layers:
-                out, state = jax.lax.cond(
-                    sliding, lambda s: (lambda o, w: (o, (s[0], w)))(*sliding_layer(s[1], index, q, k, v)),
-                    lambda s: (lambda o, g: (o, (g, s[1])))(*global_layer(s[0], index, q, k, v, layer_prefixes)),
-                    state)
+                def on_sliding(caches):
+                    out, window_cache = sliding_layer(caches[1], index, q, k, v)
+                    return out, (caches[0], window_cache)
+
+                def on_global(caches):
+                    out, global_cache = global_layer(caches[0], index, q, k, v, layer_prefixes)
+                    return out, (global_cache, caches[1])
+
+                out, state = jax.lax.cond(sliding, on_sliding, on_global, state)
             else:
                 out, state = global_layer(state, index, q, k, v, layer_prefixes)
             o = out.reshape(B, T, -1) @ w["wo"]
