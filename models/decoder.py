@@ -4,9 +4,9 @@ cache policies.
 These architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query attention with rotary
 positions (Qwen2 adds q/k/v biases, Qwen3 an RMSNorm of each head's q and k), and a SwiGLU MLP; Gemma 3 adds
 (1 + w) norms after attention and MLP too, a GeLU-tanh MLP, scaled embeddings, and sliding-window layers with a
-window cache of their own (`window_attention`) beside the global ones. Its weights are declared in
-`models.weights`. The L layers' weights are stacked on a leading
-axis and run under `lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
+window cache of their own (`window_attention`; `with_sliding_policy` sets its policy) beside the global ones. Its
+weights are declared in `models.weights`. The L layers' weights are stacked on a leading axis and run under
+`lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
 `jcascade.attend` then `jcascade.update` on its view of the cache, so every policy works unchanged. The
 stacked cache is the scan's carry and is never sliced: each layer sees the whole K/V stack with its layer
 index (`CacheState.layer`), the kernels and scatters read and write that layer in place, and only the
@@ -19,6 +19,7 @@ Weights use the x @ W convention (W is [in, out], the transpose of PyTorch's Lin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jcascade import attention, cache, shared, slots
-from jcascade.policies import SlidingWindow
+from jcascade.policies import SlidingWindow, check_policy
 from jcascade.models import sharding
 from jcascade.models.config import ModelConfig
 from jcascade.models.weights import declarations, weight_shapes
@@ -42,42 +43,54 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -
     return weight * xf.astype(x.dtype)
 
 
-def window_attention(state: slots.CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
-                     window: int) -> jax.Array:
-    """Exact sliding-window attention (Gemma 3's sliding layers, masked as Hugging Face masks them): the query at
-    position p sees the keys at positions p - window + 1 .. p, from the layer's window cache (`state`, holding
-    at least the window - 1 tokens before the chunk) and the chunk. q [B, T, Hq, D], k, v [B, T, Hkv, D]
-    un-rotated; lengths [B] valid queries. Returns out [B, T, Hq, D] (zeros for padding queries). Plain XLA."""
+def window_attention(policy, state: slots.CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                     rope, window: int) -> tuple[jax.Array, slots.Scores | None]:
+    """Sliding-window attention (Gemma 3's sliding layers, masked as Hugging Face masks them): the query at
+    position p sees the keys at positions p - window + 1 .. p that the layer's cache (`state`, under `policy`)
+    holds, and the chunk's. Exact when the cache holds the window - 1 tokens before the chunk (the default
+    window cache). Keys are rotated at `policy.key_positions`; the window counts original positions.
+    q [B, T, Hq, D], k, v [B, T, Hkv, D] un-rotated; lengths [B] valid queries. Returns out [B, T, Hq, D]
+    (zeros for padding queries) and, for a policy that keeps scores, its increments (`Scores`, as
+    `pallas_kernels.reference.chunk_attention` defines them). Plain XLA."""
     B, T, Hq, D = q.shape
-    Hkv, f32 = k.shape[2], jnp.float32
+    Hkv, f32, highest = k.shape[2], jnp.float32, jax.lax.Precision.HIGHEST
     cached_k, cached_v = slots.cached_kv(state)
-    q_pos = state.seen[:, None] + jnp.arange(T)  # [B, T]
+    key_pos, start = policy.key_positions(state)
+    rot_pos = start[:, None] + jnp.arange(T)  # [B, T] the chunk's RoPE positions
+    q_pos = state.seen[:, None] + jnp.arange(T)  # [B, T] its original positions
     chunk = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
-    keys = jnp.concatenate([rope(cached_k, state.pos), chunk(rope(k, q_pos[:, :, None]))], axis=2)
+    keys = jnp.concatenate([rope(cached_k, key_pos), chunk(rope(k, rot_pos[:, :, None]))], axis=2)
     values = jnp.concatenate([cached_v, chunk(v)], axis=2)
     k_pos = jnp.concatenate([state.pos, jnp.broadcast_to(q_pos[:, None, :], (B, Hkv, T))], axis=2)  # [B, Hkv, S]
     k_valid = jnp.concatenate([state.pos >= 0, jnp.broadcast_to((jnp.arange(T) < lengths[:, None])[:, None, :],
                                                                 (B, Hkv, T))], axis=2)
-    qg = rope(q, q_pos[:, :, None]).reshape(B, T, Hkv, Hq // Hkv, D).astype(f32) * D**-0.5
-    scores = jnp.einsum("bthgd,bhsd->bhgts", qg, keys.astype(f32), precision=jax.lax.Precision.HIGHEST)
+    qg = rope(q, rot_pos[:, :, None]).reshape(B, T, Hkv, Hq // Hkv, D).astype(f32) * D**-0.5
+    scores = jnp.einsum("bthgd,bhsd->bhgts", qg, keys.astype(f32), precision=highest)
     behind = q_pos[:, None, :, None] - k_pos[:, :, None, :]  # [B, Hkv, T, S]
     seen = k_valid[:, :, None, :] & (behind >= 0) & (behind < window) & (jnp.arange(T) < lengths[:, None])[:, None, :, None]
     scores = jnp.where(seen[:, :, None], scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     e = jnp.exp(scores - jnp.where(jnp.isneginf(top), 0.0, top))
     total = e.sum(-1, keepdims=True)
-    p = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)
-    out = jnp.einsum("bhgts,bhsd->bthgd", p, values.astype(f32), precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(B, T, Hq, D).astype(q.dtype)
+    p = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)  # [B, Hkv, G, T, S]
+    out = jnp.einsum("bhgts,bhsd->bthgd", p, values.astype(f32), precision=highest).reshape(B, T, Hq, D).astype(q.dtype)
+    weights = policy.query_weights(lengths, T)
+    if weights is None:
+        return out, None
+    reduce = jnp.max if policy.head_reduction == "max" else jnp.mean
+    increments = reduce(jnp.einsum("bhgts,bt->bhgs", p, weights.astype(f32), precision=highest), axis=2)
+    capacity = cached_k.shape[2]
+    return out, slots.Scores(cache=increments[..., :capacity], chunk=increments[..., capacity:])
 
 
 class CausalLM(nnx.Module):
-    """A Llama or Qwen2 causal language model. `config` is static; weights are `nnx.Param`s."""
+    """A causal language model of one of the families above. `config` is static; weights are `nnx.Param`s."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, jax.Array], *, mesh: jax.sharding.Mesh | None = None,
-                 embed_spec=None):
+                 embed_spec=None, sliding_policy=None):
         """weights by name (`models.weights`); mesh (with the embedding table's PartitionSpec `embed_spec`): the
-        mesh the weights are placed on (`on_mesh` builds such models), which caches are then made on."""
+        mesh the weights are placed on (`on_mesh` builds such models), which caches are then made on;
+        sliding_policy: see `with_sliding_policy` (None: the trained window)."""
         expected = weight_shapes(config)
         missing = sorted(set(expected) - set(weights))
         extra = sorted(set(weights) - set(expected))
@@ -86,7 +99,15 @@ class CausalLM(nnx.Module):
         for name, shape in expected.items():
             if tuple(weights[name].shape) != shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, the config needs {shape}")
-        self.config = config
+        if sliding_policy is not None:
+            check_policy(sliding_policy)
+            if not config.sliding_layers:
+                raise ValueError("sliding_policy is for models with sliding-window layers (Gemma 3); this "
+                                 f"{config.architecture} model has none")
+            if sliding_policy.needs_prompt:
+                raise ValueError(f"sliding_policy must act while tokens stream (Sink, SlidingWindow, H2O, Cascade, "
+                                 f"Full), not after a prompt: got {type(sliding_policy).__name__}")
+        self.config, self.sliding_policy = config, sliding_policy
         self.mesh, self.embed_spec = mesh, embed_spec  # (`sharding.embed` looks tokens up by the spec)
         self.embed = nnx.Param(weights["embed"])
         self.final_norm = nnx.Param(weights["final_norm"])
@@ -124,10 +145,20 @@ class CausalLM(nnx.Module):
             weights["lm_head"] = self.lm_head[...]
         return weights
 
+    def with_sliding_policy(self, policy) -> CausalLM:
+        """This model (the same weights, mesh and config) with `policy` as the cache policy of its sliding-window
+        layers, the one given to `generate`, `score` or `prefill` serving its global layers. Each sliding
+        layer still sees only the keys of its trained window that its cache holds (so e.g. `jc.Sink`'s sinks
+        drop out of the window once the text outgrows it); the policy runs with the global policy's stride,
+        and must not act after a prompt (no SnapKV, PyramidKV, Recycled). None: the exact trained window."""
+        return CausalLM(self.config, self.weights(), mesh=self.mesh, embed_spec=self.embed_spec, sliding_policy=policy)
+
     def window_policy(self, policy):
-        """The cache policy of the sliding layers: the model's window minus the query itself, with `policy`'s
-        stride."""
-        return SlidingWindow(window=self.config.sliding_window - 1, positions="original", stride=policy.stride)
+        """The cache policy of the sliding layers with `policy`'s stride: `with_sliding_policy`'s, by default
+        the model's window minus the query itself."""
+        if self.sliding_policy is None:
+            return SlidingWindow(window=self.config.sliding_window - 1, positions="original", stride=policy.stride)
+        return dataclasses.replace(self.sliding_policy, stride=policy.stride)
 
     def init_cache(self, policy, batch: int, max_tokens: int | None = None):
         """An empty cache for every layer (leading layer axis), in the model's dtype; on a sharded model's
@@ -212,11 +243,14 @@ class CausalLM(nnx.Module):
             out, layer_state = attend_and_update(_layer_view(state, index), q, k, v, lengths, layer_prefixes)
             return out, _written_back(state, layer_state, index)
 
+        window_policy = self.window_policy(policy) if cfg.sliding_layers else None
+
         def sliding_layer(state, index, q, k, v):
             layer_state = _layer_view(state, index)
-            out, layer_state = _ordered(window_attention(layer_state, q, k, v, lengths, cfg.local_rope,
-                                                         cfg.sliding_window), layer_state)
-            layer_state = cache.update(self.window_policy(policy), layer_state, k, v, None, lengths,
+            out, scores = window_attention(window_policy, layer_state, q, k, v, lengths, cfg.local_rope,
+                                           cfg.sliding_window)
+            (out, scores), layer_state = _ordered((out, scores), layer_state)
+            layer_state = cache.update(window_policy, layer_state, k, v, scores, lengths,
                                        implementation=implementation)
             return out, _written_back(state, layer_state, index)
 
@@ -299,7 +333,7 @@ def shard(model: CausalLM, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | No
     """The model with its weights placed on `mesh` (axes ("data", "model")) by their logical axes
     (`models.weights`, mapped by `sharding.LOGICAL_RULES`), or per weight name by `rules` (mesh axes); its
     caches (`init_cache`, and so `generate`, `score`, `prefill`) get rows over "data" and KV heads over "model"."""
-    return on_mesh(model.config, model.weights(), mesh, rules)
+    return on_mesh(model.config, model.weights(), mesh, rules).with_sliding_policy(model.sliding_policy)
 
 
 def on_mesh(config: ModelConfig, weights, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jcascade as jc
 import tiny
@@ -49,3 +50,90 @@ def test_sliding_layers_get_a_window_cache_of_their_own():
     assert not both[1, 22:].any()
     with pytest.raises(ValueError, match="num_samples is not supported yet for models with sliding layers"):
         jc.generate(model, tokens[:1], policy, max_new_tokens=4, num_samples=2)
+
+
+def _chunk_after_a_first_one(policy, seed=0, B=2, Hkv=2, G=2, D=8, T=6):
+    """A cache under `policy` after a first 9-token chunk (row 1 holds 5 of them) and a second chunk's
+    q [B, T, Hkv*G, D], k, v [B, T, Hkv, D] and lengths."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    rope = jc.RoPE(10000.0)
+    state = jc.init_cache(policy, B, Hkv, D, jnp.float32, max_tokens=16)
+    q, k, v, lengths = normal(B, 9, Hkv * G, D), normal(B, 9, Hkv, D), normal(B, 9, Hkv, D), jnp.array([9, 5])
+    _, scores = jc.attend(policy, state, q, k, v, lengths, rope, implementation="xla")
+    state = jc.update(policy, state, k, v, scores, lengths, implementation="xla")
+    return state, normal(B, T, Hkv * G, D), normal(B, T, Hkv, D), normal(B, T, Hkv, D), jnp.array([T, 4]), rope
+
+
+@pytest.mark.parametrize("policy", [jc.H2O(heavy=4, recent=4, head_reduction="max", stride=16),
+                                    jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=16)], ids=["h2o", "cascade"])
+def test_window_attention_with_a_window_past_every_token_is_the_policys_attention(policy):
+    """Outputs and score increments equal `jc.attend`'s (both positions modes through the policies)."""
+    from jcascade.models.decoder import window_attention
+
+    state, q, k, v, lengths, rope = _chunk_after_a_first_one(policy)
+    out, scores = window_attention(policy, state, q, k, v, lengths, rope, window=10**6)
+    want_out, want = jc.attend(policy, state, q, k, v, lengths, rope, implementation="xla")
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+    np.testing.assert_allclose(scores.cache, want.cache, atol=1e-5)
+    np.testing.assert_allclose(scores.chunk, want.chunk, atol=1e-5)
+
+
+def test_window_attention_sees_only_the_window():
+    """Each query against a brute-force softmax over the held and chunk keys within `window` positions."""
+    from jcascade.models.decoder import window_attention
+
+    policy, window = jc.Full(stride=16), 5
+    state, q, k, v, lengths, rope = _chunk_after_a_first_one(policy, seed=1)
+    out, scores = window_attention(policy, state, q, k, v, lengths, rope, window)
+    assert scores is None
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    for b in range(B):
+        start = int(state.seen[b])
+        held = [(int(p), np.asarray(state.k[b, :, s]), np.asarray(state.v[b, :, s]))
+                for s, p in enumerate(np.asarray(state.pos[b, 0])) if p >= 0]
+        chunk = [(start + j, np.asarray(k[b, j]), np.asarray(v[b, j])) for j in range(int(lengths[b]))]
+        for i in range(T):
+            if i >= lengths[b]:
+                assert not np.asarray(out[b, i]).any()
+                continue
+            p = start + i
+            visible = [(pos, kk, vv) for pos, kk, vv in held + chunk[: i + 1] if p - window < pos <= p]
+            for h in range(Hq):
+                g = h // (Hq // Hkv)
+                qr = np.asarray(rope(q[b, i, h][None, None], jnp.array([[p]])))[0, 0]
+                logits = np.array([qr @ np.asarray(rope(kk[g][None, None], jnp.array([[pos]])))[0, 0]
+                                   for pos, kk, _ in visible]) / np.sqrt(D)
+                weights = np.exp(logits - logits.max())
+                want = (weights / weights.sum()) @ np.stack([vv[g] for _, _, vv in visible])
+                np.testing.assert_allclose(out[b, i, h], want, atol=1e-5)
+
+
+def test_a_policy_of_the_sliding_layers_serves_them_with_the_window_still_applied():
+    """A 7-token sliding window as the sliding layers' policy on a model trained with a 16-token window gives
+    the model whose window is 8 token by token (a chunk sees itself whole, as under any policy); a Cascade
+    that keeps every token gives the trained window (the scores' path); the policy survives `nnx.split`
+    (and `shard`: tests/models/test_sharding.py)."""
+    fields = dict(architecture="gemma3", qk_norm=True, num_layers=3, layer_types=("sliding", "global", "sliding"),
+                  rope_local_theta=10000.0, query_scale=0.3)
+    model = tiny.model(97, seed=4, sliding_window=16, **fields)
+    narrow = tiny.model(97, seed=4, sliding_window=8, **fields)
+    policy = jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8)
+    tokens = np.random.default_rng(5).integers(0, 97, (2, 40))
+    lengths = np.array([40, 29])
+    score = lambda m, policy=policy: np.asarray(jc.score(m, tokens, policy, lengths=lengths))  # noqa: E731
+    seven = model.with_sliding_policy(jc.SlidingWindow(window=7, positions="original"))
+    by_token = jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=1)
+    np.testing.assert_allclose(score(seven, by_token), score(narrow, by_token), atol=1e-4)
+    assert np.abs(score(seven, by_token) - score(model, by_token)).max() > 1e-3
+    keeps_all = model.with_sliding_policy(jc.Cascade(cache_size=48, sinks=2, num_cascades=2, positions="original"))
+    assert keeps_all.init_cache(policy, 2)[1].k.shape[3] == 50  # [layers, B, Hkv, slots, D]
+    np.testing.assert_allclose(score(keeps_all), score(model), atol=1e-4)
+    graph, state = nnx.split(seven)
+    np.testing.assert_allclose(np.asarray(jc.score((graph, state), tokens, policy, lengths=lengths)), score(seven),
+                               atol=1e-4)
+    with pytest.raises(ValueError, match="sliding_policy must act while tokens stream"):
+        model.with_sliding_policy(jc.SnapKV(budget=8, window=4))
+    with pytest.raises(ValueError, match="has none"):
+        tiny.model(97).with_sliding_policy(jc.Sink(window=8, sinks=2))

@@ -92,11 +92,15 @@ GEMMA3 = dict(architecture="gemma3", qk_norm=True, layer_types=("sliding", "glob
 
 
 @pytest.mark.parametrize("family", [dict(architecture="qwen3", qk_norm=True, head_dim=12),
-                                    dict(architecture="qwen2", qkv_bias=True), GEMMA3], ids=["qwen3", "qwen2", "gemma3"])
+                                    dict(architecture="qwen2", qkv_bias=True), GEMMA3,
+                                    GEMMA3 | {"sliding_policy": jc.H2O(heavy=3, recent=2, positions="original")}],
+                         ids=["qwen3", "qwen2", "gemma3", "gemma3-h2o-sliding"])
 def test_each_family_sharded_equals_one_device(family):
     """The weights a family adds (Qwen3's q/k norms, Qwen2's biases, Gemma 3's norms) follow their logical axes
-    onto the mesh; Gemma 3's window cache of its sliding layers too."""
-    model = tiny.model(96, seed=1, **TINY | family)
+    onto the mesh; Gemma 3's window cache of its sliding layers too, and a policy of its own there."""
+    family = dict(family)
+    sliding_policy = family.pop("sliding_policy", None)
+    model = tiny.model(96, seed=1, **TINY | family).with_sliding_policy(sliding_policy)
     want_score, want_generated = score_and_generate(model, CASCADE, *inputs())
     score, generated = score_and_generate(jc.models.shard(model, mesh_of((2, 4))), CASCADE, *inputs())
     assert float(jnp.max(jnp.abs(score - want_score))) <= 1e-4
