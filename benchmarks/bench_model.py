@@ -1,5 +1,6 @@
-"""Whole-model benchmarks on a Llama-3.1-8B-shaped (or `--shape 70b`: Llama-3-70B-shaped) model with random
-bf16 weights made on the device(s), on one device or a `--mesh data=D,model=M` (tensor parallelism).
+"""Whole-model benchmarks on a Llama-3.1-8B-shaped (or `--shape 70b`: Llama-3-70B-shaped; `--shape gemma-3-270m`:
+Gemma 3 270M, 15 sliding layers of a 512-token window beside 3 global ones) model with random bf16 weights made on
+the device(s), on one device or a `--mesh data=D,model=M` (tensor parallelism).
 
   a  strided prefill (Cascade: 16K + 64 sinks, 4 cascades, stride 4K) streamed over 1M tokens, with the
      elapsed time read at 32K, 128K and 1M tokens; throughput and model FLOP utilisation (MFU) against a
@@ -40,6 +41,14 @@ LLAMA31_8B = ModelConfig(
 )
 LLAMA3_70B = dataclasses.replace(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80,
                                  num_heads=64, num_kv_heads=8)
+GEMMA3_270M = ModelConfig(
+    architecture="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+    num_kv_heads=1, head_dim=256, rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    qkv_bias=False, o_bias=False, max_position_embeddings=32768, qk_norm=True, sliding_window=512,
+    layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(18)), rope_local_theta=1e4,
+    query_scale=256**-0.5,
+)
+SHAPES = {"8b": LLAMA31_8B, "70b": LLAMA3_70B, "gemma-3-270m": GEMMA3_270M}
 TINY = ModelConfig(
     architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
@@ -76,11 +85,14 @@ def copy_bandwidth(n: int) -> float:
 
 def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
     """Matmul FLOPs per token: the projections and MLP (2 per weight), attention (QK^T and PV at 4 per
-    key and head dim, plus the scores pass's QK^T at 2), the LM head is not run during prefill."""
+    key and head dim, plus the scores pass's QK^T at 2; a sliding layer's query at 4 per key of its window),
+    the LM head is not run during prefill."""
     H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     dense = 2 * L * (H * q + 2 * H * kv + q * H + 3 * H * I)
-    attention = L * cfg.num_heads * cfg.head_dim * keys_per_query * (4 + 2)
+    sliding = len(cfg.sliding_layers)
+    attention = cfg.num_heads * cfg.head_dim * ((L - sliding) * keys_per_query * (4 + 2)
+                                                + sliding * (cfg.sliding_window or 0) * 4)
     return dense + attention
 
 
@@ -114,19 +126,20 @@ def bench_decode(a, model, policy, bandwidth):
     cfg = model.config
     rows = []
     for batch in a.decode_batches:
-        def full_cache():  # a full cache, as after a long prompt, made in place on its devices
-            state = model.init_cache(policy, batch)
+        def full(state):  # a full cache, as after a long prompt, made in place on its devices
             cap, shape = state.k.shape[-2], state.k.shape
             k1, k2 = jax.random.split(jax.random.key(batch))
             rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, cfg.head_dim), state.k.dtype), shape)
             state = jc.CacheState(k=rows(k1), v=rows(k2), score=jnp.full(state.score.shape, 1e-4, jnp.float32),
-                                  pos=jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
+                                  pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
                                   seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32))
             if model.mesh is None:
                 return state
             return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, model.mesh), model.mesh)
 
-        state = jax.jit(full_cache)()
+        # (global layers' cache, sliding layers' window cache) for a model with sliding layers
+        state = jax.jit(lambda: jax.tree.map(full, model.init_cache(policy, batch),
+                                             is_leaf=lambda x: isinstance(x, jc.CacheState)))()
 
         def step(model, state, last):
             hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32), a.implementation)
@@ -146,7 +159,7 @@ def bench_decode(a, model, policy, bandwidth):
         per_step = (time.perf_counter() - t0) / a.decode_steps
         on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731 (the shards are equal)
         weight_bytes = sum(on_one_device(x) for x in jax.tree.leaves(model))
-        cache_bytes = 2 * on_one_device(state.k)
+        cache_bytes = sum(2 * on_one_device(c.k) for c in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, jc.CacheState)))
         roofline = (weight_bytes + cache_bytes) / bandwidth
         rows.append(dict(batch=batch, ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step,
                          roofline_ms=roofline * 1e3, fraction_of_roofline=roofline / per_step, compile_s=compile_s))
@@ -162,7 +175,7 @@ def main():
     p.add_argument("--only", default="ab", help="a: prefill, b: decode (compile times come with each)")
     p.add_argument("--batches", default="1,16,32", help="decode batch sizes")
     p.add_argument("--cache-size", type=int, default=16384, help="Cascade cache size (64: weights and fixed costs only)")
-    p.add_argument("--shape", choices=("8b", "70b"), default="8b", help="Llama-3.1-8B or Llama-3-70B shapes")
+    p.add_argument("--shape", choices=SHAPES, default="8b", help="Llama-3.1-8B, Llama-3-70B or Gemma 3 270M shapes")
     p.add_argument("--mesh", type=sharding.parse_mesh, default=(1, 1), metavar="data=D,model=M",
                    help="devices (default: one)")
     p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
@@ -176,7 +189,7 @@ def main():
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
         peak, bandwidth = matmul_peak(256), copy_bandwidth(1 << 20)
     else:
-        cfg = LLAMA31_8B if a.shape == "8b" else LLAMA3_70B
+        cfg = SHAPES[a.shape]
         policy = jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096)
         a.segment, a.decode_batches, a.decode_steps = 32768, batches, 20
         a.prefill_marks = sorted({m for m in (32768, 131072) if m < a.prefill_tokens} | {a.prefill_tokens})
