@@ -178,6 +178,16 @@ class CausalLM(nnx.Module):
             return make(policy, cfg.num_layers)
         return make(policy, cfg.num_layers - sliding), make(self.window_policy(policy), sliding)
 
+    def layer_cache(self, state, layer: int) -> tuple[slots.CacheState, int]:
+        """The stacked cache of `init_cache`'s `state` that holds model layer `layer` (an int), and the layer's
+        index in it (its place among the layers of its type)."""
+        sliding = self.config.sliding_layers
+        if not sliding:
+            return state, layer
+        if layer in sliding:
+            return state[1], sliding.index(layer)
+        return state[0], layer - sum(1 for s in sliding if s < layer)
+
     def compress(self, policy, state, room: int):
         """`jcascade.compress` of the cache after a prompt (SnapKV, PyramidKV): of the global layers' cache only
         when the model has sliding layers."""

@@ -43,8 +43,9 @@ def record(model, policy, tokens: np.ndarray, layer: int, kv_head: int = 0, prog
     positions, scores = [], []
 
     def watch(state, first):
-        positions.append(np.asarray(jc.cached_positions(state)[layer, 0, kv_head]))
-        scores.append(np.asarray(jc.cached_scores(state)[layer, 0, kv_head], np.float32))
+        cache, index = model.layer_cache(state, layer)
+        positions.append(np.asarray(jc.cached_positions(cache)[index, 0, kv_head]))
+        scores.append(np.asarray(jc.cached_scores(cache)[index, 0, kv_head], np.float32))
 
     stream(model, policy, tokens, watch=watch, progress=progress)
     return AttentionMap(np.stack(positions).astype(np.int32), np.stack(scores), policy.stride, len(tokens))

@@ -198,7 +198,9 @@ def _answer_and_retention(model, policy, tokens, lengths, chunk_starts, key_posi
     """
     B, S = tokens.shape
     state, _, _ = jc.prefill(model, policy, model.init_cache(policy, B), tokens[:, :head], chunk_starts)
-    held = (jc.cached_positions(state)[..., None] == key_positions[None, :, None, None, :]).any(-2).sum(-1)
+    caches = [model.layer_cache(state, layer) for layer in range(model.config.num_layers)]
+    held = jnp.stack([(jc.cached_positions(cache)[index][..., None] == key_positions[:, None, None, :]).any(-2).sum(-1)
+                      for cache, index in caches])  # [L, B, Hkv]
     in_chunk = (key_positions >= chunk_starts[:, None]).sum(-1)
     rest_tokens = jnp.take_along_axis(tokens, jnp.minimum(chunk_starts[:, None] + jnp.arange(rest), S - 1), axis=1)
     state, last, _ = jc.prefill(model, policy, state, rest_tokens, lengths - chunk_starts)

