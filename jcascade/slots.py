@@ -246,6 +246,8 @@ def _insertions(layout: RingLayout, score: jax.Array, held: jax.Array, chunk_sco
         clock = compact(clock[:, None], is_accept, M)[:, 0]
         valid = jnp.arange(M)[None] < jnp.sum(is_accept, axis=-1, keepdims=True)
 
+    if not dests:  # heavy slots only (TOVA): every chunk token competes for them
+        dests, srcs, mus = [jnp.zeros((B, 0), jnp.int32)], [jnp.zeros((B, H, 0), jnp.int32)], [jnp.zeros((B, H, 0))]
     dest = jnp.broadcast_to(jnp.concatenate(dests, -1)[:, None], (B, H, sum(d.shape[-1] for d in dests)))
     src, mu = jnp.concatenate(srcs, -1), jnp.concatenate(mus, -1)
     if layout.heavy:  # the last ring's evictees (now the arrivals a_*) compete for the heavy slots

@@ -1,7 +1,7 @@
 """Cache policies: frozen, hashable dataclasses (static under `jit`), validated at construction.
 
 Every policy implements the protocol of `jcascade.policies.base.Policy`; one module per family:
-window (Full, SlidingWindow, Sink), cascade, h2o, snapkv (SnapKV, PyramidKV), recycled. "Writing a
+window (Full, SlidingWindow, Sink), cascade, h2o, tova, snapkv (SnapKV, PyramidKV), recycled. "Writing a
 policy" in the README shows a new one in a file of its own.
 """
 
@@ -12,8 +12,9 @@ from jcascade.policies.h2o import H2O
 from jcascade.policies.recycled import Recycled
 from jcascade.policies.ring import RingPolicy
 from jcascade.policies.snapkv import PyramidKV, SnapKV
+from jcascade.policies.tova import TOVA
 from jcascade.policies.window import Full, Sink, SlidingWindow
 from jcascade.policies.spec import parse_policy, policy_classes
 
 __all__ = ["Cascade", "Full", "H2O", "Policy", "PyramidKV", "Recycled", "RingLayout", "RingPolicy", "Sink",
-           "SlidingWindow", "SnapKV", "check_policy", "parse_policy", "policy_classes"]
+           "SlidingWindow", "SnapKV", "TOVA", "check_policy", "parse_policy", "policy_classes"]

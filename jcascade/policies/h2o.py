@@ -56,18 +56,22 @@ class H2O(RingPolicy):
         return jnp.where(live, score + increments, score)
 
     def place_evicted(self, layout: RingLayout, score, held, src, mu, valid):
-        """The heavy slots keep the top `heavy` scores among their residents and the tokens the ring
-        evicts (residents first, so they win ties); winning evictees take the slots of the residents that
-        lost or of empty slots."""
-        B, H, M = src.shape
-        base, cap = layout.capacity - layout.heavy, layout.capacity
-        residents = jnp.where(held[..., base:], score[..., base:], -jnp.inf)
-        key = jnp.concatenate([residents, jnp.where(valid[:, None, :], mu, -jnp.inf)], -1)
-        _, top = jax.lax.top_k(key, layout.heavy)
-        bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-        chosen = jnp.zeros(key.shape, bool).at[bi, hi, top].set(True) & (key > -jnp.inf)
-        heavy_slots = jnp.broadcast_to(base + jnp.arange(layout.heavy, dtype=jnp.int32), (B, H, layout.heavy))
-        free_slots = compact(heavy_slots, ~chosen[..., : layout.heavy], layout.heavy)
-        new = chosen[..., layout.heavy :]
-        rank = jnp.cumsum(new, axis=-1) - 1
-        return jnp.where(new, take(free_slots, rank), cap), src, mu
+        return keep_top_scores(layout, score, held, src, mu, valid)
+
+
+def keep_top_scores(layout: RingLayout, score, held, src, mu, valid):
+    """`slots.PlaceEvicted` of H2O and TOVA: the heavy slots keep the top `heavy` scores among their residents
+    and the arriving tokens (residents first, so they win ties); winning arrivals take the slots of the
+    residents that lost or of empty slots."""
+    B, H, M = src.shape
+    base, cap = layout.capacity - layout.heavy, layout.capacity
+    residents = jnp.where(held[..., base:], score[..., base:], -jnp.inf)
+    key = jnp.concatenate([residents, jnp.where(valid[:, None, :], mu, -jnp.inf)], -1)
+    _, top = jax.lax.top_k(key, layout.heavy)
+    bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    chosen = jnp.zeros(key.shape, bool).at[bi, hi, top].set(True) & (key > -jnp.inf)
+    heavy_slots = jnp.broadcast_to(base + jnp.arange(layout.heavy, dtype=jnp.int32), (B, H, layout.heavy))
+    free_slots = compact(heavy_slots, ~chosen[..., : layout.heavy], layout.heavy)
+    new = chosen[..., layout.heavy :]
+    rank = jnp.cumsum(new, axis=-1) - 1
+    return jnp.where(new, take(free_slots, rank), cap), src, mu
