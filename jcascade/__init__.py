@@ -17,23 +17,25 @@ if importlib.util.find_spec("jcascade.pallas_kernels") is None:  # a source tree
 
 from jcascade.attention import attend
 from jcascade.generation import generate, prefill, score
-from jcascade.cache import compress, init_cache, update
+from jcascade.cache import cache_occupancy, compress, init_cache, update
 from jcascade.compilation import COMPILER_OPTIONS
 from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
-from jcascade.policies import (H2O, TOVA, Cascade, Full, Policy, PyramidKV, Recycled, RingPolicy, Sink, SlidingWindow,
-                               SnapKV)
+from jcascade.policies import (H2O, TOVA, AdaKV, Cascade, Full, Policy, PyramidKV, Recycled, RingPolicy, Sink, SlidingWindow,
+                               SnapKV, KNorm)
 from jcascade.eval.checkpointing import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, read_config, save_converted
 from jcascade.rope import Llama3Scaling, RoPE
 
 __all__ = [
+    "AdaKV",
     "COMPILER_OPTIONS",
     "CacheState",
     "CausalLM",
     "Cascade",
     "Full",
     "H2O",
+    "KNorm",
     "Llama3Scaling",
     "ModelConfig",
     "Policy",
@@ -49,6 +51,7 @@ __all__ = [
     "TOVA",
     "attend",
     "attend_shared",
+    "cache_occupancy",
     "cached_kv",
     "cached_positions",
     "cached_scores",

@@ -93,7 +93,7 @@ def update(
 
 
 def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
-    """The post-prompt compression of SnapKV / PyramidKV (`Policy.compress`).
+    """The post-prompt compression of SnapKV, PyramidKV, KNorm and AdaKV (`Policy.compress`).
 
     state: the append cache after the prompt (its last chunk being the observation window), one layer
     or L layers stacked on a leading axis. room: slots to leave for the tokens decoded afterwards.
@@ -101,8 +101,16 @@ def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
     """
     check_policy(policy)
     if not policy.observation_window:
-        raise TypeError(f"compress applies to SnapKV and PyramidKV (policies with an observation window), got "
-                        f"{type(policy).__name__}")
+        raise TypeError("compress applies to policies with an observation window (SnapKV, PyramidKV, KNorm, "
+                        f"AdaKV), got {type(policy).__name__}")
     if isinstance(room, bool) or not isinstance(room, int) or room < 0:
         raise ValueError(f"room must be an int >= 0, got {room!r}")
     return policy.compress(state, room)
+
+
+def cache_occupancy(state) -> tuple[int, int]:
+    """(resident, allocated): the slots holding a token and all slots, summed over every row, KV head and
+    layer of `state` (a `CacheState`, or a model's pair of them). Policies whose heads keep different counts
+    (`jc.AdaKV`) allocate more than they hold."""
+    states = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CacheState))
+    return (sum(int(jnp.sum(s.pos >= 0)) for s in states), sum(int(s.pos.size) for s in states))

@@ -264,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("ruler", "RULER's synthetic tasks under every policy at a KV budget", cmd_ruler, True, policies=False)
     p.add_argument("--tasks", type=_argument(ruler.task_list), default="all", help="comma-separated, or all: "
                    + ", ".join(ruler.TASKS))
-    p.add_argument("--policy", type=_argument(ruler.policy_list), default=",".join(ruler.POLICIES),
-                   help="comma-separated policy names, each at every --budget")
+    p.add_argument("--policy", type=_argument(ruler.policy_list), default=",".join(ruler.DEFAULT_POLICIES),
+                   help="comma-separated policy names, each at every --budget, among " + ", ".join(ruler.POLICIES))
     p.add_argument("--budget", type=_argument(ruler.budget_list), default="0.25,0.5", help="KV slots kept, sinks "
                    "and windows included: fractions of the context (<1) or token counts, comma-separated")
     p.add_argument("--batch-size", type=_positive, help="prompts per generate call, a multiple of the mesh's data "

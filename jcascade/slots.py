@@ -272,8 +272,11 @@ def _gather_items(old: jax.Array, chunk: jax.Array, src: jax.Array) -> jax.Array
 
 
 def append_fill(state: CacheState) -> jax.Array:
-    """int32 [B]: slots a row of an append cache (`RingLayout.appends`) holds; they are its first ones."""
-    return jnp.sum(state.pos[:, 0, :] >= 0, axis=-1).astype(jnp.int32)
+    """int32 [B]: the slot where a row of an append cache (`RingLayout.appends`, tokens in its first slots)
+    places its next token: past every head's held tokens (heads hold different counts after `jc.AdaKV`'s
+    compression; the others' empty slots stay masked)."""
+    slot = jnp.arange(1, state.pos.shape[-1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(state.pos >= 0, slot, 0), axis=(1, 2)).astype(jnp.int32)
 
 
 CLOCK_LIMIT = 2**31 - 1  # tokens a row can receive: its clock (`seen`) and positions are int32

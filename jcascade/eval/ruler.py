@@ -314,7 +314,8 @@ class Generator:
 
 # ---- evaluation: every policy at one budget ------------------------------------------------------------------
 
-POLICIES = ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv")  # the names `policies_at` knows
+POLICIES = ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "adakv")  # `policies_at`'s
+DEFAULT_POLICIES = POLICIES[:6]  # the command's default grid
 
 
 def _names(text: str, known, what: str) -> list[str]:
@@ -358,10 +359,11 @@ def budget_slots(budget: float, context_length: int) -> int:
 
 
 def policies_at(names: Sequence[str], budget: float, context_length: int) -> dict[str, object]:
-    """{label: policy} for each policy name ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv") keeping
-    `budget_slots(budget, context_length)` KV slots: Sink 64 sinks + the rest as window; Cascade 64 sinks + 4
-    cascades; H2O half heavy, half recent; SnapKV and PyramidKV their budget (window 32 and 8). Streaming
-    policies prefill in chunks of half their slots (at most 2048); labels name the budget ("Cascade 25%")."""
+    """{label: policy} for each policy name (`POLICIES`) keeping `budget_slots(budget, context_length)` KV slots
+    per KV head: Sink 64 sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half
+    recent; TOVA all of them; SnapKV, PyramidKV and KNorm their budget (SnapKV's window 32, PyramidKV's 8);
+    AdaKV SnapKV's budget on average over a layer's heads. Streaming policies prefill in chunks of half their
+    slots (at most 2048); labels name the budget ("Cascade 25%")."""
     import jcascade as jc
 
     slots = budget_slots(budget, context_length)
@@ -372,7 +374,10 @@ def policies_at(names: Sequence[str], budget: float, context_length: int) -> dic
             "cascade": lambda: jc.Cascade(cache_size=(slots - 64) // 4 * 4, sinks=64, num_cascades=4, stride=stride),
             "h2o": lambda: jc.H2O(heavy=slots // 2, recent=slots - slots // 2, stride=stride),
             "snapkv": lambda: jc.SnapKV(budget=slots, stride=2048),
-            "pyramidkv": lambda: jc.PyramidKV(budget=slots, stride=2048)}
+            "pyramidkv": lambda: jc.PyramidKV(budget=slots, stride=2048),
+            "tova": lambda: jc.TOVA(cache_size=slots, stride=stride),
+            "knorm": lambda: jc.KNorm(budget=slots, stride=2048),
+            "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048))}
     if any(n not in make for n in names):
         raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
     return {("Full" if n == "full" else f"{make[n]().label.split()[0]} {tag}"): make[n]() for n in names}

@@ -39,6 +39,32 @@ def pool(x: jax.Array, valid: jax.Array, kernel: int, pooling: str) -> jax.Array
     return jnp.where(valid, out, -jnp.inf)
 
 
+def top_per_head(scores: jax.Array, count: jax.Array) -> jax.Array:
+    """bool [B, H, S]: each head's `count` (int32, broadcast to [B, H, 1]) largest scores, the lower slot first on
+    ties."""
+    order = jnp.argsort(-scores, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1) < count
+
+
+def window_slots(state: CacheState, window: int) -> jax.Array:
+    """bool [B, H, cap]: the slots of the last `window` tokens of an append cache holding `state.seen` tokens."""
+    slot = jnp.arange(state.pos.shape[-1], dtype=jnp.int32)[None, None, :]
+    q_len = state.seen[:, None, None]
+    return (slot >= q_len - jnp.minimum(window, q_len)) & (slot < q_len)
+
+
+def keep_in_position_order(state: CacheState, keep: jax.Array, capacity: int) -> CacheState:
+    """One layer of an append cache reduced to the slots `keep` (bool [B, H, cap]) marks, in position order at
+    the front of `capacity` slots per head, the rest empty."""
+    B, H, _ = state.pos.shape
+    dest = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, capacity)
+    bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    moved = lambda x, empty: jnp.full((B, H, capacity, *x.shape[3:]), empty, x.dtype).at[bi, hi, dest].set(  # noqa: E731
+        x, mode="drop")
+    return dataclasses.replace(state, k=moved(state.k, 0), v=moved(state.v, 0), score=moved(state.score, 0),
+                               pos=moved(state.pos, -1))
+
+
 class _Selection(RingPolicy):
     """What SnapKV and PyramidKV share: the append cache, the observation-window scores and `compress`;
     they differ in how many prompt tokens each layer keeps (`prefix_budget`)."""
@@ -73,8 +99,8 @@ class _Selection(RingPolicy):
         shorter than `budget` is kept whole."""
 
     @abc.abstractmethod
-    def kept_slots(self) -> int:
-        """Most tokens any layer keeps after compression."""
+    def kept_slots(self, num_heads: int) -> int:
+        """Most tokens any KV head of any layer keeps after compression (num_heads: KV heads of a layer)."""
 
     def layout(self, capacity: int | None = None) -> RingLayout:
         return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
@@ -87,29 +113,29 @@ class _Selection(RingPolicy):
         """The newest chunk's window attention replaces the old."""
         return jnp.where(live, increments, score)
 
+    def pooled_scores(self, state: CacheState) -> jax.Array:
+        """f32 [B, H, cap]: the observation window's attention pooled over positions, -inf outside the
+        prompt's tokens before the window (the candidates)."""
+        cap = state.pos.shape[-1]
+        window = jnp.minimum(self.window, state.seen)[:, None, None]
+        prefix = jnp.arange(cap, dtype=jnp.int32)[None, None, :] < (state.seen[:, None, None] - window)
+        return pool(state.score, prefix, self.kernel, self.pooling)
+
+    def keep(self, state: CacheState, layer, num_layers: int) -> jax.Array:
+        """bool [B, H, cap]: the slots a layer keeps, the top `prefix_budget` candidates per head and the
+        observation window."""
+        pooled = self.pooled_scores(state)
+        budget = self.prefix_budget(state.seen, layer, num_layers)[:, None, None]
+        return (top_per_head(pooled, budget) & (pooled > -jnp.inf)) | window_slots(state, self.window)
+
     def _compress_layer(self, state: CacheState, layer, num_layers: int, capacity: int) -> CacheState:
-        B, H, cap = state.pos.shape
-        q_len = state.seen
-        window = jnp.minimum(self.window, q_len)[:, None, None]
-        slot = jnp.arange(cap, dtype=jnp.int32)[None, None, :]
-        prefix = slot < (q_len[:, None, None] - window)
-        pooled = pool(state.score, prefix, self.kernel, self.pooling)
-        order = jnp.argsort(-pooled, axis=-1, stable=True)  # descending, lower slot first on ties
-        rank = jnp.argsort(order, axis=-1)
-        budget = self.prefix_budget(q_len, layer, num_layers)[:, None, None]
-        keep = (prefix & (rank < budget)) | (~prefix & (slot < q_len[:, None, None]))
-        dest = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, capacity)  # position order kept
-        bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-        moved = lambda x, empty: jnp.full((B, H, capacity, *x.shape[3:]), empty, x.dtype).at[bi, hi, dest].set(
-            x, mode="drop")
-        return dataclasses.replace(state, k=moved(state.k, 0), v=moved(state.v, 0), score=moved(state.score, 0),
-                                   pos=moved(state.pos, -1))
+        return keep_in_position_order(state, self.keep(state, layer, num_layers), capacity)
 
     def compress(self, state: CacheState, room: int) -> CacheState:
-        """A cache of capacity `kept_slots() + room` holding, per (row, KV head), the kept tokens in position
+        """A cache of capacity `kept_slots(H) + room` holding, per (row, KV head), the kept tokens in position
         order followed by empty slots. state: one layer, or L layers stacked on a leading axis (PyramidKV
         reads the layer index from that axis; a single layer counts as a bottom layer)."""
-        capacity = self.kept_slots() + room
+        capacity = self.kept_slots(state.pos.shape[-2]) + room
         if state.seen.ndim == 1:
             return self._compress_layer(state, 0, 1, capacity)
         L = state.seen.shape[0]
@@ -154,7 +180,7 @@ class SnapKV(_Selection):
         kept = jnp.full_like(prompt_len, self.budget - self.window)
         return jnp.where(prompt_len < self.budget, prompt_len, kept)
 
-    def kept_slots(self) -> int:
+    def kept_slots(self, num_heads: int) -> int:
         return self.budget
 
 
@@ -200,6 +226,6 @@ class PyramidKV(_Selection):
         kept = jnp.where(prompt_len < 2 * (C - w), C - w, high - layer * steps)
         return jnp.where(prompt_len < C, prompt_len, kept)
 
-    def kept_slots(self) -> int:
+    def kept_slots(self, num_heads: int) -> int:
         C, w = self.budget, self.window
         return max(C, 2 * (C - w) - (C - w) // self.beta + w)

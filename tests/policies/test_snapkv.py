@@ -39,29 +39,51 @@ def reference_kept_prefix(policy, q_len: int, layer: int, num_layers: int) -> in
     return max_num - layer * steps
 
 
-def snapkv_reference(policy, q, k, length, layer=0, num_layers=1):
-    """Kept positions per KV head for one row: q [S, Hq, D], k [S, Hkv, D] un-rotated, float64."""
+def pooled_reference(policy, q, k, length):
+    """Per KV head, the window's attention to each token before it, reduced over the group and pooled:
+    [Hkv, length - window] for one row (q [S, Hq, D], k [S, Hkv, D] un-rotated, float64)."""
     Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     G = Hq // Hkv
     w = min(policy.window, length)
     pos = np.arange(length)
     qr, kr = np_rope(q[:length], pos[:, None], THETA), np_rope(k[:length], pos[:, None], THETA)
-    budget = reference_kept_prefix(policy, length, layer, num_layers)
-    kept = []
+    pooled = []
     for h in range(Hkv):
-        if budget is None:
-            kept.append(list(range(length)))
-            continue
         sums = []
         for g in range(G):
             logits = qr[length - w :, h * G + g] @ kr[:, h].T / np.sqrt(D)  # [w, length]
             logits = np.where(pos[None, :] <= pos[length - w :, None], logits, -np.inf)
             sums.append(np_softmax_rows(logits)[:, : length - w].sum(0))
         reduced = np.max(sums, 0) if policy.head_reduction == "max" else np.mean(sums, 0)
-        pooled = np_pool(reduced, policy.kernel, policy.pooling)
-        top = np.argsort(-pooled, kind="stable")[:budget]
-        kept.append(sorted(top.tolist()) + list(range(length - w, length)))
-    return kept
+        pooled.append(np_pool(reduced, policy.kernel, policy.pooling))
+    return np.stack(pooled)
+
+
+def snapkv_reference(policy, q, k, length, layer=0, num_layers=1):
+    """Kept positions per KV head for one row: q [S, Hq, D], k [S, Hkv, D] un-rotated, float64."""
+    w = min(policy.window, length)
+    budget = reference_kept_prefix(policy, length, layer, num_layers)
+    if budget is None:
+        return [list(range(length))] * k.shape[1]
+    return [sorted(np.argsort(-pooled, kind="stable")[:budget].tolist()) + list(range(length - w, length))
+            for pooled in pooled_reference(policy, q, k, length)]
+
+
+def adakv_reference(policy, q, k, length):
+    """AdaKV's kept positions per KV head for one row: each head's top int(floor * P) by the scorer's pooled
+    scores, then the top H * P of all heads' candidates (those first), plus the window."""
+    scorer, Hkv = policy.scorer, k.shape[1]
+    w = min(scorer.window, length)
+    budget = reference_kept_prefix(scorer, length, 0, 1)
+    if budget is None:
+        return [list(range(length))] * Hkv
+    pooled = pooled_reference(scorer, q, k, length)
+    ranked = pooled.copy()
+    for h in range(Hkv):
+        ranked[h, np.argsort(-pooled[h], kind="stable")[: int(policy.floor * budget)]] = np.inf
+    chosen = np.argsort(-ranked.reshape(-1), kind="stable")[: Hkv * budget]
+    return [sorted((chosen[chosen // pooled.shape[1] == h] % pooled.shape[1]).tolist()) + list(range(length - w, length))
+            for h in range(Hkv)]
 
 
 def dense_attention(q, keys, vals, key_pos, q_pos):
@@ -186,5 +208,45 @@ def test_invalid_parameters_raise_clear_errors():
         jc.init_cache(jc.SnapKV(budget=64), 1, 2, 8)
     with pytest.raises(ValueError, match=r"prefix must be None or an int in \[1, 8\]"):
         jc.score(tiny.model(97), np.zeros((1, 8), int), jc.SnapKV(budget=64), prefix=9)
-    with pytest.raises(TypeError, match="compress applies to SnapKV and PyramidKV"):
+    with pytest.raises(TypeError, match="compress applies to policies with an observation window"):
         jc.compress(jc.Full(), jc.init_cache(jc.Full(), 1, 2, 8, max_tokens=4), room=1)
+
+
+@pytest.mark.parametrize("floor", [0.2, 0.5, 1.0])
+def test_adakv_shares_a_layers_budget_across_its_heads(floor):
+    """Against `adakv_reference`; heads keep different counts, the layer the scorer's total (floor 1: SnapKV)."""
+    policy = jc.AdaKV(jc.SnapKV(budget=14, window=4, kernel=3), floor=floor)
+    B, S, Hq, Hkv, D = 3, 40, 8, 4, 8
+    lengths = np.array([40, 29, 11])
+    q, k, v = random_qkv(jax.random.key(2), B, S, Hq, Hkv, D)
+    state = jc.compress(policy, snapkv_prompt(policy, q, k, v, lengths, stride=16), room=2)
+    pos = np.asarray(jc.cached_positions(state))
+    assert state.capacity == policy.kept_slots(Hkv) + 2 == 10 + 3 * (10 - int(floor * 10)) + 4 + 2
+    qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    for b in range(B):
+        want = adakv_reference(policy, qn[b], kn[b], lengths[b])
+        assert [pos[b, h][pos[b, h] >= 0].tolist() for h in range(Hkv)] == want
+    counts = (pos[0] >= 0).sum(-1)
+    assert counts.sum() == Hkv * 14 and (len(set(counts.tolist())) > 1) == (floor < 1)
+    if floor == 1.0:
+        snap = jc.compress(policy.scorer, snapkv_prompt(policy.scorer, q, k, v, lengths, stride=16), room=2)
+        held = lambda s: [sorted(p[p >= 0].tolist()) for p in np.asarray(s.pos).reshape(-1, s.pos.shape[-1])]  # noqa: E731
+        assert held(state) == held(snap)
+    resident, allocated = jc.cache_occupancy(state)
+    assert resident == int((pos >= 0).sum()) and allocated == B * Hkv * state.capacity
+
+
+def test_adakv_through_a_model_keeps_pyramid_budgets_per_layer():
+    model = tiny.model(97, num_layers=3, num_heads=4, num_kv_heads=2)
+    tokens = np.random.default_rng(1).integers(0, 97, (2, 48))
+    policy = jc.AdaKV(jc.PyramidKV(budget=16, window=4, stride=16))
+    logps = np.asarray(jc.score(model, tokens, policy, prefix=40))
+    assert np.isfinite(logps).all()
+    whole = jc.AdaKV(jc.SnapKV(budget=64, window=4, stride=16))  # a prompt shorter than the budget: kept whole
+    np.testing.assert_allclose(np.asarray(jc.score(model, tokens, whole, prefix=40)),
+                               np.asarray(jc.score(model, tokens, jc.Full(stride=16))), atol=1e-5)
+    assert jc.generate(model, tokens[:, :40], policy, max_new_tokens=4).shape == (2, 4)
+    with pytest.raises(ValueError, match="AdaKV.scorer must be a jc.SnapKV or jc.PyramidKV"):
+        jc.AdaKV(jc.H2O(heavy=4, recent=4))
+    with pytest.raises(ValueError, match=r"AdaKV.floor must be a number in \[0, 1\]"):
+        jc.AdaKV(jc.SnapKV(budget=64), floor=1.5)
