@@ -20,8 +20,8 @@ from jcascade.generation import generate, prefill, score
 from jcascade.cache import cache_occupancy, compress, init_cache, update
 from jcascade.compilation import COMPILER_OPTIONS
 from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
-from jcascade.policies import (H2O, TOVA, AdaKV, Cascade, Full, Policy, PyramidKV, Recycled, RingPolicy, Sink, SlidingWindow,
-                               SnapKV, KNorm)
+from jcascade.policies import (H2O, TOVA, AdaKV, Cascade, ExpectedAttention, Full, KNorm, Policy, PyramidKV, Recycled,
+                               RingPolicy, Sink, SlidingWindow, SnapKV)
 from jcascade.eval.checkpointing import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, read_config, save_converted
@@ -33,6 +33,7 @@ __all__ = [
     "CacheState",
     "CausalLM",
     "Cascade",
+    "ExpectedAttention",
     "Full",
     "H2O",
     "KNorm",

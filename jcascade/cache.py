@@ -93,7 +93,7 @@ def update(
 
 
 def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
-    """The post-prompt compression of SnapKV, PyramidKV, KNorm and AdaKV (`Policy.compress`).
+    """The post-prompt compression of SnapKV, PyramidKV, KNorm, AdaKV, ExpectedAttention (`Policy.compress`).
 
     state: the append cache after the prompt (its last chunk being the observation window), one layer
     or L layers stacked on a leading axis. room: slots to leave for the tokens decoded afterwards.
@@ -102,7 +102,7 @@ def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
     check_policy(policy)
     if not policy.observation_window:
         raise TypeError("compress applies to policies with an observation window (SnapKV, PyramidKV, KNorm, "
-                        f"AdaKV), got {type(policy).__name__}")
+                        f"AdaKV, ExpectedAttention), got {type(policy).__name__}")
     if isinstance(room, bool) or not isinstance(room, int) or room < 0:
         raise ValueError(f"room must be an int >= 0, got {room!r}")
     return policy.compress(state, room)

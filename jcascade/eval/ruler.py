@@ -314,7 +314,8 @@ class Generator:
 
 # ---- evaluation: every policy at one budget ------------------------------------------------------------------
 
-POLICIES = ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "adakv")  # `policies_at`'s
+POLICIES = ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "adakv",
+            "expectedattention")  # the names `policies_at` knows
 DEFAULT_POLICIES = POLICIES[:6]  # the command's default grid
 
 
@@ -361,7 +362,7 @@ def budget_slots(budget: float, context_length: int) -> int:
 def policies_at(names: Sequence[str], budget: float, context_length: int) -> dict[str, object]:
     """{label: policy} for each policy name (`POLICIES`) keeping `budget_slots(budget, context_length)` KV slots
     per KV head: Sink 64 sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half
-    recent; TOVA all of them; SnapKV, PyramidKV and KNorm their budget (SnapKV's window 32, PyramidKV's 8);
+    recent; TOVA all of them; SnapKV, PyramidKV, KNorm and ExpectedAttention their budget (SnapKV's window 32, PyramidKV's 8);
     AdaKV SnapKV's budget on average over a layer's heads. Streaming policies prefill in chunks of half their
     slots (at most 2048); labels name the budget ("Cascade 25%")."""
     import jcascade as jc
@@ -377,7 +378,8 @@ def policies_at(names: Sequence[str], budget: float, context_length: int) -> dic
             "pyramidkv": lambda: jc.PyramidKV(budget=slots, stride=2048),
             "tova": lambda: jc.TOVA(cache_size=slots, stride=stride),
             "knorm": lambda: jc.KNorm(budget=slots, stride=2048),
-            "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048))}
+            "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048)),
+            "expectedattention": lambda: jc.ExpectedAttention(budget=slots, stride=2048)}
     if any(n not in make for n in names):
         raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
     return {("Full" if n == "full" else f"{make[n]().label.split()[0]} {tag}"): make[n]() for n in names}

@@ -104,11 +104,11 @@ def test_every_policy_keeps_the_budget():
 
     policies = ruler.policies_at(ruler.POLICIES, 0.25, 8192)  # 2048 slots, sinks and windows included
     assert list(policies) == ["Full", "Sink 25%", "Cascade 25%", "H2O 25%", "SnapKV 25%", "PyramidKV 25%", "TOVA 25%",
-                              "KNorm 25%", "AdaKV-SnapKV 25%"]
+                              "KNorm 25%", "AdaKV-SnapKV 25%", "ExpectedAttention 25%"]
     for label, policy in policies.items():
         if label != "Full":
             slots = policy.scorer.budget if isinstance(policy, jc.AdaKV) else policy.budget if isinstance(
-                policy, (jc.SnapKV, jc.PyramidKV, jc.KNorm)) else policy.cache_slots(None)
+                policy, (jc.SnapKV, jc.PyramidKV, jc.KNorm, jc.ExpectedAttention)) else policy.cache_slots(None)
             assert slots == 2048, (label, slots)
     assert ruler.policies_at(["sink"], 4096, 16384)["Sink 4096"].cache_slots(None) == 4096
     assert ruler.task_list("all") == list(ruler.TASKS) and ruler.budget_list("0.25,2048") == [0.25, 2048.0]

@@ -1,0 +1,138 @@
+"""Expected Attention (kvpress's ExpectedAttentionPress): after the prompt, keep the tokens that future queries
+are expected to attend to, from the statistics of the prompt's last queries rotated ahead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jcascade.pallas_kernels.schedule import RingLayout
+from jcascade.policies.base import check_int, last_queries
+from jcascade.policies.ring import RingPolicy
+from jcascade.policies.snapkv import keep_in_position_order, top_per_head
+from jcascade.rope import RoPE
+from jcascade.slots import CacheState, Scores, cached_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttention(RingPolicy):
+    """Full attention over the prompt, then each KV head keeps the `budget` prompt tokens with the largest
+    expected attention (the first `sinks` always among them); decoding appends.
+
+    The queries of the next `future` positions are modelled from the prompt's last `window` queries (before
+    RoPE): mean m and covariance S (population), both rotated by the RoPE rotation averaged over those
+    positions, R. A held key k (rotated at its position) then scores softmax_k(R m . k / sqrt(D) +
+    k' R S R' k / (2 D)) over the non-sink keys, averaged over the query heads of its KV head and, with
+    `value_norm`, times (score + epsilon) * |v|. As kvpress's press, except that its statistics come from
+    every prompt query after the sinks. Scores are computed for chunks of at most `window` tokens (the
+    observation window that generate and score feed last, and decode steps); a longer chunk scores 0.
+    Positions "original". Needs `jc.RoPE` (or no rotation).
+    """
+
+    keeps_scores = True
+    bounded = False
+    needs_prompt = True
+    budget: int
+    window: int = 64
+    future: int = 512
+    sinks: int = 4
+    covariance: bool = True
+    value_norm: bool = True
+    epsilon: float = 0.0
+    stride: int = 4096
+
+    @property
+    def label(self) -> str:
+        return f"ExpectedAttention {self.budget}"
+
+    def __post_init__(self):
+        check_int(self, "budget", self.budget, 1)
+        check_int(self, "window", self.window, 1)
+        check_int(self, "future", self.future, 1)
+        check_int(self, "sinks", self.sinks, 0)
+        if self.sinks >= self.budget:
+            raise ValueError(f"ExpectedAttention.sinks ({self.sinks}) must be < budget ({self.budget})")
+        for name in ("covariance", "value_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ExpectedAttention.{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or not self.epsilon >= 0:
+            raise ValueError(f"ExpectedAttention.epsilon must be a number >= 0, got {self.epsilon!r}")
+        check_int(self, "stride", self.stride, 1)
+
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
+
+    def accumulate(self, score, increments, live, n, layout):
+        """The newest chunk's expected attention replaces the old."""
+        return jnp.where(live, increments, score)
+
+    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
+               implementation: str | None) -> tuple[jax.Array, Scores]:
+        if rope is not None and not isinstance(rope, RoPE):
+            raise ValueError(f"ExpectedAttention needs rope to be a jc.RoPE (its frequencies), got {type(rope).__name__}")
+        out, _ = super().attend(state, q, k, v, lengths, rope, implementation)  # no query weights: no scores
+        B, T, Hq, D = q.shape
+        Hkv, cap = k.shape[2], state.pos.shape[-1]
+        if T > self.window:
+            return out, Scores(cache=jnp.zeros((B, Hkv, cap)), chunk=jnp.zeros((B, Hkv, T)))
+        f32 = jnp.float32
+        w = last_queries(lengths, T, self.window)  # [B, T]
+        n = jnp.maximum(w.sum(-1), 1.0)
+        qf = q.astype(f32)
+        mean = jnp.einsum("bt,bthd->bhd", w, qf) / n[:, None, None]
+        centered = (qf - mean[:, None]) * (w / jnp.sqrt(n)[:, None])[..., None, None]  # sum_t (c_t . k)^2 = k'Sk
+        if rope is None:
+            cos, sin = jnp.ones((B, D // 2), f32), jnp.zeros((B, D // 2), f32)
+        else:
+            ahead = (state.seen + lengths)[:, None] + jnp.arange(self.future)[None, :]  # [B, future]
+            angles = ahead.astype(f32)[..., None] * jnp.asarray(rope.inv_freq(D))
+            cos, sin = jnp.cos(angles).mean(1), jnp.sin(angles).mean(1)  # the averaged rotation, [B, D / 2]
+
+        def rotate(x, c, s):
+            x1, x2 = jnp.split(x, 2, axis=-1)
+            return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+        mean = rotate(mean, cos[:, None], sin[:, None]).reshape(B, Hkv, Hq // Hkv, D)
+        centered = rotate(centered, cos[:, None, None], sin[:, None, None]).reshape(B, T, Hkv, Hq // Hkv, D)
+        cached_k, cached_v = cached_kv(state)
+        chunk_pos = state.seen[:, None] + jnp.arange(T)  # [B, T]
+        rot = (lambda x, p: x) if rope is None else rope
+        keys = jnp.concatenate([rot(cached_k.astype(f32), state.pos),
+                                rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3)], axis=2)
+        values = jnp.concatenate([cached_v.astype(f32), v.astype(f32).transpose(0, 2, 1, 3)], axis=2)
+        positions = jnp.concatenate([state.pos, jnp.broadcast_to(
+            jnp.where(jnp.arange(T) < lengths[:, None], chunk_pos, -1)[:, None], (B, Hkv, T))], axis=2)  # [B, Hkv, S]
+        highest = jax.lax.Precision.HIGHEST
+        logits = jnp.einsum("bhgd,bhsd->bhgs", mean, keys, precision=highest) / jnp.sqrt(f32(D))
+        if self.covariance:
+            projected = jnp.einsum("bthgd,bhsd->bhgts", centered, keys, precision=highest)
+            logits = logits + jnp.sum(projected**2, axis=3) / (2 * D)
+        scored = positions >= self.sinks  # held, not a sink
+        logits = jnp.where(scored[:, :, None], logits, -jnp.inf)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
+        total = e.sum(-1, keepdims=True)
+        expected = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0).mean(2)  # [B, Hkv, S]
+        if self.value_norm:
+            expected = (expected + self.epsilon) * jnp.linalg.norm(values, axis=-1)
+        expected = jnp.where((positions >= 0) & ~scored, jnp.inf, expected)  # sinks stay
+        return out, Scores(cache=expected[..., :cap], chunk=expected[..., cap:])
+
+    def _compress_layer(self, state: CacheState, capacity: int) -> CacheState:
+        slot = jnp.arange(state.pos.shape[-1], dtype=jnp.int32)[None, None, :]
+        prompt = slot < state.seen[:, None, None]
+        ranked = jnp.where(prompt, state.score, -jnp.inf)
+        return keep_in_position_order(state, top_per_head(ranked, self.budget) & prompt, capacity)
+
+    def compress(self, state: CacheState, room: int) -> CacheState:
+        """A cache of `budget + room` slots per (row, KV head): the kept tokens in position order, then empty
+        slots. state: one layer, or layers stacked on a leading axis."""
+        if state.seen.ndim == 1:
+            return self._compress_layer(state, self.budget + room)
+        return jax.vmap(lambda s: self._compress_layer(s, self.budget + room))(state)
