@@ -10,8 +10,8 @@ accuracy with its 95 % interval per context length and policy (n prompts per cel
 it ran, the paired difference of each Cascade to Sink, and the key tokens the question sees. Perplexity:
 overall perplexity with its interval and the paired difference to Sink over whole books. RULER: the runs'
 per-prompt records merged (each prompt scored once per policy), then the average over tasks per length and
-policy, the paired differences to Full and of Cascade to Sink at the same budget, and each task's score per
-length.
+policy, the paired differences to Full and, at the same budget, of Cascade to Sink and of AdaKV and Expected
+Attention to SnapKV, and each task's score per length.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ def perplexity_table(runs: list[pathlib.Path]) -> str:
     return "\n".join(lines)
 
 
+RULER_PAIRS = {"Cascade": "Sink", "AdaKV-SnapKV": "SnapKV", "ExpectedAttention": "SnapKV"}  # also compared at a budget
+
+
 def ruler_tables(runs: list[pathlib.Path]) -> str:
     results = {}
     for run in runs:
@@ -101,8 +104,8 @@ def ruler_tables(runs: list[pathlib.Path]) -> str:
     lines += [f"| {n:,} | {merged['prompts'][str(n)]} | " + " | ".join(est(average, k, n) for k in labels) + " |"
               for n in lengths]
     pairs = [(k, "Full") for k in labels if k != "Full"]
-    pairs += [(k, k.replace("Cascade", "Sink")) for k in labels if k.startswith("Cascade")
-              and k.replace("Cascade", "Sink") in labels]
+    pairs += [(k, k.replace(mine, base, 1)) for mine, base in RULER_PAIRS.items() for k in labels
+              if k.startswith(mine + " ") and k.replace(mine, base, 1) in labels]
     lines += ["", "**Paired differences** on the same prompts, per length and over the lengths each pair ran", "",
               "| difference | " + " | ".join(f"{n // 1024}K" for n in lengths) + " | all |",
               "|---" * (2 + len(lengths)) + "|"]
