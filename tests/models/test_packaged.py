@@ -194,15 +194,13 @@ def test_smollm2_matches_transformers_over_600_tokens(smollm2):
     answer = jc.generate(model, np.array([chat]), jc.Cascade(cache_size=256, sinks=4, stride=64), max_new_tokens=12,
                          eos_id=tokenizer.eos_token_id)
     assert "Paris" in tokenizer.decode(np.asarray(answer[0]))
-    for policy in (jc.H2O(heavy=32, recent=32, stride=16), jc.SnapKV(budget=24, window=8, stride=16),
-                   jc.PyramidKV(budget=24, window=4, stride=16), jc.Recycled(top_k=16, refresh_every=4, stride=16)):
-        answer = jc.generate(model, np.array([chat]), policy, max_new_tokens=12, eos_id=tokenizer.eos_token_id)
-        assert "Paris" in tokenizer.decode(np.asarray(answer[0])), policy
-    for policy in (jc.Cascade(cache_size=256, sinks=4, stride=64), jc.H2O(heavy=32, recent=32, stride=16),
-                   jc.SnapKV(budget=24, window=8, stride=16), jc.PyramidKV(budget=24, window=4, stride=16)):
-        samples = jc.generate(model, np.array([chat]), policy, max_new_tokens=12, eos_id=tokenizer.eos_token_id,
-                              num_samples=2)
-        assert all("Paris" in tokenizer.decode(row) for row in np.asarray(samples)), policy
+    # a compressing policy and shared prefixes on the real model (each policy's rules: the tiny-model tests)
+    answer = jc.generate(model, np.array([chat]), jc.SnapKV(budget=24, window=8, stride=16), max_new_tokens=12,
+                         eos_id=tokenizer.eos_token_id)
+    assert "Paris" in tokenizer.decode(np.asarray(answer[0]))
+    samples = jc.generate(model, np.array([chat]), jc.Cascade(cache_size=256, sinks=4, stride=64), max_new_tokens=12,
+                          eos_id=tokenizer.eos_token_id, num_samples=2)
+    assert all("Paris" in tokenizer.decode(row) for row in np.asarray(samples))
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ import tiny
 from oracle import np_rope, np_softmax_rows, random_qkv
 
 THETA = 100.0
+ATTEND = jax.jit(jc.attend, static_argnums=(0, 6))
+UPDATE = jax.jit(jc.update, static_argnums=0)
 
 
 def expected_reference(policy, q, k, v, length):
@@ -55,12 +57,12 @@ def test_expected_attention_keeps_the_reference_selection(policy):
     for start in range(0, S, 16):  # the prompt before the window in chunks of 16, then the window
         n = np.clip(lengths - window - start, 0, 16)
         sl = slice(start, start + 16)
-        _, scores = jc.attend(policy, state, q[:, sl], k[:, sl], v[:, sl], n, rope)
-        state = jc.update(policy, state, k[:, sl], v[:, sl], scores, n)
+        _, scores = ATTEND(policy, state, q[:, sl], k[:, sl], v[:, sl], n, rope)
+        state = UPDATE(policy, state, k[:, sl], v[:, sl], scores, n)
     at = np.clip(lengths[:, None] - window[:, None] + np.arange(policy.window)[None], 0, S - 1)
     take = lambda x: np.take_along_axis(np.asarray(x), at[:, :, None, None], axis=1)  # noqa: E731
-    _, scores = jc.attend(policy, state, take(q), take(k), take(v), window, rope)
-    state = jc.compress(policy, jc.update(policy, state, take(k), take(v), scores, window), room=1)
+    _, scores = ATTEND(policy, state, take(q), take(k), take(v), window, rope)
+    state = jc.compress(policy, UPDATE(policy, state, take(k), take(v), scores, window), room=1)
     pos = np.asarray(state.pos)
     qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
     for b in range(B):
