@@ -194,10 +194,7 @@ def test_smollm2_matches_transformers_over_600_tokens(smollm2):
     answer = jc.generate(model, np.array([chat]), jc.Cascade(cache_size=256, sinks=4, stride=64), max_new_tokens=12,
                          eos_id=tokenizer.eos_token_id)
     assert "Paris" in tokenizer.decode(np.asarray(answer[0]))
-    # a compressing policy and shared prefixes on the real model (each policy's rules: the tiny-model tests)
-    answer = jc.generate(model, np.array([chat]), jc.SnapKV(budget=24, window=8, stride=16), max_new_tokens=12,
-                         eos_id=tokenizer.eos_token_id)
-    assert "Paris" in tokenizer.decode(np.asarray(answer[0]))
+    # shared prefixes on the real model (each policy's rules: the tiny-model tests)
     samples = jc.generate(model, np.array([chat]), jc.Cascade(cache_size=256, sinks=4, stride=64), max_new_tokens=12,
                           eos_id=tokenizer.eos_token_id, num_samples=2)
     assert all("Paris" in tokenizer.decode(row) for row in np.asarray(samples))

@@ -212,7 +212,7 @@ def test_invalid_parameters_raise_clear_errors():
         jc.compress(jc.Full(), jc.init_cache(jc.Full(), 1, 2, 8, max_tokens=4), room=1)
 
 
-@pytest.mark.parametrize("floor", [0.2, 0.5, 1.0])
+@pytest.mark.parametrize("floor", [0.2, 1.0])
 def test_adakv_shares_a_layers_budget_across_its_heads(floor):
     """Against `adakv_reference`; heads keep different counts, the layer the scorer's total (floor 1: SnapKV)."""
     policy = jc.AdaKV(jc.SnapKV(budget=14, window=4, kernel=3), floor=floor)
