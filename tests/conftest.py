@@ -46,6 +46,17 @@ def model_dir(tmp_path_factory) -> str:
     return str(tiny.save(tmp_path_factory.mktemp("tiny-model")))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_compilation_caches():
+    """Drops JAX's compiled programs after each test module: a long-lived xdist worker otherwise keeps every
+    program of the suite (two fresh-clone runs lost a worker to a SIGSEGV inside XLA's CPU compile late in the
+    run; cause not found)."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 # ---- tests that need several devices -------------------------------------------------------------------
 
 REPORTS = "JCASCADE_TEST_REPORTS"  # set for a child run: the file it writes its reports to, one JSON line each
