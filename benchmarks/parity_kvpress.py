@@ -36,14 +36,13 @@ METHODS = ("streamingllm", "snapkv", "knorm", "tova", "expectedattention", "adak
 
 # The kvpress side, run by the venv's python: argv = model.gguf prompts.json ratio out.json
 KVPRESS_SIDE = r'''
-import json, sys
+import json, pathlib, sys
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from kvpress import (AdaKVPress, ExpectedAttentionPress, KnormPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 
 gguf, prompts, ratio, out = sys.argv[1], json.load(open(sys.argv[2])), float(sys.argv[3]), sys.argv[4]
-model = AutoModelForCausalLM.from_pretrained(str(__import__("pathlib").Path(gguf).parent),
-                                             gguf_file=__import__("pathlib").Path(gguf).name,
+model = AutoModelForCausalLM.from_pretrained(str(pathlib.Path(gguf).parent), gguf_file=pathlib.Path(gguf).name,
                                              torch_dtype=torch.float32, attn_implementation="sdpa").eval()
 presses = {"streamingllm": lambda: StreamingLLMPress(ratio, n_sink=4), "snapkv": lambda: SnapKVPress(ratio),
            "knorm": lambda: KnormPress(ratio), "tova": lambda: TOVAPress(ratio),

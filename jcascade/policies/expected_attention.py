@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import check_int, last_queries
 from jcascade.policies.ring import RingPolicy
-from jcascade.policies.snapkv import keep_in_position_order, top_per_head
+from jcascade.policies.snapkv import compress_by_ranking
 from jcascade.rope import RoPE
 from jcascade.slots import CacheState, Scores, cached_kv
 
@@ -124,15 +124,7 @@ class ExpectedAttention(RingPolicy):
         expected = jnp.where((positions >= 0) & ~scored, jnp.inf, expected)  # sinks stay
         return out, Scores(cache=expected[..., :cap], chunk=expected[..., cap:])
 
-    def _compress_layer(self, state: CacheState, capacity: int) -> CacheState:
-        slot = jnp.arange(state.pos.shape[-1], dtype=jnp.int32)[None, None, :]
-        prompt = slot < state.seen[:, None, None]
-        ranked = jnp.where(prompt, state.score, -jnp.inf)
-        return keep_in_position_order(state, top_per_head(ranked, self.budget) & prompt, capacity)
-
     def compress(self, state: CacheState, room: int) -> CacheState:
         """A cache of `budget + room` slots per (row, KV head): the kept tokens in position order, then empty
         slots. state: one layer, or layers stacked on a leading axis."""
-        if state.seen.ndim == 1:
-            return self._compress_layer(state, self.budget + room)
-        return jax.vmap(lambda s: self._compress_layer(s, self.budget + room))(state)
+        return compress_by_ranking(state, lambda layer: layer.score, self.budget, room)

@@ -51,8 +51,9 @@ class RingPolicy(Policy):
     def key_positions(self, state: CacheState) -> tuple[jax.Array, jax.Array]:
         """As `Policy.key_positions`, from the closed-form slot order (DESIGN §4) where there is one."""
         layout = self.layout_for(state)
-        if self.positions != "cache":  # without scores every head places tokens alike: one row serves them all
-            return (state.pos if self.keeps_scores else state.pos[:, :1]), state.seen
+        if self.positions != "cache":  # heads place tokens alike unless scores or a compression (KNorm) tell
+            alike = not self.keeps_scores and not self.observation_window  # them apart: then one row serves all
+            return (state.pos[:, :1] if alike else state.pos), state.seen
         if layout.appends:  # held slots come first, in position order
             slot = jnp.arange(state.capacity, dtype=jnp.int32)[None, None, :]
             return jnp.where(state.pos >= 0, slot, -1), slots.append_fill(state)

@@ -65,6 +65,19 @@ def keep_in_position_order(state: CacheState, keep: jax.Array, capacity: int) ->
                                pos=moved(state.pos, -1))
 
 
+def compress_by_ranking(state: CacheState, ranking, budget: int, room: int) -> CacheState:
+    """Per (row, KV head), the `budget` prompt tokens (the `state.seen` first slots) that `ranking(layer)` (f32
+    [B, H, cap], larger kept) ranks highest, in position order in `budget + room` slots. state: one layer, or
+    layers stacked on a leading axis."""
+    def one(layer: CacheState) -> CacheState:
+        slot = jnp.arange(layer.pos.shape[-1], dtype=jnp.int32)[None, None, :]
+        prompt = slot < layer.seen[:, None, None]
+        ranked = jnp.where(prompt, ranking(layer), -jnp.inf)
+        return keep_in_position_order(layer, top_per_head(ranked, budget) & prompt, budget + room)
+
+    return one(state) if state.seen.ndim == 1 else jax.vmap(one)(state)
+
+
 class _Selection(RingPolicy):
     """What SnapKV and PyramidKV share: the append cache, the observation-window scores and `compress`;
     they differ in how many prompt tokens each layer keeps (`prefix_budget`)."""
