@@ -7,7 +7,8 @@ the device(s), on one device or a `--mesh data=D,model=M` (tensor parallelism).
      bf16 matrix product measured in the same run;
   b  decode tokens/s at batch 1, 16 and 32 (`--batches`) over a full 16K cascade cache vs the roofline
      (the most weight + cache bytes one device holds, over a copy bandwidth measured in the same run);
-     8B at batch 32 holds 69 GB of cache beside 16 GB of weights;
+     each batch size on its own: one whose weights + cache exceed a device's memory (8B at batch 32: 69 GB of
+     cache beside 16 GB of weights, over an H100's 80 GB) is reported with the bytes it needs, not run;
   c  compile time of the prefill segment and of the decode step.
 
 The prefill runs as jitted segments of 32K tokens (8 chunks under `lax.scan`) that carry the cache, so
@@ -122,49 +123,83 @@ def bench_prefill(a, model, policy, peak):
     return dict(compile_s=compile_s, segment=segment, rows=rows)
 
 
-def bench_decode(a, model, policy, bandwidth):
+def is_cache(x) -> bool:
+    return isinstance(x, jc.CacheState)
+
+
+def decode_bytes(model, policy, batch: int) -> dict:
+    """Bytes one device holds for a decode step at `batch`: its weight shards and its share of the cache (every
+    array of the state; a model with sliding layers has two caches), from shapes alone (nothing is allocated)."""
+    devices = 1 if model.mesh is None else model.mesh.size
+    on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731 (the shards are equal)
+    state = jax.eval_shape(lambda: model.init_cache(policy, batch))
+    cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // devices
+    kv = sum(2 * c.k.size * c.k.dtype.itemsize for c in jax.tree.leaves(state, is_leaf=is_cache)) // devices
+    return dict(weights=sum(on_one_device(x) for x in jax.tree.leaves(model)), cache=cache, kv=kv)
+
+
+def bench_decode_batch(a, model, policy, bandwidth, batch: int) -> dict:
+    """ms per greedy step at `batch` over a full cache, against the weights + K/V roofline of one device."""
     cfg = model.config
+
+    def full(state):  # a full cache, as after a long prompt, made in place on its devices
+        cap, shape = state.k.shape[-2], state.k.shape
+        k1, k2 = jax.random.split(jax.random.key(batch))
+        rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, cfg.head_dim), state.k.dtype), shape)
+        state = jc.CacheState(k=rows(k1), v=rows(k2), score=jnp.full(state.score.shape, 1e-4, jnp.float32),
+                              pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
+                              seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32))
+        if model.mesh is None:
+            return state
+        return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, model.mesh), model.mesh)
+
+    # (global layers' cache, sliding layers' window cache) for a model with sliding layers
+    state = jax.jit(lambda: jax.tree.map(full, model.init_cache(policy, batch), is_leaf=is_cache))()
+
+    def step(model, state, last):
+        hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32), a.implementation)
+        return state, jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
+
+    run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
+    last = jnp.zeros((batch,), jnp.int32)
+    t0 = time.perf_counter()
+    compiled = run.lower(model, state, last).compile()
+    compile_s = time.perf_counter() - t0
+    state, last = compiled(model, state, last)
+    block(last)
+    t0 = time.perf_counter()
+    for _ in range(a.decode_steps):
+        state, last = compiled(model, state, last)
+    block(last)
+    per_step = (time.perf_counter() - t0) / a.decode_steps
+    held = decode_bytes(model, policy, batch)
+    roofline = (held["weights"] + held["kv"]) / bandwidth
+    return dict(ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step, roofline_ms=roofline * 1e3,
+                fraction_of_roofline=roofline / per_step, compile_s=compile_s)
+
+
+def bench_decode(a, model, policy, bandwidth) -> list[dict]:
+    """One row per batch size: its figures, or why it did not run. A batch whose weights + cache exceed one
+    device's memory is not tried; one that fails anyway (out of memory in the step's temporaries) says so."""
+    limit = jax.devices()[0].memory_stats()
+    limit = limit.get("bytes_limit") if limit else None
     rows = []
     for batch in a.decode_batches:
-        def full(state):  # a full cache, as after a long prompt, made in place on its devices
-            cap, shape = state.k.shape[-2], state.k.shape
-            k1, k2 = jax.random.split(jax.random.key(batch))
-            rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, cfg.head_dim), state.k.dtype), shape)
-            state = jc.CacheState(k=rows(k1), v=rows(k2), score=jnp.full(state.score.shape, 1e-4, jnp.float32),
-                                  pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
-                                  seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32))
-            if model.mesh is None:
-                return state
-            return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, model.mesh), model.mesh)
-
-        # (global layers' cache, sliding layers' window cache) for a model with sliding layers
-        state = jax.jit(lambda: jax.tree.map(full, model.init_cache(policy, batch),
-                                             is_leaf=lambda x: isinstance(x, jc.CacheState)))()
-
-        def step(model, state, last):
-            hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32), a.implementation)
-            return state, jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
-
-        run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
-        last = jnp.zeros((batch,), jnp.int32)
-        t0 = time.perf_counter()
-        compiled = run.lower(model, state, last).compile()
-        compile_s = time.perf_counter() - t0
-        state, last = compiled(model, state, last)
-        block(last)
-        t0 = time.perf_counter()
-        for _ in range(a.decode_steps):
-            state, last = compiled(model, state, last)
-        block(last)
-        per_step = (time.perf_counter() - t0) / a.decode_steps
-        on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731 (the shards are equal)
-        weight_bytes = sum(on_one_device(x) for x in jax.tree.leaves(model))
-        cache_bytes = sum(2 * on_one_device(c.k) for c in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, jc.CacheState)))
-        roofline = (weight_bytes + cache_bytes) / bandwidth
-        rows.append(dict(batch=batch, ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step,
-                         roofline_ms=roofline * 1e3, fraction_of_roofline=roofline / per_step, compile_s=compile_s))
-        print(f"   decode batch {batch}: {per_step * 1e3:.2f} ms/step", flush=True)
-        del state
+        held = decode_bytes(model, policy, batch)
+        row = dict(batch=batch, weight_bytes=held["weights"], cache_bytes=held["cache"], device_bytes=limit)
+        needed = held["weights"] + held["cache"]
+        if limit is not None and needed > limit:
+            row["error"] = f"does not fit: weights + cache {needed / 1e9:.1f} GB > {limit / 1e9:.1f} GB on one device"
+        else:
+            try:
+                row.update(bench_decode_batch(a, model, policy, bandwidth, batch))
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                row["error"] = (f"out of memory beside weights + cache {needed / 1e9:.1f} GB of "
+                                f"{(limit or 0) / 1e9:.1f} GB: {str(e).splitlines()[0][:300]}")
+        print(f"   decode batch {batch}: " + (row.get("error") or f"{row['ms_per_step']:.2f} ms/step"), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -207,12 +242,7 @@ def main():
     if "a" in a.only:
         result["prefill"] = bench_prefill(a, model, policy, peak)
         out.write_text(json.dumps(result, indent=2))
-    try:
-        result["decode"] = bench_decode(a, model, policy, bandwidth) if "b" in a.only else []
-    except Exception as e:  # keep the prefill figures if decode fails (e.g. out of memory)
-        result["decode"] = []
-        result["decode_error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        print(result["decode_error"], flush=True)
+    result["decode"] = bench_decode(a, model, policy, bandwidth) if "b" in a.only else []
     out.write_text(json.dumps(result, indent=2))
     if "prefill" in result:
         pre = result["prefill"]
@@ -221,8 +251,11 @@ def main():
             print(f"   {r['tokens']:>8} {r['seconds']:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.2f}")
     print("decode: batch, ms/step, tokens/s, roofline ms, fraction of roofline, compile s")
     for r in result["decode"]:
-        print(f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} {r['roofline_ms']:8.2f} "
-              f"{r['fraction_of_roofline']:6.2f} {r['compile_s']:6.0f}")
+        if "error" in r:
+            print(f"   {r['batch']:>3} {r['error']}")
+        else:
+            print(f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} {r['roofline_ms']:8.2f} "
+                  f"{r['fraction_of_roofline']:6.2f} {r['compile_s']:6.0f}")
     print(f"wrote {out}")
 
 

@@ -1,0 +1,106 @@
+"""RULER prompts through `ruler.sweep` on one device and data-parallel over D devices (rows split over the mesh's
+"data" axis, the same rows per device as on one): throughput in prompts/s after compilation, and whether every
+prompt's output is identical.
+
+Each device count runs the sweep twice on the same prompts: the first run compiles (every policy at the length) and
+is not timed; the prompts are built once, before any timing. One device takes `--rows` rows per call, D devices
+D x `--rows`, so each device computes the same [rows, length] batches either way.
+
+    python benchmarks/bench_data_parallel.py --devices 2 --length 4K --samples 16 --out results/data-parallel.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_data_parallel.py --tiny   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import time
+
+import jax
+
+import jcascade as jc
+from jcascade.cli import _positive as count
+from jcascade.eval import ruler, texts
+from jcascade.models import sharding
+
+
+class PromptCache:
+    """A `ruler.Generator` whose samples are built once: timed sweeps measure the model, not prompt building."""
+
+    def __init__(self, generator: ruler.Generator):
+        self.tokenizer = generator.tokenizer
+        self.samples = functools.cache(generator.samples)
+
+
+def sweep(model, prompts, tasks, length, names, budget, samples, rows) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    out = ruler.sweep(model, prompts, tasks, [length], lambda n: ruler.policies_at(names, budget, n),
+                      samples=samples, batch_size=rows)
+    return out, time.perf_counter() - t0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
+    p.add_argument("--devices", type=count, default=len(jax.devices()), help="devices of the data-parallel run")
+    p.add_argument("--length", type=count, default=4096, help="context length (e.g. 4K)")
+    p.add_argument("--samples", type=count, default=16, help="prompts per task")
+    p.add_argument("--tasks", default="all", help="comma-separated RULER tasks, or all")
+    p.add_argument("--policy", default="full,cascade", help="comma-separated `ruler.policies_at` names")
+    p.add_argument("--budget", type=float, default=0.25, help="KV slots kept, a fraction of the context")
+    p.add_argument("--rows", type=count, default=8, help="rows per device per generate call")
+    p.add_argument("--book", default="paradise_lost", help="prose haystack")
+    p.add_argument("--tiny", action="store_true", help="a random tiny model and two short tasks (dry run)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if a.devices < 2 or a.devices > len(jax.devices()):
+        raise SystemExit(f"--devices must be between 2 and the {len(jax.devices())} devices present, got {a.devices}")
+    tasks = list(ruler.TASKS) if a.tasks == "all" else a.tasks.split(",")
+    names = a.policy.split(",")
+    path = pathlib.Path(a.model) if a.model else (None if a.tiny else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT))
+    tokenizer = jc.load_tokenizer(path if path else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT))
+    if a.tiny:
+        tasks, a.length, a.samples = ["niah_single_1", "vt"], 1024, 2
+        config = jc.models.ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=64,
+                                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                       rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                       qkv_bias=False, o_bias=False, max_position_embeddings=4096)
+    prose = texts.load_book(a.book) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
+    prompts = PromptCache(ruler.Generator(tokenizer, prose))
+    t0 = time.perf_counter()
+    for task in tasks:
+        prompts.samples(task, a.length, a.samples, 0)
+    build_s = time.perf_counter() - t0
+    runs = {}
+    for devices in (1, a.devices):
+        mesh = sharding.device_mesh((devices, 1), batched=True)
+        model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny
+                 else jc.load_pretrained(path, mesh=mesh))
+        _, compile_s = sweep(model, prompts, tasks, a.length, names, a.budget, a.samples, a.rows * devices)
+        results, seconds = sweep(model, prompts, tasks, a.length, names, a.budget, a.samples, a.rows * devices)
+        runs[devices] = dict(seconds=seconds, first_run_s=compile_s, prompts=len(results),
+                             prompts_per_s=len(results) / seconds, results=[r.output for r in results])
+        print(f"{devices} device(s): {len(results)} prompts in {seconds:.1f} s ({len(results) / seconds:.1f} prompts/s; "
+              f"first run, compiling: {compile_s:.1f} s)", flush=True)
+    one, many = runs[1], runs[a.devices]
+    same = sum(x == y for x, y in zip(one["results"], many["results"]))
+    speedup = many["prompts_per_s"] / one["prompts_per_s"]
+    result = dict(benchmark="data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d"), model=path.name if path else "tiny random", length=a.length,
+                  tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_device=a.rows,
+                  prompt_build_s=build_s, identical_outputs=same, outputs=len(one["results"]), speedup=speedup,
+                  runs={str(d): {k: v for k, v in r.items() if k != "results"} for d, r in runs.items()})
+    if a.out:
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"\ndevices, prompts/s, seconds ({result['model']}, {a.length} tokens, {len(tasks)} tasks x {a.samples}, "
+          f"{', '.join(names)} at {a.budget:.0%})")
+    for d, r in runs.items():
+        print(f"   {d}  {r['prompts_per_s']:8.2f}  {r['seconds']:8.1f}")
+    print(f"speed-up {speedup:.2f}x; identical outputs: {same} of {len(one['results'])}")
+
+
+if __name__ == "__main__":
+    main()
