@@ -10,8 +10,8 @@ accuracy with its 95 % interval per context length and policy (n prompts per cel
 it ran, the paired difference of each Cascade to Sink, and the key tokens the question sees. Perplexity:
 overall perplexity with its interval and the paired difference to Sink over whole books. RULER: the runs'
 per-prompt records merged (each prompt scored once per policy), then the average over tasks per length and
-policy, the paired differences to Full and, at the same budget, of Cascade to Sink and of AdaKV and Expected
-Attention to SnapKV, and each task's score per length.
+policy, the paired differences to Full and, at the same budget, of Cascade to Sink and of AdaKV, Expected
+Attention and KVzip to SnapKV, and each task's score per length.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def perplexity_table(runs: list[pathlib.Path]) -> str:
     return "\n".join(lines)
 
 
-RULER_PAIRS = {"Cascade": "Sink", "AdaKV-SnapKV": "SnapKV", "ExpectedAttention": "SnapKV"}  # also compared at a budget
+RULER_PAIRS = {"Cascade": "Sink", "AdaKV-SnapKV": "SnapKV", "ExpectedAttention": "SnapKV", "KVzip": "SnapKV"}  # also compared at a budget
 
 
 def ruler_tables(runs: list[pathlib.Path]) -> str:

@@ -20,7 +20,7 @@ from jcascade.generation import generate, prefill, score
 from jcascade.cache import cache_occupancy, compress, init_cache, update
 from jcascade.compilation import COMPILER_OPTIONS
 from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
-from jcascade.policies import (H2O, TOVA, AdaKV, Cascade, ExpectedAttention, Full, KNorm, Policy, PyramidKV, Recycled,
+from jcascade.policies import (H2O, TOVA, AdaKV, Cascade, ExpectedAttention, Full, KNorm, KVzip, Policy, PyramidKV, Recycled,
                                RingPolicy, Sink, SlidingWindow, SnapKV)
 from jcascade.eval.checkpointing import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
@@ -37,6 +37,7 @@ __all__ = [
     "Full",
     "H2O",
     "KNorm",
+    "KVzip",
     "Llama3Scaling",
     "ModelConfig",
     "Policy",

@@ -141,10 +141,10 @@ def cmd_perplexity(args) -> None:
 
 def cmd_ruler(args) -> None:
     lengths, tasks = passkey.context_lengths(args.min_length, args.max_length), args.tasks
-    at = lambda n: {k: v for b in args.budget for k, v in ruler.policies_at(args.policy, b, n).items()}  # noqa: E731
+    model, tokenizer, name, mesh = _load(args, batched=True)  # KVzip's policies need the tokenizer
+    at = lambda n: {k: v for b in args.budget for k, v in ruler.policies_at(args.policy, b, n, tokenizer).items()}  # noqa: E731
     specs = {k: {str(n): repr(at(n)[k]) for n in lengths} for k in at(lengths[0])}  # a budget's slots grow with n
-    report.baseline_label(specs, args.baseline)  # checked before the model loads
-    model, tokenizer, name, mesh = _load(args, batched=True)
+    report.baseline_label(specs, args.baseline)
     batch = args.batch_size or 8 * (1 if mesh is None else mesh.shape["data"])
     prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
     generator = ruler.Generator(tokenizer, prose)

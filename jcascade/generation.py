@@ -184,7 +184,8 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
     """A fresh cache through the prompt, ready for `room` more tokens: `prefill`'s (state, last, logps).
 
     Policies with an observation window (SnapKV, PyramidKV) feed each row's last `observation_window`
-    tokens as a chunk of their own, then compress."""
+    tokens as a chunk of their own, then score the prompt their own way (`after_prompt`: KVzip's pass) and
+    compress."""
     B, S = tokens.shape
     w = policy.observation_window
     state = model.init_cache(policy, B, max_tokens=S + (0 if w else room))
@@ -199,6 +200,7 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
         in_window = jnp.arange(w)[None, :] < window[:, None]
         window_logps = token_log_probs(model, hidden, jnp.take_along_axis(targets, at, axis=1))
         logps = logps.at[jnp.arange(B)[:, None], jnp.where(in_window, at, S)].set(window_logps, mode="drop")
+    state = policy.after_prompt(model, state, tokens, lengths, implementation)
     return model.compress(policy, state, room), last, logps
 
 

@@ -315,7 +315,7 @@ class Generator:
 # ---- evaluation: every policy at one budget ------------------------------------------------------------------
 
 POLICIES = ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "adakv",
-            "expectedattention")  # the names `policies_at` knows
+            "expectedattention", "kvzip")  # the names `policies_at` knows
 DEFAULT_POLICIES = POLICIES[:6]  # the command's default grid
 
 
@@ -359,13 +359,17 @@ def budget_slots(budget: float, context_length: int) -> int:
     return slots
 
 
-def policies_at(names: Sequence[str], budget: float, context_length: int) -> dict[str, object]:
+def policies_at(names: Sequence[str], budget: float, context_length: int, tokenizer=None) -> dict[str, object]:
     """{label: policy} for each policy name (`POLICIES`) keeping `budget_slots(budget, context_length)` KV slots
     per KV head: Sink 64 sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half
-    recent; TOVA all of them; SnapKV, PyramidKV, KNorm and ExpectedAttention their budget (SnapKV's window 32, PyramidKV's 8);
-    AdaKV SnapKV's budget on average over a layer's heads. Streaming policies prefill in chunks of half their
-    slots (at most 2048); labels name the budget ("Cascade 25%")."""
+    recent; TOVA all of them; SnapKV, PyramidKV, KNorm, ExpectedAttention and KVzip their budget (SnapKV's window
+    32, PyramidKV's 8; KVzip's reconstruction prompts in `tokenizer`'s tokens, which it needs); AdaKV SnapKV's
+    budget on average over a layer's heads. Streaming policies prefill in chunks of half their slots (at most
+    2048); labels name the budget ("Cascade 25%")."""
     import jcascade as jc
+
+    if "kvzip" in names and tokenizer is None:
+        raise ValueError("policies_at: kvzip needs the tokenizer (its reconstruction prompts are token ids)")
 
     slots = budget_slots(budget, context_length)
     tag = f"{budget:.0%}" if budget < 1 else str(int(budget))
@@ -379,7 +383,8 @@ def policies_at(names: Sequence[str], budget: float, context_length: int) -> dic
             "tova": lambda: jc.TOVA(cache_size=slots, stride=stride),
             "knorm": lambda: jc.KNorm(budget=slots, stride=2048),
             "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048)),
-            "expectedattention": lambda: jc.ExpectedAttention(budget=slots, stride=2048)}
+            "expectedattention": lambda: jc.ExpectedAttention(budget=slots, stride=2048),
+            "kvzip": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, stride=2048)}
     if any(n not in make for n in names):
         raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
     return {("Full" if n == "full" else f"{make[n]().label.split()[0]} {tag}"): make[n]() for n in names}

@@ -2,7 +2,7 @@
 
 Every policy implements the protocol of `jcascade.policies.base.Policy`; one module per family:
 window (Full, SlidingWindow, Sink), cascade, h2o, tova, snapkv (SnapKV, PyramidKV), adakv, knorm,
-expected_attention, recycled. "Writing a
+expected_attention, kvzip, recycled. "Writing a
 policy" in the README shows a new one in a file of its own.
 """
 
@@ -13,6 +13,7 @@ from jcascade.policies.cascade import Cascade
 from jcascade.policies.expected_attention import ExpectedAttention
 from jcascade.policies.h2o import H2O
 from jcascade.policies.knorm import KNorm
+from jcascade.policies.kvzip import KVzip
 from jcascade.policies.recycled import Recycled
 from jcascade.policies.ring import RingPolicy
 from jcascade.policies.snapkv import PyramidKV, SnapKV
@@ -20,5 +21,5 @@ from jcascade.policies.tova import TOVA
 from jcascade.policies.window import Full, Sink, SlidingWindow
 from jcascade.policies.spec import parse_policy, policy_classes
 
-__all__ = ["AdaKV", "Cascade", "ExpectedAttention", "Full", "H2O", "KNorm", "Policy", "PyramidKV", "Recycled", "RingLayout", "RingPolicy", "Sink",
+__all__ = ["AdaKV", "Cascade", "ExpectedAttention", "Full", "H2O", "KNorm", "KVzip", "Policy", "PyramidKV", "Recycled", "RingLayout", "RingPolicy", "Sink",
            "SlidingWindow", "SnapKV", "TOVA", "check_policy", "parse_policy", "policy_classes"]

@@ -10,6 +10,7 @@ entry points call only these hooks:
                     increments weighted by query_weights(lengths, T))
   jc.update      -> update(state, k, v, scores, lengths, implementation)
   jc.compress, and generate / score at the end of a prompt -> observation_window, compress(state, room)
+  generate / score at the end of a prompt, before compress -> after_prompt(model, state, tokens, lengths, ...)
   jc.share_prefix, jc.attend_shared -> key_positions(state)
   a model's layer loop -> step_branch(state, chunk_len, lengths)   (default: None)
 
@@ -129,6 +130,12 @@ class Policy(abc.ABC):
         valid tokens of the chunk per row. On a GPU each `lax.cond` waits for its predicate on the host, so a
         branch inside every layer stalls the step once per layer."""
         return None
+
+    def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array, implementation):
+        """The model's cache after the prompt (tokens int32 [B, S], lengths int32 [B]), before `compress`: a
+        policy that scores the prompt with a pass of its own through `model` (KVzip's reconstruction) returns the
+        scored cache. Default: the state as it is. Called only for policies with observation_window > 0."""
+        return state
 
     def compress(self, state: CacheState, room: int) -> CacheState:
         """The cache after the prompt (its last chunk being the observation window), with `room` free slots

@@ -102,19 +102,21 @@ def test_bad_requests_are_refused(generator):
 def test_every_policy_keeps_the_budget():
     import jcascade as jc
 
-    policies = ruler.policies_at(ruler.POLICIES, 0.25, 8192)  # 2048 slots, sinks and windows included
+    policies = ruler.policies_at(ruler.POLICIES, 0.25, 8192, tiny.tokenizer())  # 2048 slots, sinks and windows included
     assert list(policies) == ["Full", "Sink 25%", "Cascade 25%", "H2O 25%", "SnapKV 25%", "PyramidKV 25%", "TOVA 25%",
-                              "KNorm 25%", "AdaKV-SnapKV 25%", "ExpectedAttention 25%"]
+                              "KNorm 25%", "AdaKV-SnapKV 25%", "ExpectedAttention 25%", "KVzip 25%"]
     for label, policy in policies.items():
         if label != "Full":
             slots = policy.scorer.budget if isinstance(policy, jc.AdaKV) else policy.budget if isinstance(
-                policy, (jc.SnapKV, jc.PyramidKV, jc.KNorm, jc.ExpectedAttention)) else policy.cache_slots(None)
+                policy, (jc.SnapKV, jc.PyramidKV, jc.KNorm, jc.ExpectedAttention, jc.KVzip)) else policy.cache_slots(None)
             assert slots == 2048, (label, slots)
     assert ruler.policies_at(["sink"], 4096, 16384)["Sink 4096"].cache_slots(None) == 4096
+    with pytest.raises(ValueError, match="kvzip needs the tokenizer"):
+        ruler.policies_at(["kvzip"], 0.25, 8192)
     assert ruler.task_list("all") == list(ruler.TASKS) and ruler.budget_list("0.25,2048") == [0.25, 2048.0]
     for call, match in [(lambda: ruler.budget_slots(0.01, 4096), "at least 128"),
                         (lambda: ruler.task_list("niah_single_1,qa_1"), "tasks must be comma-separated names"),
-                        (lambda: ruler.policy_list("full,kvzip"), "policies must be"),
+                        (lambda: ruler.policy_list("full,quest"), "policies must be"),
                         (lambda: ruler.budget_list("0.25,-1"), "budgets must be"),
                         (lambda: ruler.budget_list("half"), "budgets must be")]:
         with pytest.raises(ValueError, match=match):

@@ -1,0 +1,197 @@
+"""KVzip (Kim et al. 2025): after the prompt, the model re-reads it behind a "repeat the context" instruction, and
+each cached token is scored by the most attention any re-reading query pays it; each KV head keeps the best."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jcascade.pallas_kernels.schedule import RingLayout
+from jcascade.policies.base import Policy, check_int
+from jcascade.policies.ring import RingPolicy
+from jcascade.policies.snapkv import compress_by_ranking
+from jcascade.slots import CacheState, Scores, cached_kv
+
+MARKED = -2.0  # the score of the held slots the current reconstruction chunk re-reads, until it scores them
+
+INSTRUCTION = "\n\nRepeat the previous context exactly."
+CONTINUATION = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+def _ids(values, name: str) -> None:
+    if not isinstance(values, tuple) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in values):
+        raise ValueError(f"KVzip.{name} must be a tuple of token ids (ints >= 0), got {values!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzip(RingPolicy):
+    """Full attention over the prompt; then a reconstruction pass scores it and each KV head keeps the `budget`
+    prompt tokens with the highest scores (the first `sinks` always), in position order; decoding appends.
+
+    The pass (`after_prompt`, run by `generate` and `score(prefix=)`): the prompt in chunks of `chunk` tokens,
+    each fed to the model after the prompt as `instruction` + `turn` + the chunk (later chunks:
+    `continuation` + the previous chunk's last `overlap` tokens + `turn` + the chunk), at positions following
+    the prompt, reading the cache without adding to it. A held token's score is the largest softmax weight
+    that any of the chunk's queries of the KV head's query heads gives it, the softmax taken over the sinks, the
+    chunk's own held tokens and (causally) the pass's tokens, as kvpress's KVzipPress computes it. Each chunk
+    costs a forward pass of about its length: the pass doubles the prefill.
+
+    `KVzip.for_tokenizer(tokenizer, budget)` fills the three token fields as kvpress does (its instructions, and
+    the chat template's end of the user turn and start of the assistant's); left empty, the pass re-reads the bare
+    chunks. Differences from kvpress: kvpress skips the chat template's opening tokens (they are never scored) and
+    by default ranks every layer's and head's tokens together (heads and layers keep different counts); here each
+    KV head keeps `budget` (a fixed cache). Positions are the original ones. Models with sliding-window layers
+    (Gemma 3) are refused, as kvpress refuses them.
+    """
+
+    bounded = False
+    needs_prompt = True
+    budget: int
+    instruction: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    continuation: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    turn: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    chunk: int = 2048
+    overlap: int = 8
+    sinks: int = 4
+    stride: int = 4096
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, budget: int, **fields) -> KVzip:
+        """KVzip with kvpress's reconstruction prompts in `tokenizer`'s tokens (a Hugging Face tokenizer)."""
+        encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+        turn = "\n"  # kvpress's suffix for a tokenizer without a chat template
+        if getattr(tokenizer, "chat_template", None):
+            marker = "\n" + "#" * 13
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "dummy context" + marker}],
+                                                 add_generation_prompt=True, tokenize=False)
+            turn = text.split(marker)[1]
+        return cls(budget=budget, instruction=encode(INSTRUCTION), continuation=encode(CONTINUATION),
+                   turn=encode(turn), **fields)
+
+    @property
+    def label(self) -> str:
+        return f"KVzip {self.budget}"
+
+    def __post_init__(self):
+        check_int(self, "budget", self.budget, 1)
+        for name in ("instruction", "continuation", "turn"):
+            _ids(getattr(self, name), name)
+        check_int(self, "chunk", self.chunk, 1)
+        check_int(self, "overlap", self.overlap, 0)
+        if self.overlap > self.chunk:
+            raise ValueError(f"KVzip.overlap must be <= chunk ({self.chunk}), got {self.overlap}")
+        check_int(self, "sinks", self.sinks, 0)
+        check_int(self, "stride", self.stride, 1)
+
+    @property
+    def observation_window(self) -> int:
+        return 1
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
+
+    def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array, implementation):
+        """The prompt's cache with every held token scored by the reconstruction pass. tokens int32 [B, S], lengths
+        int32 [B]: the prompt (right-padded); state: the model's cache after it (layers stacked)."""
+        if isinstance(state, tuple):
+            raise ValueError("KVzip does not support models with sliding-window layers (Gemma 3): its pass would "
+                             "score the global layers' cache only")
+        reader = _Reconstruction(self.chunk, self.sinks, self.stride)
+        B, S = tokens.shape
+
+        def one_chunk(c, state):
+            first = c * self.chunk
+            count = jnp.clip(lengths - first, 0, self.chunk)  # [B] prompt tokens this chunk re-reads
+            row, row_len = self._reconstruction_rows(tokens, c, count)
+            pos = state.pos  # [L, B, H, cap]
+            reread = (pos >= first) & (pos < (first + count)[None, :, None, None])
+            state = dataclasses.replace(state, score=jnp.where(reread, MARKED, state.score))
+            return model(reader, state, row, row_len, implementation)[1]
+
+        state = dataclasses.replace(state, score=jnp.zeros_like(state.score))
+        return jax.lax.fori_loop(0, -(-S // self.chunk), one_chunk, state)
+
+    def _reconstruction_rows(self, tokens: jax.Array, c: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """int32 [B, W] tokens of chunk c's pass (instruction or continuation + overlap, turn, the chunk's `count`
+        tokens, then padding) and int32 [B] their number (0 where the row's prompt has no chunk c)."""
+        B, S = tokens.shape
+        overlap = min(self.overlap, S)
+        head_width = max(len(self.instruction), len(self.continuation) + overlap)
+        width = head_width + len(self.turn) + self.chunk
+        first = c * self.chunk
+        previous = jax.lax.dynamic_slice_in_dim(tokens, jnp.clip(first - overlap, 0, S - overlap), overlap, axis=1)
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, head_width - x.shape[1])))  # noqa: E731
+        head = jnp.where(c == 0, pad(jnp.broadcast_to(jnp.asarray(self.instruction, jnp.int32), (B, len(self.instruction)))),
+                         pad(jnp.concatenate([jnp.broadcast_to(jnp.asarray(self.continuation, jnp.int32),
+                                                               (B, len(self.continuation))), previous], axis=1)))
+        head_len = jnp.where(c == 0, len(self.instruction), len(self.continuation) + overlap)
+        j = jnp.arange(width)
+        in_chunk = j - head_len - len(self.turn)  # index into the chunk
+        context = jnp.take_along_axis(tokens, jnp.clip(first + in_chunk, 0, S - 1)[None, :].repeat(B, 0), axis=1)
+        row = jnp.where((in_chunk >= 0)[None, :] & (in_chunk[None, :] < count[:, None]), context, 0)
+        if self.turn:
+            turn = jnp.asarray(self.turn, jnp.int32)[jnp.clip(j - head_len, 0, len(self.turn) - 1)]
+            row = jnp.where(((j >= head_len) & (in_chunk < 0))[None, :], turn[None, :], row)
+        row = jnp.where((j < head_len)[None, :], head[:, jnp.minimum(j, head_width - 1)], row)
+        return row.astype(jnp.int32), jnp.where(count > 0, head_len + len(self.turn) + count, 0).astype(jnp.int32)
+
+    def compress(self, state: CacheState, room: int) -> CacheState:
+        """A cache of `budget + room` slots per (row, KV head): the sinks and the best-scored tokens in position
+        order, then empty slots. state: one layer, or layers stacked on a leading axis."""
+        ranking = lambda layer: jnp.where(layer.pos < self.sinks, jnp.inf, layer.score)  # noqa: E731
+        return compress_by_ranking(state, ranking, self.budget, room)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reconstruction(Policy):
+    """KVzip's reconstruction pass as a policy: attends like Full (the cache is read, never written) and sets the
+    score of each held slot marked `MARKED` to the most attention the pass's queries pay it (`KVzip`)."""
+
+    keeps_scores = True
+    chunk: int
+    sinks: int
+    stride: int
+
+    def cache_slots(self, max_tokens: int | None) -> int:
+        raise TypeError("KVzip's reconstruction pass reads an existing cache; it makes none")
+
+    def attend(self, state: CacheState, q, k, v, lengths, rope, implementation):
+        out, _ = super().attend(state, q, k, v, lengths, rope, implementation)
+        B, T, Hq, D = q.shape
+        H, cap = k.shape[2], state.pos.shape[-1]
+        f32, window = jnp.float32, min(self.chunk, cap)
+        start = jnp.argmax(state.score[:, 0] == MARKED, axis=-1)  # [B] first re-read slot (append layout)
+        unclipped = start[:, None] + jnp.arange(window)
+        slots = jnp.minimum(unclipped, cap - 1)  # [B, window]
+        sinks = jnp.arange(min(self.sinks, cap))
+        cached_k, _ = cached_kv(state)
+        rot = (lambda x, p: x) if rope is None else rope
+        held = rot(cached_k.astype(f32), state.pos)  # [B, H, cap, D]
+        gather = lambda x, idx: jnp.take_along_axis(x, idx[:, None, :, None], axis=2)  # noqa: E731
+        chunk_pos = state.seen[:, None] + jnp.arange(T)
+        keys = jnp.concatenate([held[:, :, sinks], gather(held, slots),
+                                rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3)], axis=2)
+        sink_ok = (state.pos[:, :, sinks] >= 0) & (state.pos[:, :, sinks] < (start[:, None, None]))
+        window_ok = (jnp.take_along_axis(state.score, jnp.broadcast_to(slots[:, None], (B, H, window)), 2) == MARKED
+                     ) & (unclipped < cap)[:, None]
+        t = jnp.arange(T)
+        chunk_ok = (t[None, :] <= t[:, None])[None] & (t < lengths[:, None])[:, None, :]  # [B, Tq, Tk]
+        qr = rot(q.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3).reshape(B, H, Hq // H, T, D)
+        logits = jnp.einsum("bhgtd,bhsd->bhgts", qr, keys, precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(f32(D))
+        ok = jnp.concatenate([jnp.broadcast_to(sink_ok[:, :, None, :], (B, H, T, len(sinks))),
+                              jnp.broadcast_to(window_ok[:, :, None, :], (B, H, T, window)),
+                              jnp.broadcast_to(chunk_ok[:, None], (B, H, T, T))], axis=-1)[:, :, None]
+        logits = jnp.where(ok, logits, -jnp.inf)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
+        weights = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)
+        weights = jnp.where((t < lengths[:, None])[:, None, None, :, None], weights, 0.0)
+        best = weights[..., len(sinks): len(sinks) + window].max(axis=(2, 3))  # [B, H, window]
+        scores = jnp.zeros((B, H, cap), f32).at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
+                                                 slots[:, None, :]].max(jnp.where(window_ok, best, 0.0))
+        return out, Scores(cache=scores, chunk=jnp.zeros((B, H, T), f32))
+
+    def update(self, state: CacheState, k, v, scores: Scores, lengths, implementation) -> CacheState:
+        return dataclasses.replace(state, score=jnp.where(state.score == MARKED, scores.cache, state.score))
