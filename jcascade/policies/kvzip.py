@@ -30,19 +30,20 @@ class KVzip(RingPolicy):
     """Full attention over the prompt; then a reconstruction pass scores it and each KV head keeps the `budget`
     prompt tokens with the highest scores (the first `sinks` always), in position order; decoding appends.
 
-    The pass (`after_prompt`, run by `generate` and `score(prefix=)`): the prompt in chunks of `chunk` tokens,
-    each fed to the model after the prompt as `instruction` + `turn` + the chunk (later chunks:
+    The pass (`after_prompt`, run by `generate` and `score(prefix=)`): the prompt from token `skip` on in chunks of
+    `chunk` tokens, each fed to the model after the prompt as `instruction` + `turn` + the chunk (later chunks:
     `continuation` + the previous chunk's last `overlap` tokens + `turn` + the chunk), at positions following
     the prompt, reading the cache without adding to it. A held token's score is the largest softmax weight
     that any of the chunk's queries of the KV head's query heads gives it, the softmax taken over the sinks, the
-    chunk's own held tokens and (causally) the pass's tokens, as kvpress's KVzipPress computes it. Each chunk
+    chunk's own held tokens and (causally) the pass's tokens, as kvpress's KVzipPress computes it; the first
+    `skip` tokens other than the sinks score 0 (kvpress skips the chat template's opening this way). Each chunk
     costs a forward pass of about its length: the pass doubles the prefill.
 
-    `KVzip.for_tokenizer(tokenizer, budget)` fills the three token fields as kvpress does (its instructions, and
-    the chat template's end of the user turn and start of the assistant's); left empty, the pass re-reads the bare
-    chunks. Differences from kvpress: kvpress skips the chat template's opening tokens (they are never scored) and
-    by default ranks every layer's and head's tokens together (heads and layers keep different counts); here each
-    KV head keeps `budget` (a fixed cache). Positions are the original ones. Models with sliding-window layers
+    `KVzip.for_tokenizer(tokenizer, budget)` fills the token fields and `skip` as kvpress does (its instructions,
+    the chat template's end of the user turn and start of the assistant's, the length of the template's opening);
+    left empty, the pass re-reads the bare chunks. The difference from kvpress: kvpress by default ranks every
+    layer's and head's tokens together (heads and layers keep different counts); here each KV head keeps `budget`
+    (a fixed cache). Positions are the original ones. Models with sliding-window layers
     (Gemma 3) are refused, as kvpress refuses them.
     """
 
@@ -55,20 +56,21 @@ class KVzip(RingPolicy):
     chunk: int = 2048
     overlap: int = 8
     sinks: int = 4
+    skip: int = 0
     stride: int = 4096
 
     @classmethod
     def for_tokenizer(cls, tokenizer, budget: int, **fields) -> KVzip:
         """KVzip with kvpress's reconstruction prompts in `tokenizer`'s tokens (a Hugging Face tokenizer)."""
         encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-        turn = "\n"  # kvpress's suffix for a tokenizer without a chat template
+        opening, turn = "", "\n"  # kvpress's for a tokenizer without a chat template
         if getattr(tokenizer, "chat_template", None):
             marker = "\n" + "#" * 13
             text = tokenizer.apply_chat_template([{"role": "user", "content": "dummy context" + marker}],
                                                  add_generation_prompt=True, tokenize=False)
-            turn = text.split(marker)[1]
+            opening, turn = text.split("dummy context")[0], text.split(marker)[1]
         return cls(budget=budget, instruction=encode(INSTRUCTION), continuation=encode(CONTINUATION),
-                   turn=encode(turn), **fields)
+                   turn=encode(turn), skip=len(encode(opening)), **fields)
 
     @property
     def label(self) -> str:
@@ -83,6 +85,7 @@ class KVzip(RingPolicy):
         if self.overlap > self.chunk:
             raise ValueError(f"KVzip.overlap must be <= chunk ({self.chunk}), got {self.overlap}")
         check_int(self, "sinks", self.sinks, 0)
+        check_int(self, "skip", self.skip, 0)
         check_int(self, "stride", self.stride, 1)
 
     @property
@@ -102,7 +105,7 @@ class KVzip(RingPolicy):
         B, S = tokens.shape
 
         def one_chunk(c, state):
-            first = c * self.chunk
+            first = self.skip + c * self.chunk
             count = jnp.clip(lengths - first, 0, self.chunk)  # [B] prompt tokens this chunk re-reads
             row, row_len = self._reconstruction_rows(tokens, c, count)
             pos = state.pos  # [L, B, H, cap]
@@ -111,7 +114,7 @@ class KVzip(RingPolicy):
             return model(reader, state, row, row_len, implementation)[1]
 
         state = dataclasses.replace(state, score=jnp.zeros_like(state.score))
-        return jax.lax.fori_loop(0, -(-S // self.chunk), one_chunk, state)
+        return jax.lax.fori_loop(0, max(0, -(-(S - self.skip) // self.chunk)), one_chunk, state)
 
     def _reconstruction_rows(self, tokens: jax.Array, c: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
         """int32 [B, W] tokens of chunk c's pass (instruction or continuation + overlap, turn, the chunk's `count`
@@ -120,7 +123,7 @@ class KVzip(RingPolicy):
         overlap = min(self.overlap, S)
         head_width = max(len(self.instruction), len(self.continuation) + overlap)
         width = head_width + len(self.turn) + self.chunk
-        first = c * self.chunk
+        first = self.skip + c * self.chunk
         previous = jax.lax.dynamic_slice_in_dim(tokens, jnp.clip(first - overlap, 0, S - overlap), overlap, axis=1)
         pad = lambda x: jnp.pad(x, ((0, 0), (0, head_width - x.shape[1])))  # noqa: E731
         head = jnp.where(c == 0, pad(jnp.broadcast_to(jnp.asarray(self.instruction, jnp.int32), (B, len(self.instruction)))),

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 61
 POLICY = jc.KVzip(budget=9, instruction=(1, 2, 3, 4), continuation=(5, 6), turn=(7, 8), chunk=12, overlap=3, sinks=2,
-                  stride=8)
+                  skip=3, stride=8)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def oracle_scores(hf, ids: list[int], policy) -> np.ndarray:
     H, G, D = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
     cache_argument = "cache" if "cache" in inspect.signature(hf.model.forward).parameters else "past_key_values"
     scores = np.zeros((cfg.num_hidden_layers, H, L))
-    for c, first in enumerate(range(0, L, policy.chunk)):
+    for c, first in enumerate(range(policy.skip, L, policy.chunk)):
         end = min(first + policy.chunk, L)
         head = policy.instruction if c == 0 else policy.continuation + tuple(ids[first - policy.overlap: first])
         row = list(head) + list(policy.turn) + ids[first:end]
@@ -85,7 +85,7 @@ def kept(scores: np.ndarray, sinks: int, budget: int) -> list[list[list[int]]]:
 def test_kvzip_scores_and_keeps_as_the_oracle(models):
     hf, model = models
     rng = np.random.default_rng(1)
-    lengths = np.array([40, 23])  # four chunks (the last partial) and two: ragged rows
+    lengths = np.array([40, 23])  # after 3 skipped tokens, four chunks (the last partial) and two: ragged rows
     tokens = rng.integers(9, VOCAB, (2, 40))
     scored = POLICY.after_prompt(
         model, generation._prompt(model, dataclasses.replace(POLICY, budget=64), jnp.asarray(tokens),
@@ -116,9 +116,10 @@ def test_kvzip_for_tokenizer_builds_kvpress_prompts():
     assert tok.decode(policy.instruction) == "\n\nRepeat the previous context exactly."
     assert tok.decode(policy.continuation).startswith("\n\nRepeat the part of the previous context exactly")
     assert tok.decode(policy.turn) == "<|end|><|assistant|>"
+    assert policy.skip == len(tok.encode("<|user|>", add_special_tokens=False))
     assert (policy.budget, policy.chunk) == (16, 64)
     plain = jc.KVzip.for_tokenizer(tiny.tokenizer(chat=False), 16)
-    assert tiny.tokenizer(chat=False).decode(plain.turn) == "\n"
+    assert tiny.tokenizer(chat=False).decode(plain.turn) == "\n" and plain.skip == 0
 
 
 @pytest.mark.parametrize("fields, message", [
