@@ -9,10 +9,16 @@ policies get that budget:
 
     kvpress StreamingLLMPress(n_sink=4)          jc.Sink(sinks=4, window=n - 4)
     SnapKVPress(window_size=64, kernel_size=5)   jc.SnapKV(budget=n, window=64, kernel=5, pooling="avg")
+    PyramidKVPress(window_size=64, kernel_size=5) jc.PyramidKV(budget=n, window=64, kernel=5, pooling="avg")
     KnormPress                                   jc.KNorm(budget=n)
     TOVAPress                                    jc.TOVA(cache_size=n), the prompt as one chunk
     ExpectedAttentionPress()                     jc.ExpectedAttention(budget=n, window=len - 4)
     AdaKVPress(SnapKVPress(...))                 jc.AdaKV(jc.SnapKV(...))
+    KVzipPress()                                 jc.KVzip.for_tokenizer(tokenizer, n)
+
+kvpress's KVzip ranks every layer's and head's tokens together (layers and heads keep different counts); jcascade's
+keeps n per KV head. So for KVzip the script compares the scores: kvpress's reconstruction scores (`score_val`, read
+before its global ranking) ranked per KV head as jcascade ranks its own (the 4 sinks first, then the best n - 4).
 
 kvpress's kept set is read from what it leaves: the keys it returns (matched to the prompt's keys) or, for
 AdaKV, the `masked_key_indices` it sets. Printed: the mean overlap |ours & theirs| / |theirs| over prompts,
@@ -32,24 +38,38 @@ import tempfile
 import time
 
 KVPRESS = "kvpress==0.5.5"
-METHODS = ("streamingllm", "snapkv", "knorm", "tova", "expectedattention", "adakv")
+METHODS = ("streamingllm", "snapkv", "pyramidkv", "knorm", "tova", "expectedattention", "adakv", "kvzip")
 
 # The kvpress side, run by the venv's python: argv = model.gguf prompts.json ratio out.json
 KVPRESS_SIDE = r'''
 import json, pathlib, sys
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
-from kvpress import (AdaKVPress, ExpectedAttentionPress, KnormPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+from transformers import AutoTokenizer
+from kvpress import (AdaKVPress, ExpectedAttentionPress, KnormPress, KVzipPress, PyramidKVPress, SnapKVPress,
+                     StreamingLLMPress, TOVAPress)
+from kvpress.presses import kvzip_press
 
 gguf, prompts, ratio, out = sys.argv[1], json.load(open(sys.argv[2])), float(sys.argv[3]), sys.argv[4]
 model = AutoModelForCausalLM.from_pretrained(str(pathlib.Path(gguf).parent), gguf_file=pathlib.Path(gguf).name,
                                              torch_dtype=torch.float32, attn_implementation="sdpa").eval()
+tokenizer = AutoTokenizer.from_pretrained(str(pathlib.Path(gguf).parent), gguf_file=pathlib.Path(gguf).name)
+kvzip_press.AutoTokenizer = type("GGUFTokenizer", (), {"from_pretrained": staticmethod(lambda *a, **k: tokenizer)})
 presses = {"streamingllm": lambda: StreamingLLMPress(ratio, n_sink=4), "snapkv": lambda: SnapKVPress(ratio),
-           "knorm": lambda: KnormPress(ratio), "tova": lambda: TOVAPress(ratio),
-           "expectedattention": lambda: ExpectedAttentionPress(ratio), "adakv": lambda: AdaKVPress(SnapKVPress(ratio))}
+           "pyramidkv": lambda: PyramidKVPress(ratio), "knorm": lambda: KnormPress(ratio),
+           "tova": lambda: TOVAPress(ratio), "expectedattention": lambda: ExpectedAttentionPress(ratio),
+           "adakv": lambda: AdaKVPress(SnapKVPress(ratio)), "kvzip": lambda: KVzipPress(ratio)}
 result = {}
 for name, make in presses.items():
     press, kept = make(), {}
+    if name == "kvzip":  # its scores, before its global ranking: ranked per KV head below, as jcascade ranks
+        def scored(model, press=press, kept=kept):
+            scores = press.score_val[:, 0].clone()  # [layers, KV heads, prompt]
+            scores[..., : press.n_sink] = torch.inf
+            n_kept = int(scores.shape[-1] * (1 - ratio))
+            for layer, heads in enumerate(scores):
+                kept[layer] = [sorted(torch.topk(h, n_kept).indices.tolist()) for h in heads]
+        press.compress_post = scored
 
     def capture(compress):
         def wrapped(module, hidden_states, keys, values, attentions, kwargs):
@@ -107,12 +127,14 @@ def jcascade_kept(model, policy, ids) -> list[list[list[int]]]:
     return [[sorted(p[p >= 0].tolist()) for p in layer] for layer in pos]
 
 
-def policies_for(n_kept: int, length: int) -> dict:
+def policies_for(n_kept: int, length: int, tokenizer) -> dict:
     import jcascade as jc
 
     snap = jc.SnapKV(budget=n_kept, window=64, kernel=5, pooling="avg", head_reduction="mean", stride=length)
     return {"streamingllm": jc.Sink(sinks=4, window=n_kept - 4, positions="original", stride=length),
             "snapkv": snap, "knorm": jc.KNorm(budget=n_kept, stride=length),
+            "pyramidkv": jc.PyramidKV(budget=n_kept, window=64, kernel=5, pooling="avg", stride=length),
+            "kvzip": jc.KVzip.for_tokenizer(tokenizer, n_kept, stride=length),
             "tova": jc.TOVA(cache_size=n_kept, stride=length),
             "expectedattention": jc.ExpectedAttention(budget=n_kept, window=length - 4, stride=length),
             "adakv": jc.AdaKV(snap)}
@@ -153,7 +175,7 @@ def main():
         overlaps, identical = [], []
         for ids, their_sets in zip(prompts, theirs[method]):
             n_kept = max(1, int(len(ids) * (1 - a.compression)))
-            ours = jcascade_kept(model, policies_for(n_kept, len(ids))[method], ids)
+            ours = jcascade_kept(model, policies_for(n_kept, len(ids), tokenizer)[method], ids)
             for our_layer, their_layer in zip(ours, their_sets):
                 for o, t in zip(our_layer, their_layer):
                     overlaps.append(len(set(o) & set(t)) / max(1, len(t)))
