@@ -151,3 +151,29 @@ def test_outputs_cut_to_the_tasks_length_equal_generating_that_many(generator):
     alone = ruler.sweep(model, generator, ["vt"], [1024], policies, samples=2, batch_size=4)
     assert [r.output for r in both if r.task == "vt"] == [r.output for r in alone]
     assert len(both) == 4 and all(0 <= r.score <= 1 for r in both)
+
+
+def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
+    """Outputs are decoded one batch behind the device: a checkpoint holds only decoded batches, and a resumed
+    sweep ends with the same results as one never interrupted."""
+    import jcascade as jc
+    from jcascade.eval.checkpointing import Checkpointing
+
+    generator = ruler.Generator(tiny.tokenizer())
+    model = tiny.model(len(generator.tokenizer))
+    policies = lambda n: {"Sink": jc.Sink(window=96, sinks=4, stride=128)}  # noqa: E731
+    sweep = lambda **kw: ruler.sweep(model, generator, ["vt"], [1024], policies, samples=6, batch_size=2, **kw)  # noqa: E731
+    whole = sweep()
+    done = []
+
+    def stop_after_two(n):
+        done.append(n)
+        if len(done) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sweep(progress=stop_after_two, checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
+    saved = Checkpointing(tmp_path, 1, {"run": 1}).resume()[1]
+    assert saved["batches"] == 1 and len(saved["results"]) == 2  # stopped while recording the second batch
+    resumed = sweep(checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
+    assert resumed == whole
