@@ -412,8 +412,7 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     task's `tokens_to_generate` (greedy decoding: the same tokens as generating that many), so each (policy,
     length) compiles once. progress(n) after each batch with its number of prompts. checkpointing
     (`checkpointing.Checkpointing`): results saved every `every` tokens (prompts times the context length),
-    and a run continues from its last checkpoint, the batches it holds not run again. Each batch's outputs are
-    decoded on the host while the device runs the next batch.
+    and a run continues from its last checkpoint, the batches it holds not run again.
     """
     import jcascade as jc
 
@@ -430,19 +429,6 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
         if progress is not None:
             progress(len(results))
     tok, longest = generator.tokenizer, max(TASKS[t].tokens_to_generate for t in tasks)
-
-    def finish(label, length, part, out, batch_number):  # a batch's outputs decoded, scored, recorded
-        for s, ids in zip(part, np.asarray(out)):
-            ids = ids[: TASKS[s.task].tokens_to_generate]
-            text = tok.decode(ids[ids >= 0], skip_special_tokens=True)
-            results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
-                                       string_match_all(text, s.answers)))
-        if progress is not None:
-            progress(len(part))
-        if checkpointing is not None and checkpointing.due(len(part) * length):
-            checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results], "batches": batch_number})
-
-    pending = None  # the batch whose outputs the host decodes while the device runs the next one
     for length in context_lengths:
         prompts = [s for task in tasks for s in generator.samples(task, length, samples, seed)]
         for label, policy in policies(length).items():
@@ -455,11 +441,16 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
                 tokens = np.zeros((batch_size, length), np.int32)
                 for r, s in enumerate(rows):
                     tokens[r, : len(s.prompt)] = s.prompt
-                out = jc.generate(model, tokens, policy, lengths=np.array([len(s.prompt) for s in rows]),
-                                  max_new_tokens=longest, eos_id=tok.eos_token_id)  # dispatched, not awaited
-                if pending is not None:
-                    finish(*pending)
-                pending = (label, length, part, out, batches)
-    if pending is not None:
-        finish(*pending)
+                out = np.asarray(jc.generate(model, tokens, policy, lengths=np.array([len(s.prompt) for s in rows]),
+                                             max_new_tokens=longest, eos_id=tok.eos_token_id))
+                for s, ids in zip(part, out):
+                    ids = ids[: TASKS[s.task].tokens_to_generate]
+                    text = tok.decode(ids[ids >= 0], skip_special_tokens=True)
+                    results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
+                                               string_match_all(text, s.answers)))
+                if progress is not None:
+                    progress(len(part))
+                if checkpointing is not None and checkpointing.due(len(part) * length):
+                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results],
+                                              "batches": batches})
     return results

@@ -154,8 +154,8 @@ def test_outputs_cut_to_the_tasks_length_equal_generating_that_many(generator):
 
 
 def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
-    """Outputs are decoded one batch behind the device: a checkpoint holds only decoded batches, and a resumed
-    sweep ends with the same results as one never interrupted."""
+    """A checkpoint holds the batches recorded before the stop, and the resumed sweep ends with the same results as
+    one never interrupted."""
     import jcascade as jc
     from jcascade.eval.checkpointing import Checkpointing
 
