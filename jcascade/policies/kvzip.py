@@ -126,9 +126,9 @@ class KVzip(RingPolicy):
         first = self.skip + c * self.chunk
         previous = jax.lax.dynamic_slice_in_dim(tokens, jnp.clip(first - overlap, 0, S - overlap), overlap, axis=1)
         pad = lambda x: jnp.pad(x, ((0, 0), (0, head_width - x.shape[1])))  # noqa: E731
-        head = jnp.where(c == 0, pad(jnp.broadcast_to(jnp.asarray(self.instruction, jnp.int32), (B, len(self.instruction)))),
-                         pad(jnp.concatenate([jnp.broadcast_to(jnp.asarray(self.continuation, jnp.int32),
-                                                               (B, len(self.continuation))), previous], axis=1)))
+        rows_of = lambda ids: jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (B, len(ids)))  # noqa: E731
+        head = jnp.where(c == 0, pad(rows_of(self.instruction)),
+                         pad(jnp.concatenate([rows_of(self.continuation), previous], axis=1)))
         head_len = jnp.where(c == 0, len(self.instruction), len(self.continuation) + overlap)
         j = jnp.arange(width)
         in_chunk = j - head_len - len(self.turn)  # index into the chunk
