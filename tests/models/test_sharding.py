@@ -30,8 +30,8 @@ POLICIES = {type(p).__name__: p for p in [
     jc.H2O(heavy=6, recent=6, stride=8), jc.SnapKV(budget=12, window=4, stride=16),
     jc.Recycled(top_k=6, refresh_every=3, stride=16), jc.KNorm(budget=12, stride=16),
     jc.AdaKV(jc.SnapKV(budget=12, window=4, stride=16)),
-    jc.KVzip(budget=12, instruction=(1, 2, 3), continuation=(4,), turn=(5,), chunk=16, stride=16)]}
-# TOVA's layout is H2O's; ExpectedAttention selects as SnapKV
+    jc.KVzip(budget=12, instruction=(1, 2, 3), continuation=(4,), turn=(5,), chunk=16, stride=16),
+    jc.TOVA(cache_size=12, stride=8), jc.ExpectedAttention(budget=12, window=4, future=16, sinks=2, stride=16)]}
 CASCADE = POLICIES["Cascade"]
 # every policy on the (2, 4) mesh; Cascade, H2O and Recycled (the three cache layouts with scores) on the others
 CASES = [((2, 4), name) for name in POLICIES] + [(shape, name) for shape in ((8, 1), (1, 4))
