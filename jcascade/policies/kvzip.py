@@ -4,14 +4,15 @@ each cached token is scored by the most attention any re-reading query pays it; 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from jcascade.pallas_kernels.schedule import RingLayout
-from jcascade.policies.base import Policy, check_int
+from jcascade.policies.base import Policy, check_choice, check_int
 from jcascade.policies.ring import RingPolicy
-from jcascade.policies.snapkv import compress_by_ranking
+from jcascade.policies.snapkv import compress_by_ranking, keep_in_position_order, top_per_head
 from jcascade.slots import CacheState, Scores, cached_kv
 
 MARKED = -2.0  # the score of the held slots the current reconstruction chunk re-reads, until it scores them
@@ -41,9 +42,12 @@ class KVzip(RingPolicy):
 
     `KVzip.for_tokenizer(tokenizer, budget)` fills the token fields and `skip` as kvpress does (its instructions,
     the chat template's end of the user turn and start of the assistant's, the length of the template's opening);
-    left empty, the pass re-reads the bare chunks. The difference from kvpress: kvpress by default ranks every
-    layer's and head's tokens together (heads and layers keep different counts); here each KV head keeps `budget`
-    (a fixed cache). Positions are the original ones. Models with sliding-window layers
+    left empty, the pass re-reads the bare chunks.
+
+    allocation "head": each KV head keeps `budget` (a cache of `budget` + decoding slots). "global" (kvpress's
+    default, the paper's): each row keeps the budget x layers x KV heads best tokens of the whole model, so layers
+    and heads keep different counts; the cache then stays allocated at the prompt's length (`jc.cache_occupancy`:
+    resident vs allocated), as kvpress masks rather than frees. Positions are the original ones. Models with sliding-window layers
     (Gemma 3) are refused, as kvpress refuses them.
     """
 
@@ -57,6 +61,7 @@ class KVzip(RingPolicy):
     overlap: int = 8
     sinks: int = 4
     skip: int = 0
+    allocation: Literal["head", "global"] = "head"
     stride: int = 4096
 
     @classmethod
@@ -74,7 +79,7 @@ class KVzip(RingPolicy):
 
     @property
     def label(self) -> str:
-        return f"KVzip {self.budget}"
+        return f"KVzip {self.budget}" + (" global" if self.allocation == "global" else "")
 
     def __post_init__(self):
         check_int(self, "budget", self.budget, 1)
@@ -86,6 +91,7 @@ class KVzip(RingPolicy):
             raise ValueError(f"KVzip.overlap must be <= chunk ({self.chunk}), got {self.overlap}")
         check_int(self, "sinks", self.sinks, 0)
         check_int(self, "skip", self.skip, 0)
+        check_choice(self, "allocation", self.allocation, ("head", "global"))
         check_int(self, "stride", self.stride, 1)
 
     @property
@@ -141,10 +147,20 @@ class KVzip(RingPolicy):
         return row.astype(jnp.int32), jnp.where(count > 0, head_len + len(self.turn) + count, 0).astype(jnp.int32)
 
     def compress(self, state: CacheState, room: int) -> CacheState:
-        """A cache of `budget + room` slots per (row, KV head): the sinks and the best-scored tokens in position
-        order, then empty slots. state: one layer, or layers stacked on a leading axis."""
+        """The sinks and the best-scored prompt tokens in position order, then empty slots: `budget + room` slots
+        per (row, KV head), or with allocation "global" the prompt's slots + room, `budget` per layer and KV head
+        on average over the state's layers and heads. state: one layer, or layers stacked on a leading axis."""
         ranking = lambda layer: jnp.where(layer.pos < self.sinks, jnp.inf, layer.score)  # noqa: E731
-        return compress_by_ranking(state, ranking, self.budget, room)
+        if self.allocation == "head":
+            return compress_by_ranking(state, ranking, self.budget, room)
+        stacked = state.seen.ndim == 2
+        layers = state if stacked else jax.tree.map(lambda x: x[None], state)
+        L, B, H, cap = layers.pos.shape
+        prompt = jnp.arange(cap) < layers.seen[:, :, None, None]
+        ranked = jnp.where(prompt, ranking(layers), -jnp.inf).transpose(1, 0, 2, 3).reshape(B, 1, L * H * cap)
+        keep = top_per_head(ranked, L * H * self.budget).reshape(B, L, H, cap).transpose(1, 0, 2, 3) & prompt
+        kept = jax.vmap(lambda layer, k: keep_in_position_order(layer, k, cap + room))(layers, keep)
+        return kept if stacked else jax.tree.map(lambda x: x[0], kept)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,9 +77,15 @@ def oracle_scores(hf, ids: list[int], policy) -> np.ndarray:
     return scores
 
 
-def kept(scores: np.ndarray, sinks: int, budget: int) -> list[list[list[int]]]:
+def kept(scores: np.ndarray, sinks: int, budget: int, allocation: str = "head") -> list[list[list[int]]]:
+    """[layer][KV head] kept positions: each head's best `budget`, or ("global") the best budget x layers x heads of
+    all of them (ties: the lower layer, head, position first)."""
     ranked = np.where(np.arange(scores.shape[-1]) < sinks, np.inf, scores)
-    return [[sorted(np.argsort(-head, kind="stable")[:budget].tolist()) for head in layer] for layer in ranked]
+    if allocation == "head":
+        return [[sorted(np.argsort(-head, kind="stable")[:budget].tolist()) for head in layer] for layer in ranked]
+    chosen = np.zeros(ranked.size, bool)
+    chosen[np.argsort(-ranked.ravel(), kind="stable")[: budget * ranked.shape[0] * ranked.shape[1]]] = True
+    return [[np.flatnonzero(head).tolist() for head in layer] for layer in chosen.reshape(ranked.shape)]
 
 
 def test_kvzip_scores_and_keeps_as_the_oracle(models):
@@ -90,13 +96,19 @@ def test_kvzip_scores_and_keeps_as_the_oracle(models):
     scored = POLICY.after_prompt(
         model, generation._prompt(model, dataclasses.replace(POLICY, budget=64), jnp.asarray(tokens),
                                   jnp.asarray(lengths), 0, "xla")[0], jnp.asarray(tokens), jnp.asarray(lengths), "xla")
-    state, _, _ = generation._prompt(model, POLICY, jnp.asarray(tokens), jnp.asarray(lengths), 0, "xla")
+    held = {allocation: np.asarray(generation._prompt(model, dataclasses.replace(POLICY, allocation=allocation),
+                                                      jnp.asarray(tokens), jnp.asarray(lengths), 2, "xla")[0].pos)
+            for allocation in ("head", "global")}
+    assert held["head"].shape[-1] == POLICY.budget + 2 and held["global"].shape[-1] == 40 + 2
     for b, n in enumerate(lengths):
         want = oracle_scores(hf, tokens[b, :n].tolist(), POLICY)
         got = np.asarray(scored.score)[:, b, :, :n]
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
-        pos = np.asarray(state.pos)[:, b]
-        assert [[sorted(p[p >= 0].tolist()) for p in layer] for layer in pos] == kept(want, POLICY.sinks, POLICY.budget)
+        for allocation, pos in held.items():
+            assert [[sorted(p[p >= 0].tolist()) for p in layer] for layer in pos[:, b]] == kept(
+                want, POLICY.sinks, POLICY.budget, allocation), allocation
+    counts = (held["global"] >= 0).sum(-1)  # [layers, rows, heads]: the heads keep different counts
+    assert (counts.sum((0, 2)) == 2 * 2 * POLICY.budget).all() and counts.min() != counts.max()
 
 
 def test_kvzip_through_score_and_generate(models):
@@ -106,6 +118,9 @@ def test_kvzip_through_score_and_generate(models):
     np.testing.assert_allclose(whole, np.asarray(jc.score(model, tokens, jc.Full(stride=8))), atol=1e-5)
     assert np.isfinite(np.asarray(jc.score(model, tokens, POLICY, prefix=30))).all()
     assert jc.generate(model, tokens[:, :30], POLICY, max_new_tokens=3).shape == (2, 3)
+    spread = dataclasses.replace(POLICY, allocation="global")
+    assert np.isfinite(np.asarray(jc.score(model, tokens, spread, prefix=30))).all()
+    assert jc.generate(model, tokens[:, :30], spread, max_new_tokens=3).shape == (2, 3)
 
 
 def test_kvzip_for_tokenizer_builds_kvpress_prompts():
@@ -127,6 +142,7 @@ def test_kvzip_for_tokenizer_builds_kvpress_prompts():
     (dict(budget=4, instruction=[1, 2]), "instruction must be a tuple of token ids"),
     (dict(budget=4, turn=(1, -2)), "turn must be a tuple of token ids"),
     (dict(budget=4, chunk=4, overlap=5), "overlap must be <= chunk"),
+    (dict(budget=4, allocation="layer"), "allocation must be one of"),
 ])
 def test_kvzip_refuses_bad_fields(fields, message):
     with pytest.raises(ValueError, match=message):
