@@ -138,8 +138,9 @@ def decode_bytes(model, policy, batch: int) -> dict:
     return dict(weights=sum(on_one_device(x) for x in jax.tree.leaves(model)), cache=cache, kv=kv)
 
 
-def bench_decode_batch(a, model, policy, bandwidth, batch: int) -> dict:
-    """ms per greedy step at `batch` over a full cache, against the weights + K/V roofline of one device."""
+def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> dict:
+    """ms per greedy step at `batch` over a full cache, against the weights + K/V roofline of one device (`held`:
+    `decode_bytes`)."""
     cfg = model.config
 
     def full(state):  # a full cache, as after a long prompt, made in place on its devices
@@ -172,7 +173,6 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int) -> dict:
         state, last = compiled(model, state, last)
     block(last)
     per_step = (time.perf_counter() - t0) / a.decode_steps
-    held = decode_bytes(model, policy, batch)
     roofline = (held["weights"] + held["kv"]) / bandwidth
     return dict(ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step, roofline_ms=roofline * 1e3,
                 fraction_of_roofline=roofline / per_step, compile_s=compile_s)
@@ -192,7 +192,7 @@ def bench_decode(a, model, policy, bandwidth) -> list[dict]:
             row["error"] = f"does not fit: weights + cache {needed / 1e9:.1f} GB > {limit / 1e9:.1f} GB on one device"
         else:
             try:
-                row.update(bench_decode_batch(a, model, policy, bandwidth, batch))
+                row.update(bench_decode_batch(a, model, policy, bandwidth, batch, held))
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise

@@ -8,16 +8,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import check_int, last_queries
-from jcascade.policies.ring import RingPolicy
+from jcascade.policies.ring import AppendPolicy
 from jcascade.policies.snapkv import compress_by_ranking
 from jcascade.rope import RoPE
 from jcascade.slots import CacheState, Scores, cached_kv
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpectedAttention(RingPolicy):
+class ExpectedAttention(AppendPolicy):
     """Full attention over the prompt, then each KV head keeps the `budget` prompt tokens with the largest
     expected attention (the first `sinks` always among them); decoding appends.
 
@@ -64,9 +63,6 @@ class ExpectedAttention(RingPolicy):
     @property
     def observation_window(self) -> int:
         return self.window
-
-    def layout(self, capacity: int | None = None) -> RingLayout:
-        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
 
     def accumulate(self, score, increments, live, n, layout):
         """The newest chunk's expected attention replaces the old."""

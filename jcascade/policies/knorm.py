@@ -6,15 +6,14 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import POSITION_MODES, check_choice, check_int
-from jcascade.policies.ring import RingPolicy
+from jcascade.policies.ring import AppendPolicy
 from jcascade.policies.snapkv import compress_by_ranking
 from jcascade.slots import CacheState, cached_kv
 
 
 @dataclasses.dataclass(frozen=True)
-class KNorm(RingPolicy):
+class KNorm(AppendPolicy):
     """Full attention over the prompt, then each KV head keeps the `budget` prompt tokens whose (un-rotated)
     keys have the smallest L2 norm (a prompt of at most `budget` tokens is kept whole); decoding appends.
     Needs no attention scores. The prompt's last token runs as a chunk of its own before the compression
@@ -24,6 +23,7 @@ class KNorm(RingPolicy):
 
     bounded = False
     needs_prompt = True
+    observation_window = 1  # the prompt's last token, a chunk of its own
     budget: int
     positions: str = "original"
     stride: int = 4096
@@ -36,13 +36,6 @@ class KNorm(RingPolicy):
         check_int(self, "budget", self.budget, 1)
         check_choice(self, "positions", self.positions, POSITION_MODES)
         check_int(self, "stride", self.stride, 1)
-
-    @property
-    def observation_window(self) -> int:
-        return 1
-
-    def layout(self, capacity: int | None = None) -> RingLayout:
-        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
 
     def compress(self, state: CacheState, room: int) -> CacheState:
         """A cache of `budget + room` slots per (row, KV head): the kept tokens in position order, then empty

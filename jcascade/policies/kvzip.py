@@ -9,9 +9,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import Policy, check_choice, check_int
-from jcascade.policies.ring import RingPolicy
+from jcascade.policies.ring import AppendPolicy
 from jcascade.policies.snapkv import compress_by_ranking, keep_in_position_order, top_per_head
 from jcascade.slots import CacheState, Scores, cached_kv
 
@@ -27,7 +26,7 @@ def _ids(values, name: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class KVzip(RingPolicy):
+class KVzip(AppendPolicy):
     """Full attention over the prompt; then a reconstruction pass scores it and each KV head keeps the `budget`
     prompt tokens with the highest scores (the first `sinks` always), in position order; decoding appends.
 
@@ -53,6 +52,7 @@ class KVzip(RingPolicy):
 
     bounded = False
     needs_prompt = True
+    observation_window = 1  # the prompt's last token, a chunk of its own
     budget: int
     instruction: tuple[int, ...] = dataclasses.field(default=(), repr=False)
     continuation: tuple[int, ...] = dataclasses.field(default=(), repr=False)
@@ -94,13 +94,6 @@ class KVzip(RingPolicy):
         check_choice(self, "allocation", self.allocation, ("head", "global"))
         check_int(self, "stride", self.stride, 1)
 
-    @property
-    def observation_window(self) -> int:
-        return 1
-
-    def layout(self, capacity: int | None = None) -> RingLayout:
-        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
-
     def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array, implementation):
         """The prompt's cache with every held token scored by the reconstruction pass. tokens int32 [B, S], lengths
         int32 [B]: the prompt (right-padded); state: the model's cache after it (layers stacked)."""
@@ -108,7 +101,7 @@ class KVzip(RingPolicy):
             raise ValueError("KVzip does not support models with sliding-window layers (Gemma 3): its pass would "
                              "score the global layers' cache only")
         reader = _Reconstruction(self.chunk, self.sinks, self.stride)
-        B, S = tokens.shape
+        S = tokens.shape[1]
 
         def one_chunk(c, state):
             first = self.skip + c * self.chunk
@@ -185,12 +178,12 @@ class _Reconstruction(Policy):
         unclipped = start[:, None] + jnp.arange(window)
         slots = jnp.minimum(unclipped, cap - 1)  # [B, window]
         sinks = jnp.arange(min(self.sinks, cap))
-        cached_k, _ = cached_kv(state)
+        read = jnp.concatenate([jnp.broadcast_to(sinks, (B, len(sinks))), slots], axis=1)  # [B, sinks + window]
+        read_k = jnp.take_along_axis(cached_kv(state)[0], read[:, None, :, None], axis=2).astype(f32)
+        read_pos = jnp.take_along_axis(state.pos, jnp.broadcast_to(read[:, None], (B, H, read.shape[1])), axis=2)
         rot = (lambda x, p: x) if rope is None else rope
-        held = rot(cached_k.astype(f32), state.pos)  # [B, H, cap, D]
-        gather = lambda x, idx: jnp.take_along_axis(x, idx[:, None, :, None], axis=2)  # noqa: E731
         chunk_pos = state.seen[:, None] + jnp.arange(T)
-        keys = jnp.concatenate([held[:, :, sinks], gather(held, slots),
+        keys = jnp.concatenate([rot(read_k, read_pos),  # only the keys scored are rotated
                                 rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3)], axis=2)
         sink_ok = (state.pos[:, :, sinks] >= 0) & (state.pos[:, :, sinks] < (start[:, None, None]))
         window_ok = (jnp.take_along_axis(state.score, jnp.broadcast_to(slots[:, None], (B, H, window)), 2) == MARKED

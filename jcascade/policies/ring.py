@@ -78,3 +78,11 @@ class RingPolicy(Policy):
             slots.check_overflow(self, placed, lengths, state.capacity)
         evicted = self.place_evicted if layout.heavy else None
         return slots.insert(layout, state, k, v, score, chunk_score, placed, lengths, implementation, evicted)
+
+
+class AppendPolicy(RingPolicy):
+    """A cache that keeps every token it receives, slot j holding the j-th (sinks only, `capacity` of them):
+    Full, and the policies that hold the whole prompt and compress it afterwards."""
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)

@@ -16,9 +16,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import HEAD_REDUCTIONS, POSITION_MODES, check_choice, check_int, last_queries
-from jcascade.policies.ring import RingPolicy
+from jcascade.policies.ring import AppendPolicy
 from jcascade.slots import CacheState
 
 POOLINGS = ("max", "avg")
@@ -78,7 +77,7 @@ def compress_by_ranking(state: CacheState, ranking, budget: int, room: int) -> C
     return one(state) if state.seen.ndim == 1 else jax.vmap(one)(state)
 
 
-class _Selection(RingPolicy):
+class _Selection(AppendPolicy):
     """What SnapKV and PyramidKV share: the append cache, the observation-window scores and `compress`;
     they differ in how many prompt tokens each layer keeps (`prefix_budget`)."""
 
@@ -114,9 +113,6 @@ class _Selection(RingPolicy):
     @abc.abstractmethod
     def kept_slots(self, num_heads: int) -> int:
         """Most tokens any KV head of any layer keeps after compression (num_heads: KV heads of a layer)."""
-
-    def layout(self, capacity: int | None = None) -> RingLayout:
-        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
 
     def query_weights(self, lengths: jax.Array, chunk_len: int) -> jax.Array:
         """1 for the last `window` valid queries (the observation window)."""

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import POSITION_MODES, check_choice, check_int
-from jcascade.policies.ring import RingPolicy
+from jcascade.policies.ring import AppendPolicy, RingPolicy
 from jcascade.slots import CacheState, Scores
 
 
 @dataclasses.dataclass(frozen=True)
-class Full(RingPolicy):
+class Full(AppendPolicy):
     """Keeps every token (quadratic attention): the reference policy.
 
     Its capacity is the `max_tokens` given to `init_cache`. A row that receives more tokens than that
@@ -28,9 +28,6 @@ class Full(RingPolicy):
 
     def __post_init__(self):
         check_int(self, "stride", self.stride, 1)
-
-    def layout(self, capacity: int | None = None) -> RingLayout:
-        return RingLayout(sinks=capacity, ring_size=0, num_rings=0)
 
     def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
                implementation: str | None) -> tuple[jax.Array, Scores | None]:
