@@ -278,9 +278,11 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes on any platform (a dry run of the script)")
     p.add_argument("--out", default=None)
     p.add_argument("--budget-s", type=float, default=480, help="skip the sections that would start after this")
-    p.add_argument("--decode-sweep", action="store_true", help="d: time six tilings, not only the default one")
+    p.add_argument("--decode-sweep", action="store_true", help="d: time eight tilings, not only the default one")
+    p.add_argument("--decode-batches", default="1,32", help="d: comma-separated batch sizes")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
+    a.decode_batches = [int(b) for b in a.decode_batches.split(",")]
     on_gpu = jax.default_backend() == "gpu"
     impl, cudnn = ("pallas", "cudnn") if on_gpu else ("triton", None)
     # the chunk kernels of each GPU backend side by side (Mosaic GPU on Hopper; interpret mode on the CPU)
@@ -288,7 +290,7 @@ def main():
     a.chunk, a.cache, a.sinks, a.tokens = 4096, 16384, 64, 1 << 20
     a.strides = [1024, 16384]
     a.full_lengths = [1 << 17, 1 << 18, 1 << 19, 1 << 20]
-    a.push_batches, a.decode_batches, a.xla_tokens = [1, 32], [1, 32], 512
+    a.push_batches, a.xla_tokens = [1, 32], 512
     G, M = pk.gpu.GpuConfig, pk.mosaic_gpu.MosaicGpuConfig
     a.configs = [("triton", G()), ("triton", G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3)),
                  ("triton", G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3)),
@@ -296,8 +298,11 @@ def main():
     if "mosaic_gpu" in a.backends:
         a.configs += [("mosaic_gpu", M()), ("mosaic_gpu", M(score_block_k=64, score_block_q=64)),
                       ("mosaic_gpu", M(score_block_k=64)), ("mosaic_gpu", M(block_k=64))]
-    a.decode_configs = [G(decode_block_k=bk, decode_num_stages=stages, decode_programs=programs)
-                        for bk, stages in ((32, 2), (64, 3)) for programs in (256, 512, 2048)] if a.decode_sweep else [G()]
+    a.decode_configs = [G(decode_block_k=bk, decode_num_stages=stages, decode_num_warps=warps, decode_programs=programs)
+                        for bk, stages, warps, programs in ((64, 3, 4, 256), (64, 4, 4, 256), (64, 3, 4, 512),
+                                                            (64, 3, 4, 1024), (128, 3, 4, 256), (128, 3, 8, 256),
+                                                            (128, 2, 8, 512), (32, 4, 4, 512))
+                        ] if a.decode_sweep else [G()]
     a.decode_layers, a.decode_calls = 8, 64
     gib = 4.0
     if a.tiny:

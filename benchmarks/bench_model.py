@@ -22,6 +22,7 @@ one compilation serves every length.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import pathlib
@@ -173,6 +174,11 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
         state, last = compiled(model, state, last)
     block(last)
     per_step = (time.perf_counter() - t0) / a.decode_steps
+    if a.profile_step:  # one more step between cuProfilerStart/Stop, for `ncu --profile-from-start off`
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuProfilerStart()
+        block(compiled(model, state, last))
+        cuda.cuProfilerStop()
     roofline = (held["weights"] + held["kv"]) / bandwidth
     return dict(ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step, roofline_ms=roofline * 1e3,
                 fraction_of_roofline=roofline / per_step, compile_s=compile_s)
@@ -214,6 +220,9 @@ def main():
     p.add_argument("--mesh", type=sharding.parse_mesh, default=(1, 1), metavar="data=D,model=M",
                    help="devices (default: one)")
     p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
+    p.add_argument("--profile-step", action="store_true",
+                   help="b: after the timed steps, one step between cuProfilerStart/Stop (for Nsight Compute; "
+                        "benchmarks/decode_breakdown.py reads its CSV)")
     p.add_argument("--implementation", default=None, choices=pk.IMPLEMENTATIONS,
                    help="attention kernels (default: the platform's, as jc.attend picks them)")
     a = p.parse_args()

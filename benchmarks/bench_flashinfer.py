@@ -1,0 +1,408 @@
+"""FlashInfer and jcascade side by side: one decode step of one Llama-3.1-8B-shaped attention layer (32 query
+heads, 8 KV heads, head_dim 128, bf16) over a 32K-token prefix shared by B requests plus 16 tokens of each
+request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
+
+  replicated cache (every request holds prefix + own tokens):
+    flashinfer decode          BatchDecodeWithPagedKVCacheWrapper (HND pages of 16), keys stored rotated
+    flashinfer decode (tc)     the same with use_tensor_cores=True
+    flashinfer decode, rope    the same, keys rotated in the kernel (pos_encoding_mode="ROPE_LLAMA")
+    jcascade decode            `jc.attend` on a Full cache, keys rotated in the kernel
+  shared prefix (stored once):
+    flashinfer cascade (fa2)   two-level cascade as MultiLevelCascadeAttentionWrapper runs it (a batch-prefill
+                               pass per level, then merge_state_in_place) on the FA2 backend
+    jcascade shared            `jc.attend_shared`
+
+Two timings per method: wall = median ms per call with a device sync after each call (host dispatch included);
+device = ms per call inside one loop of --loop calls (a jitted fori_loop for jcascade, one CUDA graph for
+FlashInfer; CUDA events around a plain loop where a graph cannot be captured), i.e. launch gaps but no host.
+GB/s counts the K/V bytes a replicated decode must read. Each library runs in its own process (the caches of
+B = 256 take 34 GB each); a third process checks that the outputs agree on the same inputs at batch 8.
+
+    python benchmarks/bench_flashinfer.py [--batches 1,8,64,256] [--out benchmarks/results/flashinfer-<device>.json]
+    python benchmarks/bench_flashinfer.py --tiny --peers jcascade     # a dry run with small shapes, any platform
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HQ, HKV, D, PAGE, THETA = 32, 8, 128, 16, 500000.0
+
+
+def shapes(tiny: bool) -> tuple[int, int]:
+    """(prefix tokens, own tokens per request)."""
+    return (256, 4) if tiny else (32768, 16)
+
+
+# --------------------------------------------------------------------------------------------------
+# jcascade (JAX)
+
+
+def jcascade_rows(a) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    import jcascade as jc
+
+    S, own = shapes(a.tiny)
+    n = S + own  # held tokens per request; the new token is the chunk
+    policy, rope = jc.Full(), jc.RoPE(THETA)
+    key = jax.random.key(0)
+
+    def wall_ms(fn, *args):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(a.iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    def device_ms(step, *args):
+        """ms per call of step(q, *args) inside one jitted loop; q moves with the loop so nothing is hoisted."""
+        def run(q, *args):
+            def body(i, acc):
+                qi, rest = jax.lax.optimization_barrier((q, args, i))[:2]
+                out = step(qi + (acc[0, 0, 0, :1] * 0).astype(q.dtype), *rest)
+                return acc + out.astype(jnp.float32)
+            return jax.lax.fori_loop(0, a.loop, body, jnp.zeros(q.shape, jnp.float32))
+        f = jax.jit(run)
+        return wall_ms(f, *args) / a.loop
+
+    def rows_state(B: int, cap: int, held: int) -> jc.CacheState:
+        """B rows of `held` random tokens (row r = one random row + r / 64: distinct, built in one pass)."""
+        k1, k2 = jax.random.split(jax.random.fold_in(key, B))
+        offset = (jnp.arange(B, dtype=jnp.bfloat16) / 64)[:, None, None, None]
+        make = jax.jit(lambda k: jnp.broadcast_to(jax.random.normal(k, (1, HKV, cap, D), jnp.bfloat16),
+                                                  (B, HKV, cap, D)) + offset)
+        pos = jnp.where(jnp.arange(cap) < held, jnp.arange(cap), -1).astype(jnp.int32)
+        return jc.CacheState(k=make(k1), v=make(k2), score=jnp.zeros((B, HKV, cap), jnp.float32),
+                             pos=jnp.broadcast_to(pos, (B, HKV, cap)), seen=jnp.full((B,), held, jnp.int32))
+
+    prefix = jc.share_prefix(policy, rows_state(1, S, S))
+    rows = []
+    for B in a.batches:
+        ks = jax.random.split(jax.random.fold_in(key, 1000 + B), 3)
+        q = jax.random.normal(ks[0], (B, 1, HQ, D), jnp.bfloat16)
+        k1 = jax.random.normal(ks[1], (B, 1, HKV, D), jnp.bfloat16)
+        v1 = jax.random.normal(ks[2], (B, 1, HKV, D), jnp.bfloat16)
+        kv_bytes = 2 * B * HKV * (n + 1) * D * 2
+
+        own_state = rows_state(B, own + 1, own)
+        shared = lambda q, st, k1, v1: jc.attend_shared(policy, st, q, k1, v1, [prefix], None, rope)  # noqa: E731
+        rows.append(dict(batch=B, method="jcascade shared", wall_ms=wall_ms(jax.jit(shared), q, own_state, k1, v1),
+                         device_ms=device_ms(shared, q, own_state, k1, v1), kv_bytes=None))
+        del own_state
+        state = rows_state(B, n + 1, n)
+        decode = lambda q, st, k1, v1: jc.attend(policy, st, q, k1, v1, None, rope)[0]  # noqa: E731
+        rows.append(dict(batch=B, method="jcascade decode", wall_ms=wall_ms(jax.jit(decode), q, state, k1, v1),
+                         device_ms=device_ms(decode, q, state, k1, v1), kv_bytes=kv_bytes))
+        del state
+        print(f"   jcascade batch {B}: " + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms"
+                                                    for r in rows if r["batch"] == B), flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# FlashInfer (torch)
+
+
+def torch_timers(a):
+    import torch
+
+    def wall_ms(fn):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(a.iters):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    def device_ms(fn) -> tuple[float, str]:
+        """ms per call over a CUDA graph of a.loop calls (or events around a plain loop if capture fails)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(a.loop):
+                    fn()
+            run, how = graph.replay, "cuda graph"
+        except Exception as e:  # noqa: BLE001 (any capture failure: time without a graph, and say so)
+            print(f"   graph capture failed ({type(e).__name__}: {e}); timing with events", flush=True)
+            def run():
+                for _ in range(a.loop):
+                    fn()
+            how = "events"
+        run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / a.loop)
+        return statistics.median(times), how
+
+    return wall_ms, device_ms
+
+
+def paged(k, v):
+    """[B, H, n, D] keys and values -> HND pages [B * ceil(n / PAGE), 2, H, PAGE, D] and last_page_len."""
+    import torch
+
+    B, H, n, Dh = k.shape
+    pages = -(-n // PAGE)
+    kv = torch.stack([k, v], 1)  # [B, 2, H, n, D]
+    kv = torch.nn.functional.pad(kv, (0, 0, 0, pages * PAGE - n))
+    kv = kv.reshape(B, 2, H, pages, PAGE, Dh).permute(0, 3, 1, 2, 4, 5).reshape(B * pages, 2, H, PAGE, Dh)
+    return kv.contiguous(), n - (pages - 1) * PAGE
+
+
+def decode_wrapper(workspace, B, pages, last, **options):
+    """A planned BatchDecodeWithPagedKVCacheWrapper over B requests of `pages` consecutive pages each."""
+    import flashinfer
+    import torch
+
+    rope = options.pop("pos_encoding_mode", "NONE")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", **options)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    w.plan(torch.arange(B + 1, **i32) * pages, torch.arange(B * pages, **i32), torch.full((B,), last, **i32),
+           HQ, HKV, D, PAGE, pos_encoding_mode=rope, rope_theta=THETA, data_type=torch.bfloat16,
+           q_data_type=torch.bfloat16)
+    return w
+
+
+def cascade_wrappers(workspace, B, shared_pages, own_pages, own_last):
+    """Level 0: the shared prefix's pages [0, shared_pages), read by all B queries; level 1: request r's
+    own pages after them. Both on the FA2 batch-prefill backend, as MultiLevelCascadeAttentionWrapper plans."""
+    import flashinfer
+    import torch
+
+    i32 = dict(dtype=torch.int32, device="cuda")
+    levels = [
+        (torch.tensor([0, B], **i32), torch.tensor([0, shared_pages], **i32), torch.arange(shared_pages, **i32),
+         torch.tensor([PAGE], **i32)),
+        (torch.arange(B + 1, **i32), torch.arange(B + 1, **i32) * own_pages,
+         shared_pages + torch.arange(B * own_pages, **i32), torch.full((B,), own_last, **i32)),
+    ]
+    wrappers = []
+    for qo, indptr, indices, last in levels:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")
+        w.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=False, q_data_type=torch.bfloat16,
+               kv_data_type=torch.bfloat16)
+        wrappers.append(w)
+    return wrappers
+
+
+def run_cascade(wrappers, q, cache):
+    import flashinfer
+
+    out, lse = wrappers[1].run(q, cache, return_lse=True)
+    prefix_out, prefix_lse = wrappers[0].run(q, cache, return_lse=True)
+    flashinfer.merge_state_in_place(out, lse, prefix_out, prefix_lse)
+    return out
+
+
+def flashinfer_rows(a) -> list[dict]:
+    import torch
+
+    S, own = shapes(a.tiny)
+    n = S + own + 1  # the new token is in the cache
+    wall_ms, device_ms = torch_timers(a)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for B in a.batches:
+        q = torch.randn(B, HQ, D, generator=gen, device="cuda").bfloat16()
+        pages = -(-n // PAGE)
+        cache = torch.randn(B * pages, 2, HKV, PAGE, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for method, options in (("flashinfer decode", {}), ("flashinfer decode (tc)", dict(use_tensor_cores=True)),
+                                ("flashinfer decode, rope", dict(pos_encoding_mode="ROPE_LLAMA"))):
+            w = decode_wrapper(workspace, B, pages, n - (pages - 1) * PAGE, **options)
+            fn = lambda w=w: w.run(q, cache)  # noqa: E731
+            dev, how = device_ms(fn)
+            rows.append(dict(batch=B, method=method, wall_ms=wall_ms(fn), device_ms=dev, timing=how,
+                             kv_bytes=2 * B * HKV * n * D * 2))
+        del cache
+        shared_pages, own_pages = S // PAGE, -(-(own + 1) // PAGE)
+        cache = torch.randn(shared_pages + B * own_pages, 2, HKV, PAGE, D, generator=gen, device="cuda",
+                            dtype=torch.bfloat16)
+        wrappers = cascade_wrappers(workspace, B, shared_pages, own_pages, own + 1 - (own_pages - 1) * PAGE)
+        fn = lambda: run_cascade(wrappers, q, cache)  # noqa: E731
+        dev, how = device_ms(fn)
+        rows.append(dict(batch=B, method="flashinfer cascade (fa2)", wall_ms=wall_ms(fn), device_ms=dev, timing=how,
+                         kv_bytes=None))
+        del cache
+        print(f"   flashinfer batch {B}: " + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms"
+                                                      for r in rows if r["batch"] == B), flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Agreement: the same inputs through both libraries.
+
+
+def agreement(a) -> dict:
+    """Max |difference| of jcascade's outputs from FlashInfer's on one batch (bf16 outputs, f32 difference)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import jcascade as jc
+
+    S, own = shapes(a.tiny)
+    B, n = a.agree_batch, S + own + 1
+    policy, rope = jc.Full(), jc.RoPE(THETA)
+    ks = jax.random.split(jax.random.key(5), 6)
+    prefix_k, prefix_v = (jax.random.normal(k, (1, HKV, S, D), jnp.bfloat16) for k in ks[:2])
+    own_k, own_v = (jax.random.normal(k, (B, HKV, own + 1, D), jnp.bfloat16) for k in ks[2:4])
+    q = jax.random.normal(ks[4], (B, 1, HQ, D), jnp.bfloat16)
+    all_k = jnp.concatenate([jnp.broadcast_to(prefix_k, (B, HKV, S, D)), own_k], 2)  # [B, H, n, D] un-rotated
+    all_v = jnp.concatenate([jnp.broadcast_to(prefix_v, (B, HKV, S, D)), own_v], 2)
+    positions = jnp.arange(n, dtype=jnp.int32)
+
+    def state_of(k, v, held):
+        pos = jnp.broadcast_to(jnp.arange(held, dtype=jnp.int32), (k.shape[0], HKV, held))
+        return jc.CacheState(k=k, v=v, score=jnp.zeros(pos.shape, jnp.float32), pos=pos,
+                             seen=jnp.full((k.shape[0],), held, jnp.int32))
+
+    new_k, new_v = all_k[:, :, -1:].swapaxes(1, 2), all_v[:, :, -1:].swapaxes(1, 2)
+    got_decode = jc.attend(policy, state_of(all_k[:, :, :-1], all_v[:, :, :-1], n - 1), q, new_k, new_v, None, rope)[0]
+    prefix = jc.share_prefix(policy, state_of(prefix_k, prefix_v, S))
+    got_shared = jc.attend_shared(policy, state_of(own_k[:, :, :-1], own_v[:, :, :-1], own), q, new_k, new_v,
+                                  [prefix], None, rope)
+
+    t = lambda x: torch.from_dlpack(jax.block_until_ready(x))  # noqa: E731
+    rot_k = rope(all_k, positions[None, None, :])
+    # q rotated at the new token's position n - 1 ([B, 1, Hq, D]: positions broadcast over heads)
+    rot_q = rope(q.swapaxes(1, 2), jnp.full((B, 1, 1), n - 1, jnp.int32)).swapaxes(1, 2)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    result = {}
+    for name, keys, query, options in (("flashinfer decode vs jcascade decode", rot_k, rot_q, {}),
+                                       ("flashinfer decode, rope vs jcascade decode", all_k, q,
+                                        dict(pos_encoding_mode="ROPE_LLAMA"))):
+        cache, last = paged(t(keys), t(all_v))
+        w = decode_wrapper(workspace, B, cache.shape[0] // B, last, **options)
+        want = w.run(t(query[:, 0]).contiguous(), cache)
+        result[name] = float((want.float() - t(got_decode[:, 0]).float()).abs().max())
+    prefix_cache, _ = paged(t(rot_k[:1, :, :S]), t(all_v[:1, :, :S]))
+    own_cache, own_last = paged(t(rot_k[:, :, S:]), t(all_v[:, :, S:]))
+    cache = torch.cat([prefix_cache, own_cache])
+    wrappers = cascade_wrappers(workspace, B, prefix_cache.shape[0], own_cache.shape[0] // B, own_last)
+    want = run_cascade(wrappers, t(rot_q[:, 0]).contiguous(), cache)
+    result["flashinfer cascade vs jcascade shared"] = float((want.float() - t(got_shared[:, 0]).float()).abs().max())
+    result["batch"] = B
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict]) -> list[str]:
+    best_decode = {r["batch"]: min((x["device_ms"] for x in rows if x["batch"] == r["batch"]
+                                    and x["method"].startswith("flashinfer decode")), default=None) for r in rows}
+    cascade = {r["batch"]: r["device_ms"] for r in rows if r["method"].startswith("flashinfer cascade")}
+    lines = [f"{'batch':>5} {'method':<26} {'wall ms':>8} {'device ms':>9} {'TB/s':>5} {'vs FlashInfer':>13}"]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["method"])):
+        tbs = f"{r['kv_bytes'] / r['device_ms'] / 1e9:5.2f}" if r.get("kv_bytes") else ""
+        peer = best_decode.get(r["batch"]) if r.get("kv_bytes") else cascade.get(r["batch"])
+        ratio = f"{r['device_ms'] / peer:13.2f}" if peer else ""
+        lines.append(f"{r['batch']:>5} {r['method']:<26} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}")
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,64,256", help="comma-separated batch sizes")
+    p.add_argument("--peers", default="jcascade,flashinfer,agree", help="which parts run: jcascade, flashinfer, agree")
+    p.add_argument("--iters", type=int, default=50, help="calls timed for the wall clock (median)")
+    p.add_argument("--loop", type=int, default=64, help="calls per timed loop for the device time")
+    p.add_argument("--agree-batch", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="small shapes (a dry run; `--peers jcascade` on the CPU)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)
+    p.add_argument("--peer-out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    try:
+        a.batches = [int(b) for b in a.batches.split(",")]
+        if min(a.batches) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--batches must be comma-separated positive integers, got {a.batches!r}")
+    peers = a.peers.split(",")
+    if not set(peers) <= set(PEERS):
+        p.error(f"--peers must name some of {PEERS}, got {a.peers!r}")
+    if a.peer:  # one library in this process
+        got = PEERS[a.peer](a)
+        pathlib.Path(a.peer_out).write_text(json.dumps(dict(device=device_kind(a.peer), result=got)))
+        return
+
+    # the parent touches no device: each library runs in its own process, with the memory to itself
+    result = dict(benchmark="flashinfer_side_by_side", date=time.strftime("%Y-%m-%d"),
+                  shape=dict(prefix=shapes(a.tiny)[0], own=shapes(a.tiny)[1], heads=[HQ, HKV, D], page=PAGE),
+                  iters=a.iters, loop=a.loop, rows=[], agreement=None, failures={})
+    out = pathlib.Path(a.out or "benchmarks/results/flashinfer.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for peer in peers:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, __file__, "--peer", peer, "--peer-out", f.name, "--batches",
+                   ",".join(map(str, a.batches)), "--iters", str(a.iters), "--loop", str(a.loop),
+                   "--agree-batch", str(a.agree_batch)] + (["--tiny"] if a.tiny else [])
+            print(f"{peer} ...", flush=True)
+            done = subprocess.run(cmd)
+            if done.returncode:
+                result["failures"][peer] = f"exit {done.returncode}"
+                continue
+            got = json.loads(pathlib.Path(f.name).read_text())
+        result["device"] = got["device"]
+        if peer == "agree":
+            result["agreement"] = got["result"]
+        else:
+            result["rows"] += got["result"]
+        out.write_text(json.dumps(result, indent=2))
+    print(f"\n{result.get('device')}: one decode step, {result['shape']['prefix']}-token prefix + "
+          f"{result['shape']['own']} own tokens per request; ratio = device time over FlashInfer's best decode "
+          "(replicated cache) or its cascade (shared prefix)")
+    print("\n".join(table(result["rows"])))
+    if result["agreement"]:
+        print("max |difference|:", result["agreement"])
+    if result["failures"]:
+        print("failed:", result["failures"])
+    print(f"wrote {out}")
+
+
+def device_kind(peer: str) -> str:
+    """The device's name, asked of the peer's library (jax would take the GPU's memory in torch's process)."""
+    if peer == "flashinfer":
+        import torch
+
+        return torch.cuda.get_device_name()
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+PEERS = dict(jcascade=jcascade_rows, flashinfer=flashinfer_rows, agree=agreement)
+
+
+if __name__ == "__main__":
+    main()
