@@ -10,13 +10,14 @@ request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
   shared prefix (stored once):
     flashinfer cascade (fa2)   two-level cascade as MultiLevelCascadeAttentionWrapper runs it (a batch-prefill
                                pass per level, then merge_state_in_place) on the FA2 backend
-    jcascade shared            `jc.attend_shared`
+    jcascade shared            `jc.attend_shared`, the prefix made by `jc.share_prefix(..., rope=)` (keys stored rotated)
 
 Two timings per method: wall = median ms per call with a device sync after each call (host dispatch included);
 device = ms per call inside one loop of --loop calls (a jitted fori_loop for jcascade, one CUDA graph for
 FlashInfer; CUDA events around a plain loop where a graph cannot be captured), i.e. launch gaps but no host.
 GB/s counts the K/V bytes a replicated decode must read. Each library runs in its own process (the caches of
-B = 256 take 34 GB each); a third process checks that the outputs agree on the same inputs at batch 8.
+B = 256 take 34 GB each); a third process checks that the outputs agree on the same inputs (batches 8 and 64:
+jcascade's shared prefix runs its Triton kernel at 8, its Mosaic GPU kernel at 64 on a Hopper GPU).
 
     python benchmarks/bench_flashinfer.py [--batches 1,8,64,256] [--out benchmarks/results/flashinfer-<device>.json]
     python benchmarks/bench_flashinfer.py --tiny --peers jcascade     # a dry run with small shapes, any platform
@@ -87,7 +88,7 @@ def jcascade_rows(a) -> list[dict]:
         return jc.CacheState(k=make(k1), v=make(k2), score=jnp.zeros((B, HKV, cap), jnp.float32),
                              pos=jnp.broadcast_to(pos, (B, HKV, cap)), seen=jnp.full((B,), held, jnp.int32))
 
-    prefix = jc.share_prefix(policy, rows_state(1, S, S))
+    prefix = jc.share_prefix(policy, rows_state(1, S, S), rope=rope)  # keys stored rotated, as generate does
     rows = []
     for B in a.batches:
         ks = jax.random.split(jax.random.fold_in(key, 1000 + B), 3)
@@ -261,8 +262,12 @@ def flashinfer_rows(a) -> list[dict]:
 
 
 def agreement(a) -> dict:
-    """Max |difference| of jcascade's outputs from FlashInfer's on one batch (bf16 outputs, f32 difference)."""
+    """Max |difference| of jcascade's outputs from FlashInfer's at each of --agree-batches (bf16 outputs)."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return {f"batch {B}": agreement_at(a, B) for B in a.agree_batches}
+
+
+def agreement_at(a, B: int) -> dict:
     import jax
     import jax.numpy as jnp
     import torch
@@ -270,7 +275,7 @@ def agreement(a) -> dict:
     import jcascade as jc
 
     S, own = shapes(a.tiny)
-    B, n = a.agree_batch, S + own + 1
+    n = S + own + 1
     policy, rope = jc.Full(), jc.RoPE(THETA)
     ks = jax.random.split(jax.random.key(5), 6)
     prefix_k, prefix_v = (jax.random.normal(k, (1, HKV, S, D), jnp.bfloat16) for k in ks[:2])
@@ -287,7 +292,7 @@ def agreement(a) -> dict:
 
     new_k, new_v = all_k[:, :, -1:].swapaxes(1, 2), all_v[:, :, -1:].swapaxes(1, 2)
     got_decode = jc.attend(policy, state_of(all_k[:, :, :-1], all_v[:, :, :-1], n - 1), q, new_k, new_v, None, rope)[0]
-    prefix = jc.share_prefix(policy, state_of(prefix_k, prefix_v, S))
+    prefix = jc.share_prefix(policy, state_of(prefix_k, prefix_v, S), rope=rope)
     got_shared = jc.attend_shared(policy, state_of(own_k[:, :, :-1], own_v[:, :, :-1], own), q, new_k, new_v,
                                   [prefix], None, rope)
 
@@ -310,7 +315,6 @@ def agreement(a) -> dict:
     wrappers = cascade_wrappers(workspace, B, prefix_cache.shape[0], own_cache.shape[0] // B, own_last)
     want = run_cascade(wrappers, t(rot_q[:, 0]).contiguous(), cache)
     result["flashinfer cascade vs jcascade shared"] = float((want.float() - t(got_shared[:, 0]).float()).abs().max())
-    result["batch"] = B
     return result
 
 
@@ -336,18 +340,19 @@ def main():
     p.add_argument("--peers", default="jcascade,flashinfer,agree", help="which parts run: jcascade, flashinfer, agree")
     p.add_argument("--iters", type=int, default=50, help="calls timed for the wall clock (median)")
     p.add_argument("--loop", type=int, default=64, help="calls per timed loop for the device time")
-    p.add_argument("--agree-batch", type=int, default=8)
+    p.add_argument("--agree-batches", default="8,64", help="batch sizes of the agreement check (comma-separated)")
     p.add_argument("--tiny", action="store_true", help="small shapes (a dry run; `--peers jcascade` on the CPU)")
     p.add_argument("--out", default=None)
     p.add_argument("--peer", choices=PEERS, help=argparse.SUPPRESS)
     p.add_argument("--peer-out", help=argparse.SUPPRESS)
     a = p.parse_args()
-    try:
-        a.batches = [int(b) for b in a.batches.split(",")]
-        if min(a.batches) < 1:
-            raise ValueError
-    except ValueError:
-        p.error(f"--batches must be comma-separated positive integers, got {a.batches!r}")
+    for name in ("batches", "agree_batches"):
+        try:
+            setattr(a, name, [int(b) for b in getattr(a, name).split(",")])
+            if min(getattr(a, name)) < 1:
+                raise ValueError
+        except ValueError:
+            p.error(f"--{name.replace('_', '-')} must be comma-separated positive integers, got {getattr(a, name)!r}")
     peers = a.peers.split(",")
     if not set(peers) <= set(PEERS):
         p.error(f"--peers must name some of {PEERS}, got {a.peers!r}")
@@ -366,7 +371,7 @@ def main():
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--peer", peer, "--peer-out", f.name, "--batches",
                    ",".join(map(str, a.batches)), "--iters", str(a.iters), "--loop", str(a.loop),
-                   "--agree-batch", str(a.agree_batch)] + (["--tiny"] if a.tiny else [])
+                   "--agree-batches", ",".join(map(str, a.agree_batches))] + (["--tiny"] if a.tiny else [])
             print(f"{peer} ...", flush=True)
             done = subprocess.run(cmd)
             if done.returncode:

@@ -22,10 +22,11 @@ one compilation serves every length.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import pathlib
+import sys
+import tempfile
 import time
 import warnings
 
@@ -35,6 +36,9 @@ import jax.numpy as jnp
 import jcascade as jc
 from jcascade import pallas_kernels as pk
 from jcascade.models import CausalLM, ModelConfig, sharding
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import decode_breakdown  # noqa: E402
 
 LLAMA31_8B = ModelConfig(
     architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -174,14 +178,17 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
         state, last = compiled(model, state, last)
     block(last)
     per_step = (time.perf_counter() - t0) / a.decode_steps
-    if a.profile_step:  # one more step between cuProfilerStart/Stop, for `ncu --profile-from-start off`
-        cuda = ctypes.CDLL("libcuda.so.1")
-        cuda.cuProfilerStart()
-        block(compiled(model, state, last))
-        cuda.cuProfilerStop()
     roofline = (held["weights"] + held["kv"]) / bandwidth
-    return dict(ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step, roofline_ms=roofline * 1e3,
-                fraction_of_roofline=roofline / per_step, compile_s=compile_s)
+    row = dict(ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step, roofline_ms=roofline * 1e3,
+               fraction_of_roofline=roofline / per_step, compile_s=compile_s)
+    if a.profile_step:  # one more step under the JAX profiler: its kernels by kind (decode_breakdown.py)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                block(compiled(model, state, last))
+            row["breakdown"] = decode_breakdown.breakdown(decode_breakdown.kernels_of_trace(trace_dir),
+                                                          model.config.num_layers, per_step * 1e3)
+        print("\n".join(decode_breakdown.table(row["breakdown"])), flush=True)
+    return row
 
 
 def bench_decode(a, model, policy, bandwidth) -> list[dict]:
@@ -221,8 +228,8 @@ def main():
                    help="devices (default: one)")
     p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
     p.add_argument("--profile-step", action="store_true",
-                   help="b: after the timed steps, one step between cuProfilerStart/Stop (for Nsight Compute; "
-                        "benchmarks/decode_breakdown.py reads its CSV)")
+                   help="b: one more step under the JAX profiler, its GPU time by kind of kernel "
+                        "(benchmarks/decode_breakdown.py)")
     p.add_argument("--implementation", default=None, choices=pk.IMPLEMENTATIONS,
                    help="attention kernels (default: the platform's, as jc.attend picks them)")
     a = p.parse_args()
