@@ -353,7 +353,7 @@ def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperatur
         decode_policy, prefixes = policy, ()
     else:  # the prompt's cache, shared; each sample's tokens in a Full cache of its own
         prompt_state, last_hidden, _ = _prompt(model, policy, tokens, lengths, 0, implementation)
-        prefixes = (jax.vmap(lambda layer: share_prefix(policy, layer))(prompt_state),)
+        prefixes = (jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope))(prompt_state),)
         decode_policy = Full(stride=policy.stride)
         state = model.init_cache(decode_policy, num_samples, max_tokens=max_new_tokens)
         last_hidden = jnp.broadcast_to(last_hidden, (num_samples, last_hidden.shape[-1]))

@@ -26,11 +26,14 @@ from jcascade.rope import rotate_chunk
 class SharedPrefix:
     """One level of shared prefixes (one layer, or L layers stacked on a leading axis).
 
-    k, v:    [P, Hkv, S, D] un-rotated keys/values of the P prefix rows;
+    k, v:    [P, Hkv, S, D] keys/values of the P prefix rows (zeros in empty slots); the keys un-rotated, or
+             rotated at key_pos when `rope` is set;
     valid:   bool [P, Hkv, S] slots that hold a token;
     key_pos: int32 [P, 1 or Hkv, S] RoPE position of each slot;
     length:  int32 [P] the first position after the prefix (including the levels before it): where the
-             next level, or its requests' own tokens, start.
+             next level, or its requests' own tokens, start;
+    rope:    (static) None, or the RoPE that k was rotated with (`share_prefix(..., rope=)`): the requests must
+             decode with the same one, and no step rotates the prefix's keys again.
     """
 
     k: jax.Array
@@ -38,18 +41,25 @@ class SharedPrefix:
     valid: jax.Array
     key_pos: jax.Array
     length: jax.Array
+    rope: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-def share_prefix(policy: Policy, state: slots.CacheState, offset: jax.Array | int = 0) -> SharedPrefix:
+def share_prefix(policy: Policy, state: slots.CacheState, offset: jax.Array | int = 0, rope=None) -> SharedPrefix:
     """The cache `state` (one layer; its batch rows become the prefix rows), as `policy` positions it,
-    shifted by `offset` (int32 [P] or int: positions of the levels before it)."""
+    shifted by `offset` (int32 [P] or int: positions of the levels before it). rope: the RoPE the requests
+    decode with, or None; when given, the keys are stored rotated at their positions (which a frozen prefix
+    never changes), so that decoding reads them without rotating them in every step (and, on a Hopper GPU,
+    many requests' queries run on the tensor-core kernel, `pallas_kernels.prefix_attention`)."""
     check_policy(policy)
     if not policy.shareable:
         raise ValueError(f"{type(policy).__name__} cannot be a shared prefix (its cache is chosen per request)")
     key_pos, start = policy.key_positions(state)
     offset = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), start.shape)
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
-    return SharedPrefix(k=state.k, v=state.v, valid=state.pos >= 0, key_pos=key_pos, length=start + offset)
+    valid = state.pos >= 0
+    k = state.k if rope is None else rope(state.k, key_pos)
+    k, v = (jnp.where(valid[..., None], x, 0).astype(x.dtype) for x in (k, state.v))
+    return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, rope=rope)
 
 
 def merge_attention(v_a: jax.Array, lse_a: jax.Array, v_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -95,6 +105,10 @@ def attend_shared(
     B, T, Hkv, D = k.shape
     n = slots.check_lengths(lengths, B, T)
     fan_out = [_rows_per_prefix(prefix, B) for prefix in prefixes]
+    for i, prefix in enumerate(prefixes):
+        if prefix.rope is not None and prefix.rope != rope:
+            raise ValueError(f"prefixes[{i}] holds keys rotated by {prefix.rope!r} (share_prefix's rope); "
+                             f"attend_shared must be given the same rope, got {rope!r}")
     # the innermost level's end is where the requests' own tokens start
     offset = jnp.repeat(prefixes[-1].length, fan_out[-1]) if prefixes else jnp.zeros((B,), jnp.int32)
     key_pos, start = policy.key_positions(state)
@@ -107,7 +121,8 @@ def attend_shared(
     Hq = q.shape[2]
     for prefix, per_row in zip(prefixes, fan_out):
         grouped = q.reshape(B // per_row, per_row * T, Hq, D)
-        p_out, p_lse = pallas_kernels.prefix_attention(grouped, prefix.k, prefix.v, prefix.valid, prefix.key_pos, rope,
+        p_out, p_lse = pallas_kernels.prefix_attention(grouped, prefix.k, prefix.v, prefix.valid, prefix.key_pos,
+                                                       rope if prefix.rope is None else None,
                                                        implementation=implementation)
         out, lse = merge(out, lse, p_out.reshape(B, T, Hq, D), p_lse.reshape(B, T, Hq))
     valid = (jnp.arange(T)[None, :] < n[:, None])[:, :, None, None]

@@ -125,7 +125,8 @@ def layer_specs(batch: int, num_kv_heads: int, mesh: Mesh, prefixes: tuple = ())
         kv = PartitionSpec(row, "model", None, None)
         key_pos_heads = "model" if prefix.key_pos.shape[-2] == num_kv_heads else None  # 1 or Hkv
         levels.append(SharedPrefix(k=kv, v=kv, valid=PartitionSpec(row, "model", None),
-                                   key_pos=PartitionSpec(row, key_pos_heads, None), length=PartitionSpec(row)))
+                                   key_pos=PartitionSpec(row, key_pos_heads, None), length=PartitionSpec(row),
+                                   rope=prefix.rope))
     return dict(state=state, chunk=PartitionSpec("data", None, "model", None), lengths=PartitionSpec("data"),
                 prefixes=tuple(levels))
 

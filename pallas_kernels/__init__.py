@@ -7,8 +7,9 @@ implementations, chosen here:
                 for chunks that `mosaic_gpu.supports` and Pallas-Triton for the rest, on other GPUs
                 Pallas-Triton, on TPU Pallas-Mosaic;
   "triton", "mosaic_gpu", "mosaic_tpu"   one Pallas backend by name; on the CPU it runs in interpret mode
-                (tests). "mosaic_gpu" runs chunks (T > 1) in bf16 or f16; decode steps, shared prefixes and the
-                single-token insertion stay on the Triton kernels, which every GPU backend shares.
+                (tests). "mosaic_gpu" runs chunks (T > 1) and shared prefixes read by many queries with keys
+                stored rotated, in bf16 or f16; decode steps, the other shared-prefix calls and the single-token
+                insertion stay on the Triton kernels, which every GPU backend shares.
 """
 
 from __future__ import annotations
@@ -90,12 +91,19 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
 
 def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *,
                      implementation: str | None = None, config=None):
-    """Dispatches `reference.prefix_attention` (many requests' queries against a shared prefix). The
-    Pallas version is the GPU one (Triton); on TPU it runs the XLA reference."""
+    """Dispatches `reference.prefix_attention` (many requests' queries against a shared prefix). On GPU: with
+    the keys already rotated (rope None, as `jcascade.share_prefix(..., rope=)` stores them) and calls that
+    `mosaic_gpu.supports_prefix` (many query rows per KV head), the Mosaic GPU forward on a Hopper GPU
+    ("pallas" or "mosaic_gpu"); otherwise the Triton multi-query kernel. On TPU it runs the XLA reference.
+    The Mosaic GPU path needs finite keys and values in empty slots (`SharedPrefix` stores zeros there)."""
     backend, interpret = resolve(implementation)
     args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
     if backend not in GPU_BACKENDS:
         return reference.prefix_attention(*args)
+    mosaic_config = _config(config, mosaic_gpu.MosaicGpuConfig)
+    if backend == "mosaic_gpu" and rope is None and mosaic_gpu.supports_prefix(q, k_cache, mosaic_config):
+        return mosaic_gpu.prefix_attention(q, k_cache, v_cache, cache_valid, config=mosaic_config,
+                                           interpret=plgpu.InterpretGPUParams() if interpret else False)
     return gpu.prefix_attention(*args, config=_config(config, gpu.GpuConfig), interpret=interpret)
 
 

@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from . import states
+
 LOG2E = math.log2(math.e)
 F32 = jnp.float32
 HIDDEN = 1 << 30  # "first query allowed" of an empty or padding slot: no query sees it
@@ -89,14 +91,17 @@ def _matmul(a, b, shape, staging=None) -> jax.Array:
 # Forward.
 
 
-def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpuConfig, interpret):
+def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpuConfig, interpret, splits: int = 0):
     """q [B, T, Hq, D] (T a multiple of 2 * block_q), keys/values [B, Hkv, K, D] (K a multiple of block_k, the
     cache's cached_blocks key blocks first), first_query int32 [B, Hkv, K]. Returns out [B, T, Hq, D] (rows
-    with no visible key are NaN) and lse f32 [B, Hq, T] (natural log)."""
+    with no visible key are NaN) and lse f32 [B, Hq, T] (natural log).
+    splits > 0: no chunk; the K = splits * cached_blocks * block_k keys are `splits` parts, each attended by
+    every query on its own: out [B, splits * T, Hq, D], lse [B, Hq, splits * T], part s at rows [s T, (s+1) T)."""
     B, T, Hq, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
     bq, bk, stages = cfg.block_q, cfg.block_k, cfg.stages
+    pairs = T // (2 * bq)
     c = D**-0.5 * LOG2E
     dtype = q.dtype
 
@@ -104,16 +109,19 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
                q_barriers, k_barriers, v_barriers, fq_barriers, k_consumed, v_consumed, *p_smem2):
         b, h, pair, wg = (lax.axis_index(n) for n in ("row", "head", "pair", "wg"))
         kvh = lax.div(h, jnp.array(G, h.dtype))
+        part = lax.div(pair, jnp.array(pairs, pair.dtype)) if splits else 0
+        pair = lax.rem(pair, jnp.array(pairs, pair.dtype)) if splits else pair
+        first_block, out_row = part * cached_blocks, part * T  # this part's keys and output rows
         k_ref, v_ref, fq_ref = k_ref.at[b, kvh], v_ref.at[b, kvh], fq_ref.at[b, kvh]
         pair_end = (pair + 1) * (2 * bq)  # the chunk blocks up to the pair's last query
-        pair_steps = cached_blocks + lax.div(pair_end + bk - 1, jnp.array(bk, pair_end.dtype))
+        pair_steps = cached_blocks + (0 if splits else lax.div(pair_end + bk - 1, jnp.array(bk, pair_end.dtype)))
 
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             q_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
             q0 = pair * (2 * bq) + wg * bq
-            steps = cached_blocks + lax.div(q0 + bq + bk - 1, jnp.array(bk, q0.dtype))
+            steps = cached_blocks + (0 if splits else lax.div(q0 + bq + bk - 1, jnp.array(bk, q0.dtype)))
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_barriers.at[wg])
             plgpu.barrier_wait(q_barriers.at[wg])
 
@@ -148,7 +156,7 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
             acc = plgpu.layout_cast(jnp.zeros((bq, D), F32), plgpu.Layout.WGMMA)
             m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((bq,), F32), plgpu.Layout.WGMMA.reduce(1))
-            below_diagonal = cached_blocks + lax.div(q0 + 1, jnp.array(bk, q0.dtype))
+            below_diagonal = cached_blocks + (0 if splits else lax.div(q0 + 1, jnp.array(bk, q0.dtype)))
             carry = lax.fori_loop(0, cached_blocks, functools.partial(step, mask="cache"), (acc, m, l))
             carry = lax.fori_loop(cached_blocks, below_diagonal, functools.partial(step, mask=None), carry)
             acc, m, l = lax.fori_loop(below_diagonal, steps, functools.partial(step, mask="causal"), carry)
@@ -164,8 +172,8 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
             q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
             lse_smem[...] = (m + jnp.log2(l)) / LOG2E
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, pl.ds(q0, bq), h])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, pl.ds(out_row + q0, bq), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(out_row + q0, bq)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -175,7 +183,7 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
             @pl.loop(0, pair_steps)
             def _load(j):
                 slot = lax.rem(j, jnp.array(stages, j.dtype))
-                block = pl.ds(j * bk, bk)
+                block = pl.ds((first_block + j) * bk, bk)
 
                 @pl.when(j >= stages)
                 def _wait_k():
@@ -196,10 +204,11 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
 
+    rows = T * max(splits, 1)
     out, lse = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, Hq, T), F32)),
-        grid=(B, Hq, T // (2 * bq)),
+        out_type=(jax.ShapeDtypeStruct((B, rows, Hq, D), dtype), jax.ShapeDtypeStruct((B, Hq, rows), F32)),
+        grid=(B, Hq, pairs * max(splits, 1)),
         grid_names=("row", "head", "pair"),
         num_threads=3,
         thread_name="wg",
@@ -374,3 +383,47 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     inc = _scores(q, keys, first_query, lse2, weights, cached_keys=Sp, reduction=head_reduction, cfg=config,
                   interpret=interpret)
     return out, lse[..., :T], inc[..., :S], inc[..., Sp:Sp + T]
+
+
+PREFIX_PROGRAMS = 256  # aim for about this many programs in the prefix pass (split-K over the prefix's keys)
+
+
+def supports_prefix(q: jax.Array, k_cache: jax.Array, config: MosaicGpuConfig = MosaicGpuConfig()) -> bool:
+    """Whether `prefix_attention` takes the call: bf16 or f16, head_dim 64 or 128, and at least 2 * block_q query
+    rows (requests x heads of a group) per prefix row and KV head (fewer would leave the 64-row tiles mostly empty:
+    the Triton kernel serves those)."""
+    P, R, Hq, D = q.shape
+    rows = R * (Hq // k_cache.shape[1])
+    return q.dtype in DTYPES and k_cache.dtype == q.dtype and D in HEAD_DIMS and rows >= 2 * config.block_q
+
+
+def prefix_attention(q, k_cache, v_cache, cache_valid, *, config: MosaicGpuConfig = MosaicGpuConfig(),
+                     interpret=False):
+    """`reference.prefix_attention` with the keys already rotated (rope=None) and finite keys and values in the
+    empty slots (`SharedPrefix` stores zeros there), for calls that `supports_prefix`. The R x G queries of each
+    (prefix row, KV head) are the rows of the forward kernel with no chunk part; the prefix's key blocks are cut
+    into parts that the kernel attends to separately (enough programs to fill the GPU), merged exactly after.
+    A prefix whose slots are not a multiple of block_k is padded (copied) on every call."""
+    P, R, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G, bk, bq2 = Hq // Hkv, config.block_k, 2 * config.block_q
+    rows = R * G
+    T = -(-rows // bq2) * bq2
+    blocks = -(-S // bk)
+    want = max(1, PREFIX_PROGRAMS // (P * Hkv * (T // bq2)))
+    splits = max(d for d in range(1, blocks + 1) if blocks % d == 0 and d <= want)
+    if blocks * bk != S:
+        pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, 0), (0, blocks * bk - S)] + [(0, 0)] * (x.ndim - 3),
+                                         constant_values=value)  # noqa: E731
+        k_cache, v_cache, cache_valid = pad(k_cache), pad(v_cache), pad(cache_valid, False)
+    first_query = jnp.where(cache_valid, -1, HIDDEN).astype(jnp.int32)
+    qg = q.reshape(P, R, Hkv, G, D).transpose(0, 1, 3, 2, 4).reshape(P, rows, Hkv, D)  # row = request * G + g
+    qg = jnp.pad(qg, ((0, 0), (0, T - rows), (0, 0), (0, 0)))
+    out, lse = _forward(qg, k_cache, v_cache, first_query, cached_blocks=blocks // splits, cfg=config,
+                        interpret=interpret, splits=splits)
+    out = out.reshape(P, splits, T, Hkv, D)
+    lse = lse.reshape(P, Hkv, splits, T).transpose(0, 2, 3, 1)  # [P, splits, T, Hkv]
+    out = jnp.where(jnp.isneginf(lse)[..., None], 0, out)  # a part with no valid slot: (0, -inf), not NaN
+    out, lse = states.merge_all(out, lse, axis=1)  # [P, T, Hkv, (D)]
+    out = out[:, :rows].reshape(P, R, G, Hkv, D).transpose(0, 1, 3, 2, 4).reshape(P, R, Hq, D)
+    return out, lse[:, :rows].reshape(P, R, G, Hkv).transpose(0, 1, 3, 2).reshape(P, R, Hq)

@@ -64,10 +64,12 @@ def full_state(k, v, lengths=None):
     return jc.update(jc.Full(), state, k, v, None, lengths)
 
 
+@pytest.mark.parametrize("rotated", [False, True], ids=["keys-rotated-per-step", "keys-stored-rotated"])
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
-def test_two_level_shared_prefixes_equal_flat_attention(implementation):
+def test_two_level_shared_prefixes_equal_flat_attention(implementation, rotated):
     """A system prompt shared by 4 requests, two histories shared by 2 each, then each request's own
-    tokens (ragged) and a 3-token chunk: the same as one flat cache per request."""
+    tokens (ragged) and a 3-token chunk: the same as one flat cache per request, whether the prefixes hold
+    un-rotated keys or keys stored rotated (share_prefix's rope)."""
     Hq, H, D = 4, 2, 16
     L0, L1, Ls, T = 9, 6, 5, 3
     ks = jax.random.split(jax.random.key(7), 8)
@@ -79,8 +81,9 @@ def test_two_level_shared_prefixes_equal_flat_attention(implementation):
 
     @jax.jit
     def shared_and_flat(k0, v0, k1, v1, k2, v2, q, kc):
-        level0 = jc.share_prefix(jc.Full(), full_state(k0, v0))
-        level1 = jc.share_prefix(jc.Full(), full_state(k1, v1), offset=L0)
+        stored = ROPE if rotated else None
+        level0 = jc.share_prefix(jc.Full(), full_state(k0, v0), rope=stored)
+        level1 = jc.share_prefix(jc.Full(), full_state(k1, v1), offset=L0, rope=stored)
         suffix = full_state(k2, v2, own)
         got = jc.attend_shared(jc.Full(), suffix, q, kc, kc, [level0, level1], jnp.array([3, 3, 2, 3]), ROPE,
                                implementation=implementation)
@@ -138,6 +141,9 @@ def test_shared_prefix_errors(model):
     prefix = jc.share_prefix(jc.Full(), full_state(k[:2], k[:2]))
     with pytest.raises(ValueError, match="2 rows cannot serve a batch of 3"):
         jc.attend_shared(jc.Full(), full_state(k, k), jnp.zeros((3, 2, 2, 8)), k, k, [prefix])
+    rotated = jc.share_prefix(jc.Full(), full_state(k[:1], k[:1]), rope=ROPE)
+    with pytest.raises(ValueError, match=r"prefixes\[0\] holds keys rotated by RoPE.*same rope, got None"):
+        jc.attend_shared(jc.Full(), full_state(k, k), jnp.zeros((3, 2, 2, 8)), k, k, [rotated])
     cascade = jc.Cascade(cache_size=8, sinks=0, num_cascades=2)
     with pytest.raises(ValueError, match="must keep no scores"):
         jc.attend_shared(cascade, jc.init_cache(cascade, 3, 2, 8), jnp.zeros((3, 2, 2, 8)), k, k, [prefix])

@@ -55,6 +55,36 @@ def test_mosaic_gpu_kernels_lower_for_gpu(shape, scores):
     assert text.count("mosaic_gpu_v2") == (2 if scores else 1)
 
 
+def test_mosaic_gpu_prefix_kernel_equals_reference():
+    """The shared-prefix pass on Mosaic GPU (keys stored rotated, empty slots zero) in GPU interpret mode against
+    the reference: 2 prefix rows of 300 slots (padded to 3 key blocks, each a part of its own) read by 40 requests x
+    4 heads of a group; one (row, KV head) with no valid slot gives (0, -inf)."""
+    P, R, Hq, Hkv, D, S = 2, 40, 8, 2, 64, 300
+    keys = jax.random.split(jax.random.key(3), 4)
+    valid = jax.random.bernoulli(keys[3], 0.7, (P, Hkv, S)).at[1, 0].set(False)
+    q, k, v = (jax.random.normal(key, shape).astype(jnp.bfloat16) for key, shape in
+               zip(keys, [(P, R, Hq, D), (P, Hkv, S, D), (P, Hkv, S, D)]))
+    k, v = (jnp.where(valid[..., None], x, 0) for x in (k, v))
+    assert pk.mosaic_gpu.supports_prefix(q, k)
+    want = pk.prefix_attention(q, k, v, valid, None, None, implementation="xla")
+    got = pk.prefix_attention(q, k, v, valid, None, None, implementation="mosaic_gpu")
+    for name, g, w in zip(["out", "lse"], got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w), err_msg=name)
+        assert_close(np.where(np.isneginf(w), 0, g), np.where(np.isneginf(w), 0, w), jnp.bfloat16, name)
+    assert np.isneginf(np.asarray(got[1])[1, :, :4]).all() and not np.asarray(got[0])[1, :, :4].any()
+
+
+def test_mosaic_gpu_prefix_kernel_lowers_for_gpu():
+    """The prefix pass at the benchmark's shape (32K slots, 64 requests x 4 heads per KV head): one Mosaic GPU
+    kernel, lowered for the GPU from the CPU."""
+    s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    f = jax.jit(lambda q, k, v, valid: pk.mosaic_gpu.prefix_attention(q, k, v, valid))
+    args = (s(1, 64, 32, 128), s(1, 8, 32768, 128), s(1, 8, 32768, 128), s(1, 8, 32768, dtype=jnp.bool_))
+    assert f.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu_v2") == 1
+
+
 def test_a_model_scores_alike_on_mosaic_gpu_and_xla():
     """jc.score through a bf16 model (strided prefill: attend, then update, per chunk and layer) with the Mosaic
     GPU chunk kernels in GPU interpret mode gives the reference's log-likelihoods."""
