@@ -278,7 +278,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes on any platform (a dry run of the script)")
     p.add_argument("--out", default=None)
     p.add_argument("--budget-s", type=float, default=480, help="skip the sections that would start after this")
-    p.add_argument("--decode-sweep", action="store_true", help="d: time eight tilings, not only the default one")
+    p.add_argument("--decode-sweep", action="store_true", help="d: time nine tilings and grid orders, not only the default one")
     p.add_argument("--decode-batches", default="1,32", help="d: comma-separated batch sizes")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
@@ -302,7 +302,7 @@ def main():
                         for bk, stages, warps, programs in ((64, 3, 4, 256), (64, 4, 4, 256), (64, 3, 4, 512),
                                                             (64, 3, 4, 1024), (128, 3, 4, 256), (128, 3, 8, 256),
                                                             (128, 2, 8, 512), (32, 4, 4, 512))
-                        ] if a.decode_sweep else [G()]
+                        ] + [G(decode_heads_first=False)] if a.decode_sweep else [G()]
     a.decode_layers, a.decode_calls = 8, 64
     gib = 4.0
     if a.tiny:

@@ -6,7 +6,8 @@ the device(s), on one device or a `--mesh data=D,model=M` (tensor parallelism).
      elapsed time read at 32K, 128K and 1M tokens; throughput and model FLOP utilisation (MFU) against a
      bf16 matrix product measured in the same run;
   b  decode tokens/s at batch 1, 16 and 32 (`--batches`) over a full 16K cascade cache vs the roofline
-     (the most weight + cache bytes one device holds, over a copy bandwidth measured in the same run);
+     (the most weight + cache bytes one device holds, over the larger of a copy and a read bandwidth measured in
+     the same run);
      each batch size on its own: one whose weights + cache exceed a device's memory (8B at batch 32: 69 GB of
      cache beside 16 GB of weights, over an H100's 80 GB) is reported with the bytes it needs, not run;
   c  compile time of the prefill segment and of the decode step.
@@ -78,15 +79,20 @@ def matmul_peak(n: int) -> float:
     return 2 * n**3 * 10 / (time.perf_counter() - t0)
 
 
-def copy_bandwidth(n: int) -> float:
+def stream_bandwidths(n: int) -> tuple[float, float]:
+    """(copy, read) bytes per second over n bf16 elements: an elementwise pass (bytes read + written) and a sum
+    (bytes read), each the median of 10 calls. A decode step mostly reads, so its roofline takes the larger."""
     x = jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16)
-    f = jax.jit(lambda x: x + 1)
-    block(f(x))
-    t0 = time.perf_counter()
-    for _ in range(10):
-        out = f(x)
-    block(out)
-    return 2 * x.nbytes * 10 / (time.perf_counter() - t0)
+    rates = []
+    for f, moved in ((jax.jit(lambda x: x + 1), 2 * x.nbytes), (jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes)):
+        block(f(x))
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            block(f(x))
+            times.append(time.perf_counter() - t0)
+        rates.append(moved / sorted(times)[len(times) // 2])
+    return rates[0], rates[1]
 
 
 def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
@@ -238,23 +244,25 @@ def main():
     if a.tiny:
         cfg, policy = TINY, jc.Cascade(cache_size=64, sinks=4, num_cascades=4, stride=32)
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
-        peak, bandwidth = matmul_peak(256), copy_bandwidth(1 << 20)
+        peak, (copy, read) = matmul_peak(256), stream_bandwidths(1 << 20)
     else:
         cfg = SHAPES[a.shape]
         policy = jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096)
         a.segment, a.decode_batches, a.decode_steps = 32768, batches, 20
         a.prefill_marks = sorted({m for m in (32768, 131072) if m < a.prefill_tokens} | {a.prefill_tokens})
-        peak, bandwidth = matmul_peak(8192), copy_bandwidth(1 << 31)
+        peak, (copy, read) = matmul_peak(8192), stream_bandwidths(1 << 31)
     device = jax.devices()[0]
     mesh = sharding.device_mesh(a.mesh, batched=True)
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                   shape=a.shape, implementation=a.implementation, mesh=dict(zip(("data", "model"), a.mesh)), policy=repr(policy),
-                  matmul_tflops=peak / 1e12, copy_gb_s=bandwidth / 1e9)
+                  matmul_tflops=peak / 1e12, copy_gb_s=copy / 1e9, read_gb_s=read / 1e9)
+    bandwidth = max(copy, read)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e9:.0f} GB/s", flush=True)
+    print(f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e9:.0f} GB/s, read {read / 1e9:.0f} GB/s",
+          flush=True)
     if "a" in a.only:
         result["prefill"] = bench_prefill(a, model, policy, peak)
         out.write_text(json.dumps(result, indent=2))

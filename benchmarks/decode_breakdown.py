@@ -58,12 +58,19 @@ def breakdown(kernels: list[tuple[str, float]], layers: int, step_ms: float | No
         k[1] += us
     total = sum(us for _, us in kinds.values())
     rows = [dict(kind=kind, launches=n, us_per_step=us) for kind, (n, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])]
+    fusions: dict[str, list] = {}
+    for name, us in kernels:
+        if kind_of(name) == OTHER:
+            f = fusions.setdefault(name, [0, 0.0])
+            f[0] += 1
+            f[1] += us
+    top = [dict(name=name, launches=n, us_per_step=us) for name, (n, us) in sorted(fusions.items(), key=lambda kv: -kv[1][1])]
     whole = total if step_ms is None else step_ms * 1e3
     if step_ms is not None:
         rows.append(dict(kind="between kernels (step - sum of kernels)", launches=0, us_per_step=whole - total))
     for r in rows:
         r.update(us_per_layer=r["us_per_step"] / layers, share=r["us_per_step"] / whole)
-    return dict(layers=layers, kernels=len(kernels), kernel_us=total, step_us=whole, rows=rows)
+    return dict(layers=layers, kernels=len(kernels), kernel_us=total, step_us=whole, rows=rows, top_fusions=top[:12])
 
 
 def table(result: dict) -> list[str]:
@@ -71,6 +78,8 @@ def table(result: dict) -> list[str]:
              f"   {'kind':<72} {'launches':>8} {'us/step':>8} {'us/layer':>8} {'share':>6}"]
     lines += [f"   {r['kind']:<72} {r['launches']:>8} {r['us_per_step']:8.0f} {r['us_per_layer']:8.1f} {r['share']:6.1%}"
               for r in result["rows"]]
+    lines.append("   the XLA fusions taking the most time: launches, us/step, name")
+    lines += [f"      {f['launches']:>5} {f['us_per_step']:8.0f}  {f['name'][:90]}" for f in result["top_fusions"]]
     return lines
 
 

@@ -18,7 +18,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 import jcascade as jc
 

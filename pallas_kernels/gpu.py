@@ -50,6 +50,7 @@ class GpuConfig:
     num_stages: int = 2
     decode_num_warps: int = 4
     decode_num_stages: int = 3  # H200: 0.49 / 0.97 of the copy bandwidth at batch 1 / 32 (RESULTS.md, kernels d)
+    decode_heads_first: bool = True  # decode grid (head, split, row), not (row, head, split): RESULTS.md, kernels d
 
     def params(self, decode: bool = False) -> plgpu.CompilerParams:
         if decode:
@@ -247,11 +248,12 @@ def _scalar(x) -> jax.Array:
 
 
 def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_ref, o_ref, lse_ref, logits_ref,
-                   *, S, first, G, gp, split, bk, scale, rope):
+                   *, S, first, G, gp, split, bk, scale, rope, axes):
     """q_ref: the KV head's G queries [G, D], read as gp rows (the rest zero); kc_ref, vc_ref: the whole stack
     [L, B, Hkv, C, D], of which this program reads (layer, row, head) at slots first + [its split of S];
-    valid_ref [S]; rope_ref: [S, D] cos | sin."""
-    layer, b, h, s_idx = layer_ref[0], pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    valid_ref [S]; rope_ref: [S, D] cos | sin. axes: the grid axes of (row, head, split)."""
+    layer = layer_ref[0]
+    b, h, s_idx = (pl.program_id(axis) for axis in axes)
     has_query = len_ref[...] > 0
     D = q_ref.shape[-1]
     half = D // 2
@@ -417,27 +419,34 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     kernel = functools.partial(
         _decode_kernel if want_scores else functools.partial(_no_logits, _decode_kernel),
         S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
+        axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2),
     )
+    # grid (head, split, row): the heads of a row's split run side by side and read its RoPE table once from
+    # memory (rows first re-read each table per head: at batch 64, 30 % more DRAM traffic than K and V, ncu)
+    if cfg.decode_heads_first:
+        grid, spec = (Hkv, splits, B), lambda shape, index: pl.BlockSpec(shape, lambda h, s, b: index(b, h, s))
+    else:
+        grid, spec = (B, Hkv, splits), pl.BlockSpec
     head = lambda b, h, s: (b, h, 0, 0)
     out_specs = [
-        pl.BlockSpec((None, None, None, gp, D), lambda b, h, s: (b, h, s, 0, 0)),
-        pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
+        spec((None, None, None, gp, D), lambda b, h, s: (b, h, s, 0, 0)),
+        spec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
     ]
     out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, gp, D), F32), jax.ShapeDtypeStruct((B, Hkv, splits, gp), F32)]
     if want_scores:
-        out_specs.append(pl.BlockSpec((None, None, gp, S), head))
+        out_specs.append(spec((None, None, gp, S), head))
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, gp, S), F32))
     parts = pl.pallas_call(
         kernel,
-        grid=(B, Hkv, splits),
+        grid=grid,
         in_specs=[
             pl.BlockSpec(),
-            pl.BlockSpec((None,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, G, D), head),
+            spec((None,), lambda b, h, s: (b,)),
+            spec((None, None, G, D), head),
             pl.BlockSpec(),  # the whole stack: each program addresses its own (layer, row, head)
             pl.BlockSpec(),
-            pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0)),
-            pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h if table_heads > 1 else 0, 0, 0)),
+            spec((None, None, S), lambda b, h, s: (b, h, 0)),
+            spec((None, None, S, D), lambda b, h, s: (b, h if table_heads > 1 else 0, 0, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -517,7 +526,7 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
     table = _rope_table_or_zeros(rope, cache_positions, k_cache, D)
     table_heads = table.shape[1]
     kernel = functools.partial(_no_logits, _decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk,
-                               scale=D**-0.5, rope=fuse)
+                               scale=D**-0.5, rope=fuse, axes=(0, 1, 2))
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(P, Hkv, splits, q_blocks),

@@ -3,6 +3,7 @@ on the CPU (Triton and Mosaic TPU, in interpret mode) against the XLA reference:
 score increments, NaN patterns, a streamed cache through jc.attend, a model's stacked cache read at its layer.
 Mosaic GPU: test_mosaic_gpu.py; lowering for GPU and TPU: test_gpu.py, test_tpu.py."""
 
+import dataclasses
 import functools
 
 import jax
@@ -129,3 +130,16 @@ def test_a_stacked_cache_is_read_at_its_layer(implementation, T):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="first_slot=6 plus the 45 slots of cache_valid must equal it"):
         run(stacked, jnp.int32(1), first - 1)
+
+
+@pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "rows-first"])
+def test_decode_grid_orders_equal_the_reference(heads_first):
+    """The Triton decode kernel's grid in either order (GpuConfig.decode_heads_first) against the reference: three
+    rows, two KV heads, several splits."""
+    inputs = random_inputs(np.random.default_rng(5), 3, 1, 8, 2, 64, 45, jnp.float32, per_head_positions=False)
+    config = dataclasses.replace(SMALL["triton"], decode_heads_first=heads_first, decode_programs=24)  # 3 splits
+    rope = jc.RoPE(10000.0)
+    want = pk.chunk_attention(**inputs, rope=rope, implementation="xla")
+    got = pk.chunk_attention(**inputs, rope=rope, implementation="triton", config=config)
+    for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        assert_close(np.asarray(g, np.float64), np.asarray(w, np.float64), jnp.float32, name)
