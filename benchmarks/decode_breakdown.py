@@ -29,14 +29,15 @@ def kind_of(name: str) -> str:
     return max(matches)[1] if matches else OTHER
 
 
-def kernels_of_trace(trace_dir: str | pathlib.Path) -> list[tuple[str, float]]:
-    """(kernel name, microseconds) of every kernel on the GPU's streams in the newest profile under trace_dir."""
+def kernels_of_trace(trace_dir: str | pathlib.Path) -> tuple[list[tuple[str, float]], dict[str, dict]]:
+    """(kernel name, microseconds) of every kernel on the GPU's streams in the newest profile under trace_dir, and
+    what the profile says of each XLA op by name (its "XLA Ops" events' text stats: the JAX op behind a fusion)."""
     from jax.profiler import ProfileData
 
     paths = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not paths:
         raise ValueError(f"no *.xplane.pb under {trace_dir}")
-    kernels, lines = [], []
+    kernels, ops, lines = [], {}, []
     for plane in ProfileData.from_file(str(paths[-1])).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -44,13 +45,17 @@ def kernels_of_trace(trace_dir: str | pathlib.Path) -> list[tuple[str, float]]:
             lines.append(line.name)
             if line.name.startswith("Stream"):  # the kernels; "XLA Ops" / "XLA Modules" lines repeat them by op
                 kernels += [(event.name, event.duration_ns / 1e3) for event in line.events]
+            elif line.name == "XLA Ops":
+                for event in line.events:
+                    ops.setdefault(event.name, {k: str(v)[:300] for k, v in event.stats if isinstance(v, str)})
     if not kernels:
         raise ValueError(f"the profile {paths[-1]} holds no kernels on a GPU stream (GPU lines: {lines})")
-    return kernels
+    return kernels, ops
 
 
-def breakdown(kernels: list[tuple[str, float]], layers: int, step_ms: float | None) -> dict:
-    """Kernels summed by kind: launches, us per step and per layer, share of the step."""
+def breakdown(kernels: list[tuple[str, float]], layers: int, step_ms: float | None, ops: dict | None = None) -> dict:
+    """Kernels summed by kind: launches, us per step and per layer, share of the step; the costliest XLA fusions
+    with what `ops` (from `kernels_of_trace`) says of them."""
     kinds: dict[str, list] = {}
     for name, us in kernels:
         k = kinds.setdefault(kind_of(name), [0, 0.0])
@@ -64,7 +69,8 @@ def breakdown(kernels: list[tuple[str, float]], layers: int, step_ms: float | No
             f = fusions.setdefault(name, [0, 0.0])
             f[0] += 1
             f[1] += us
-    top = [dict(name=name, launches=n, us_per_step=us) for name, (n, us) in sorted(fusions.items(), key=lambda kv: -kv[1][1])]
+    top = [dict(name=name, launches=n, us_per_step=us, op=(ops or {}).get(name, {}))
+           for name, (n, us) in sorted(fusions.items(), key=lambda kv: -kv[1][1])]
     whole = total if step_ms is None else step_ms * 1e3
     if step_ms is not None:
         rows.append(dict(kind="between kernels (step - sum of kernels)", launches=0, us_per_step=whole - total))
@@ -79,7 +85,9 @@ def table(result: dict) -> list[str]:
     lines += [f"   {r['kind']:<72} {r['launches']:>8} {r['us_per_step']:8.0f} {r['us_per_layer']:8.1f} {r['share']:6.1%}"
               for r in result["rows"]]
     lines.append("   the XLA fusions taking the most time: launches, us/step, name")
-    lines += [f"      {f['launches']:>5} {f['us_per_step']:8.0f}  {f['name'][:90]}" for f in result["top_fusions"]]
+    for f in result["top_fusions"]:
+        said = f["op"].get("tf_op") or f["op"].get("long_name") or ""
+        lines.append(f"      {f['launches']:>5} {f['us_per_step']:8.0f}  {f['name'][:40]:<40} {said[:150]}")
     return lines
 
 
@@ -91,7 +99,8 @@ def main():
     p.add_argument("--out", default=None)
     a = p.parse_args()
     try:
-        result = breakdown(kernels_of_trace(a.trace_dir), a.layers, a.step_ms)
+        kernels, ops = kernels_of_trace(a.trace_dir)
+        result = breakdown(kernels, a.layers, a.step_ms, ops)
     except ValueError as e:
         p.error(str(e))
     if a.out:

@@ -268,7 +268,10 @@ class CausalLM(nnx.Module):
             x, state = carry
             w, index, sliding, layer_prefixes = inputs
             h = norm(x, w["attn_norm"])
-            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            # three views of h, as for the MLP below: XLA would merge the projections into one product over
+            # [wq | wk | wv], concatenated anew in every layer of every step (1.1 ms of an 8B batch-16 step on an H100)
+            h_q, h_k, h_v = jax.lax.optimization_barrier((h, h, h))
+            q, k, v = h_q @ w["wq"], h_k @ w["wk"], h_v @ w["wv"]
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
