@@ -6,7 +6,7 @@ behaviour (NaN handling of Triton's max, masked loads, tiling at real sizes). Th
 default dispatch, which must pick a backend that takes the shape) at a layer shape (`--shape`: Llama-3.1-8B's 32
 query heads, 8 KV heads, D = 128, or Gemma 3 270M's 4 / 1 / D = 256; bf16, RoPE fused) and compares out, lse and
 both score increments with `implementation="xla"`: decode at batch 1 and 32 over a 16K + 64 cache read in
-place from a stacked cache, chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
+place from a stacked cache (and at batch 2 with positions near 1M), chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
 caches that hold a NaN key (the NaN pattern must match on the valid slots). Relative error (norm over the
 finite entries) must stay under 1e-2, the bf16 tolerance; exits 1 otherwise.
 
@@ -33,10 +33,11 @@ LAYERS, LAYER = 4, 2
 TOLERANCE = 1e-2
 
 
-def inputs(key, batch, T, S, nan_key=False, ragged=False):
+def inputs(key, batch, T, S, nan_key=False, ragged=False, far=False):
     """Random bf16 q/k/v, a stacked cache [LAYERS, B, Hkv, S, D] with 80 % of its slots valid, positions and
     per-query weights; with `nan_key`, one cached key of row 0, head 0 in the attended layer is NaN; with
-    `ragged`, the last row has 37 valid tokens fewer."""
+    `ragged`, the last row has 37 valid tokens fewer; with `far`, the slots' positions end at 2**20 (RoPE angles
+    up to 1e6 radians, which the decode kernel reduces itself) instead of starting at 0."""
     ks = jax.random.split(key, 7)
     rand = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
     k_cache = rand(ks[3], (LAYERS, batch, HKV, S, D))
@@ -47,7 +48,7 @@ def inputs(key, batch, T, S, nan_key=False, ragged=False):
         q=rand(ks[0], (batch, T, HQ, D)), k=rand(ks[1], (batch, T, HKV, D)), v=rand(ks[2], (batch, T, HKV, D)),
         k_cache=k_cache, v_cache=rand(ks[4], (LAYERS, batch, HKV, S, D)),
         cache_valid=valid,
-        cache_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (batch, 1, S)),
+        cache_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) + ((1 << 20) - S if far else 0), (batch, 1, S)),
         lengths=jnp.full((batch,), T, jnp.int32).at[-1].add(-37 if ragged else 0),
         query_weights=jax.random.uniform(ks[6], (batch, T)),
     )
@@ -62,8 +63,8 @@ def relative_error(got, want) -> tuple[float, bool]:
     return float(err), same_pattern
 
 
-def check(name, implementation, batch, T, S, reduction, nan_key=False, ragged=False) -> dict:
-    x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key, ragged)
+def check(name, implementation, batch, T, S, reduction, nan_key=False, ragged=False, far=False) -> dict:
+    x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key, ragged, far)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
 
     def run(implementation, x):
@@ -94,6 +95,7 @@ def main():
         sys.exit("check_kernels_gpu.py needs a GPU (the CPU tests run the same kernels in interpret mode)")
     S = 16384 + 64
     rows = [check("decode", "triton", 1, 1, S, "max"), check("decode", "triton", 32, 1, S, "mean"),
+            check("decode, positions ~1M", "triton", 2, 1, S, "max", far=True),
             check("chunk", "triton", 1, 512, 4096 + 64, "max"), check("decode, a NaN key", "triton", 1, 1, S, "max", nan_key=True),
             check("chunk, default", "pallas", 1, 512, 4096 + 64, "max")]
     if pk.is_hopper() and D in pk.mosaic_gpu.HEAD_DIMS:

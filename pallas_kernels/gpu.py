@@ -8,8 +8,9 @@ Chunk (T > 1), three launches, all deterministic (no atomics):
      column sums, reduced over the group (max or mean) — one extra QK^T pass, no second PV;
   3. the same over the chunk's own keys, causally.
 Decode (T == 1): split-K over the cache with RoPE applied to the keys in the kernel (they are stored
-un-rotated) from one cos|sin table computed once per call (shared by the heads of a row under
-cache-index positions), writing each split's (v, lse) and the raw logits; then one more kernel, with no
+un-rotated): cos and sin of position x frequency computed in the loop from the slots' int32 positions (a
+per-call cos|sin table in memory cost a launch and a write of 256 B per slot and row: 1.15 ms of an 8B
+batch-16 step on an H100), writing each split's (v, lse) and the raw logits; then one more kernel, with no
 loop, merges the splits with the new token's own key and turns the logits into exact probabilities for
 the scores (the XLA epilogue it replaces took about ten small launches).
 
@@ -247,11 +248,12 @@ def _scalar(x) -> jax.Array:
     return jnp.reshape(x, (1,)).astype(jnp.int32)
 
 
-def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_ref, o_ref, lse_ref, logits_ref,
-                   *, S, first, G, gp, split, bk, scale, rope, axes):
+def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, o_ref, lse_ref, logits_ref,
+                   *, S, first, G, gp, split, bk, scale, rope, interpret, axes):
     """q_ref: the KV head's G queries [G, D], read as gp rows (the rest zero); kc_ref, vc_ref: the whole stack
     [L, B, Hkv, C, D], of which this program reads (layer, row, head) at slots first + [its split of S];
-    valid_ref [S]; rope_ref: [S, D] cos | sin. axes: the grid axes of (row, head, split)."""
+    valid_ref [S]; pos_ref [S] the slots' RoPE positions and freq_ref [D / 2] the RoPE frequencies (read when
+    `rope`: the keys are rotated here, cos and sin computed in the loop). axes: the grid axes of (row, head, split)."""
     layer = layer_ref[0]
     b, h, s_idx = (pl.program_id(axis) for axis in axes)
     has_query = len_ref[...] > 0
@@ -265,6 +267,7 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_re
 
     if rope:
         q1, q2 = load_q(pl.ds(0, half)), load_q(pl.ds(half, half))
+        freq = freq_ref[...]
     else:
         q = load_q(slice(None))
     start = s_idx * split
@@ -276,13 +279,13 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_re
         ok = keys < S
         blk, kv_blk = pl.ds(off, bk), pl.ds(first + off, bk)
         allowed = (plgpu.load(valid_ref.at[blk], mask=ok, other=0) != 0) & ok & has_query
-        if rope:  # rotate-half with the call's cos|sin table: no transcendental in the loop
-            def load(ref, *index):
-                return plgpu.load(ref.at[index], mask=ok[:, None], other=0.0).astype(F32)
+        if rope:  # rotate-half at the slots' positions
+            def load(half_cols):
+                return plgpu.load(kc_ref.at[layer, b, h, kv_blk, half_cols], mask=ok[:, None], other=0.0).astype(F32)
 
-            lo, hi = pl.ds(0, half), pl.ds(half, half)
-            k1, k2 = load(kc_ref, layer, b, h, kv_blk, lo), load(kc_ref, layer, b, h, kv_blk, hi)
-            cos, sin = load(rope_ref, blk, lo), load(rope_ref, blk, hi)
+            k1, k2 = load(pl.ds(0, half)), load(pl.ds(half, half))
+            positions = plgpu.load(pos_ref.at[blk], mask=ok, other=0).astype(F32)
+            cos, sin = _cos_sin(positions[:, None] * freq[None, :], interpret)
             r1, r2 = (k1 * cos - k2 * sin).astype(q1.dtype), (k2 * cos + k1 * sin).astype(q1.dtype)
             s = _dot(q1, r1, trans_b=True) + _dot(q2, r2, trans_b=True)
         else:
@@ -305,8 +308,8 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_re
     lse_ref[...] = jnp.where(seen_any, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
 
 
-def _no_logits(kernel, layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_ref, o_ref, lse_ref, **kw):
-    return kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, rope_ref, o_ref, lse_ref, None, **kw)
+def _no_logits(kernel, *refs, **kw):
+    return kernel(*refs, None, **kw)
 
 
 def _reduce_heads(p: jax.Array, G: int, reduction: str) -> jax.Array:
@@ -378,26 +381,40 @@ def fuses_rope(rope) -> bool:
     return callable(getattr(rope, "inv_freq", None))
 
 
-def rope_table(rope, positions: jax.Array, head_dim: int, dtype) -> jax.Array:
-    """[..., head_dim]: cos | sin at integer positions (angle = position * rope.inv_freq(head_dim), in float32),
-    in `dtype`; one table, so one launch."""
-    angle = positions.astype(F32)[..., None] * jnp.asarray(rope.inv_freq(head_dim))
-    return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)], axis=-1).astype(dtype)
+TWO_PI_F32 = float(np.float32(2 * math.pi))
+TWO_PI_LO = float(np.float32(2 * math.pi - TWO_PI_F32))  # 2 pi = TWO_PI_F32 + TWO_PI_LO to about 1e-15
 
 
-def _rope_table_or_zeros(rope, positions, k_cache, D):
-    """The decode kernels' [B, 1 or Hkv, S, D] table (zeros when RoPE is not fused: the kernel ignores it)."""
-    dtype = F32 if k_cache.dtype == F32 else k_cache.dtype
-    if fuses_rope(rope):
-        return rope_table(rope, positions, D, dtype)
-    return jnp.zeros((positions.shape[0], 1, positions.shape[-1], D), dtype)
+def _cos_sin(angle, interpret: bool):
+    """cos and sin of float32 angles (position x frequency, as XLA's RoPE computes them): reduced to about
+    [-pi, pi] by k = round(angle / 2 pi), r = fma(-k, 2 pi_hi, angle) - k 2 pi_lo (one rounding: r within about
+    1e-6 of the exact reduction for any angle below 2**24), then the GPU's approximate sin/cos instructions
+    (absolute error about 1e-6; benchmarks/check_kernels_gpu.py checks them at positions near 1M). In interpret
+    mode (the CPU, where PTX cannot run) XLA's cos and sin of the angle, as the reference computes them."""
+    if interpret:
+        return jnp.cos(angle), jnp.sin(angle)
+    k = jnp.floor(angle * (1 / (2 * math.pi)) + 0.5)
+
+    def asm(code, *args):
+        return plgpu.elementwise_inline_asm(code, args=list(args), constraints="=f" + ",f" * len(args), pack=1,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(angle.shape, F32)])[0]
+
+    r = asm("fma.rn.f32 $0, $1, $2, $3;", -k, jnp.full(angle.shape, TWO_PI_F32, F32), angle) - k * TWO_PI_LO
+    return asm("cos.approx.f32 $0, $1;", r), asm("sin.approx.f32 $0, $1;", r)
+
+
+def _rope_inputs(rope, positions, D):
+    """The decode kernels' RoPE inputs: positions int32 [B, 1 or Hkv, S] and frequencies f32 [D / 2] (ignored by
+    the kernel when RoPE is not fused)."""
+    freq = rope.inv_freq(D) if fuses_rope(rope) else np.zeros(D // 2, np.float32)
+    return positions.astype(jnp.int32), jnp.asarray(freq, F32)
 
 
 def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, weights, reduction, rope, layer,
             first_slot, cfg, interpret):
     """T == 1. q, k already rotated; cache keys rotated in the kernel when `fuses_rope(rope)`. k_cache, v_cache
     [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot, C).
-    Two launches besides the RoPE table: the split-K kernel (each split's state and the raw logits) and
+    Two launches: the split-K kernel (each split's state and the raw logits) and
     `_finish_kernel`."""
     B, _, Hq, D = q.shape
     Hkv, S = k.shape[2], cache_valid.shape[-1]
@@ -413,16 +430,16 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     split = pl.cdiv(pl.cdiv(S, splits), bk) * bk
     splits = pl.cdiv(S, split)
     qg = q.reshape(B, Hkv, G, D)
-    table = _rope_table_or_zeros(rope, cache_positions, k_cache, D)
-    table_heads = table.shape[1]
+    positions, freq = _rope_inputs(rope, cache_positions, D)
+    position_heads = positions.shape[1]
     want_scores = weights is not None
     kernel = functools.partial(
         _decode_kernel if want_scores else functools.partial(_no_logits, _decode_kernel),
         S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
-        axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2),
+        interpret=interpret, axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2),
     )
-    # grid (head, split, row): the heads of a row's split run side by side and read its RoPE table once from
-    # memory (rows first re-read each table per head: at batch 64, 30 % more DRAM traffic than K and V, ncu)
+    # grid (head, split, row): the programs of a row's split run side by side (with RoPE tables, rows first made
+    # each head re-read its row's table from memory: at batch 64 on an H100, 1.15x slower)
     if cfg.decode_heads_first:
         grid, spec = (Hkv, splits, B), lambda shape, index: pl.BlockSpec(shape, lambda h, s, b: index(b, h, s))
     else:
@@ -446,14 +463,15 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
             pl.BlockSpec(),  # the whole stack: each program addresses its own (layer, row, head)
             pl.BlockSpec(),
             spec((None, None, S), lambda b, h, s: (b, h, 0)),
-            spec((None, None, S, D), lambda b, h, s: (b, h if table_heads > 1 else 0, 0, 0)),
+            spec((None, None, S), lambda b, h, s: (b, h if position_heads > 1 else 0, 0)),
+            pl.BlockSpec(),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=cfg.params(decode=True),
         interpret=interpret,
         name="jcascade_decode",
-    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), table)
+    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), positions, freq)
     return _finish(qg, k, v, lengths, weights, parts, reduction, interpret)
 
 
@@ -523,10 +541,10 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
     splits = pl.cdiv(S, split)
     qg = q.reshape(P, R, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(P, Hkv, rows, D)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_blocks * bq - rows), (0, 0)))
-    table = _rope_table_or_zeros(rope, cache_positions, k_cache, D)
-    table_heads = table.shape[1]
+    positions, freq = _rope_inputs(rope, cache_positions, D)
+    position_heads = positions.shape[1]
     kernel = functools.partial(_no_logits, _decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk,
-                               scale=D**-0.5, rope=fuse, axes=(0, 1, 2))
+                               scale=D**-0.5, rope=fuse, interpret=interpret, axes=(0, 1, 2))
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(P, Hkv, splits, q_blocks),
@@ -537,7 +555,8 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
             pl.BlockSpec(),
             pl.BlockSpec(),
             pl.BlockSpec((None, None, S), lambda p, h, s, i: (p, h, 0)),
-            pl.BlockSpec((None, None, S, D), lambda p, h, s, i: (p, h if table_heads > 1 else 0, 0, 0)),
+            pl.BlockSpec((None, None, S), lambda p, h, s, i: (p, h if position_heads > 1 else 0, 0)),
+            pl.BlockSpec(),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, bq, D), lambda p, h, s, i: (p, h, s, i, 0)),
@@ -548,7 +567,8 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
         compiler_params=config.params(decode=True),
         interpret=interpret,
         name="jcascade_shared_prefix",
-    )(_scalar(0), jnp.ones((P,), jnp.int32), qg, k_cache[None], v_cache[None], cache_valid.astype(jnp.int32), table)
+    )(_scalar(0), jnp.ones((P,), jnp.int32), qg, k_cache[None], v_cache[None], cache_valid.astype(jnp.int32), positions,
+      freq)
     out, lse = states.merge_all(o_parts[..., :rows, :], lse_parts[..., :rows], axis=2)  # [P, Hkv, rows, (D)]
     out = out.reshape(P, Hkv, R, G, D).transpose(0, 2, 1, 3, 4).reshape(P, R, Hq, D)
     return out, lse.reshape(P, Hkv, R, G).transpose(0, 2, 1, 3).reshape(P, R, Hq)
