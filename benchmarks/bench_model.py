@@ -6,8 +6,8 @@ the device(s), on one device or a `--mesh data=D,model=M` (tensor parallelism).
      elapsed time read at 32K, 128K and 1M tokens; throughput and model FLOP utilisation (MFU) against a
      bf16 matrix product measured in the same run;
   b  decode tokens/s at batch 1, 16 and 32 (`--batches`) over a full 16K cascade cache vs the roofline
-     (the most weight + cache bytes one device holds, over the larger of a copy and a read bandwidth measured in
-     the same run);
+     (the weight bytes a step reads, all but an untied embedding table, and the K/V bytes, of one device, over the
+     larger of a copy and a read bandwidth measured in the same run);
      each batch size on its own: one whose weights + cache exceed a device's memory (8B at batch 32: 69 GB of
      cache beside 16 GB of weights, over an H100's 80 GB) is reported with the bytes it needs, not run;
   c  compile time of the prefill segment and of the decode step.
@@ -139,14 +139,17 @@ def is_cache(x) -> bool:
 
 
 def decode_bytes(model, policy, batch: int) -> dict:
-    """Bytes one device holds for a decode step at `batch`: its weight shards and its share of the cache (every
+    """Bytes one device holds for a decode step at `batch`: its weight shards, of them the ones a step reads (all
+    but an untied embedding table, of which a step reads one row per token), and its share of the cache (every
     array of the state; a model with sliding layers has two caches), from shapes alone (nothing is allocated)."""
     devices = 1 if model.mesh is None else model.mesh.size
     on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731 (the shards are equal)
     state = jax.eval_shape(lambda: model.init_cache(policy, batch))
     cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // devices
     kv = sum(2 * c.k.size * c.k.dtype.itemsize for c in jax.tree.leaves(state, is_leaf=is_cache)) // devices
-    return dict(weights=sum(on_one_device(x) for x in jax.tree.leaves(model)), cache=cache, kv=kv)
+    weights = sum(on_one_device(x) for x in jax.tree.leaves(model))
+    unread = on_one_device(model.embed[...]) if model.lm_head is not None else 0
+    return dict(weights=weights, weights_read=weights - unread, cache=cache, kv=kv)
 
 
 def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> dict:
@@ -184,7 +187,7 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
         state, last = compiled(model, state, last)
     block(last)
     per_step = (time.perf_counter() - t0) / a.decode_steps
-    roofline = (held["weights"] + held["kv"]) / bandwidth
+    roofline = (held["weights_read"] + held["kv"]) / bandwidth
     row = dict(ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step, roofline_ms=roofline * 1e3,
                fraction_of_roofline=roofline / per_step, compile_s=compile_s)
     if a.profile_step:  # one more step under the JAX profiler: its kernels by kind (decode_breakdown.py)
@@ -205,7 +208,8 @@ def bench_decode(a, model, policy, bandwidth) -> list[dict]:
     rows = []
     for batch in a.decode_batches:
         held = decode_bytes(model, policy, batch)
-        row = dict(batch=batch, weight_bytes=held["weights"], cache_bytes=held["cache"], device_bytes=limit)
+        row = dict(batch=batch, weight_bytes=held["weights"], weight_bytes_read=held["weights_read"], kv_bytes=held["kv"],
+                   cache_bytes=held["cache"], device_bytes=limit)
         needed = held["weights"] + held["cache"]
         if limit is not None and needed > limit:
             row["error"] = f"does not fit: weights + cache {needed / 1e9:.1f} GB > {limit / 1e9:.1f} GB on one device"

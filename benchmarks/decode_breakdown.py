@@ -21,7 +21,7 @@ KINDS = (
     ("cache: one-token insertion kernel", ("jcascade_insert_one",)),
     ("matrix products (cuBLAS)", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas")),
 )
-OTHER = "XLA fusions (norms, RoPE tables, score decay, slots, residuals, sampling)"
+OTHER = "XLA fusions (norms, residuals, score decay, the layer's slots and positions, sampling)"
 
 
 def kind_of(name: str) -> str:
