@@ -194,8 +194,8 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):
                 block(compiled(model, state, last))
-            kernels, ops = decode_breakdown.kernels_of_trace(trace_dir)
-            row["breakdown"] = decode_breakdown.breakdown(kernels, model.config.num_layers, per_step * 1e3, ops)
+            row["breakdown"] = decode_breakdown.breakdown(decode_breakdown.kernels_of_trace(trace_dir),
+                                                          model.config.num_layers, per_step * 1e3)
         print("\n".join(decode_breakdown.table(row["breakdown"])), flush=True)
     return row
 

@@ -58,7 +58,7 @@ def share_prefix(policy: Policy, state: slots.CacheState, offset: jax.Array | in
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     valid = state.pos >= 0
     k = state.k if rope is None else rope(state.k, key_pos)
-    k, v = (jnp.where(valid[..., None], x, 0).astype(x.dtype) for x in (k, state.v))
+    k, v = (jnp.where(valid[..., None], x, 0) for x in (k, state.v))
     return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, rope=rope)
 
 
