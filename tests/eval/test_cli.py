@@ -8,7 +8,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jcascade as jc
@@ -88,7 +88,7 @@ def test_passkey_and_compare(model_dir, tmp_path, capsys):
     assert "Sink vs Cascade" in captured.err and "key tokens the question sees" in captured.err
     [(cascade, difference)] = summary["differences"].items()  # Cascade 32x2: the CPU's 2 cascades
     assert cascade == f"Cascade 32x{main_job.SETTINGS['cpu']['cascades']}"
-    assert summary["verdicts"] == {cascade: stats.verdict_word(stats.Estimate(**difference["all"]), "better")}
+    assert summary["verdicts"] == {cascade: stats.verdict_word(stats.Estimate.from_dict(difference["all"]), "better")}
     assert "results" not in summary and summary["files"][0].endswith("passkey.json")
     assert summary["accuracy"]["Sink 32"]["128"]["n"] == 5 and summary["retention"] is not None
     compare = json.loads((tmp_path / "compare" / "passkey.json").read_text())
@@ -163,6 +163,7 @@ def test_ruler(model_dir, tmp_path, capsys):
     (["passkey", "--baseline", "Sink 99"], "--baseline: baseline 'Sink 99' must be one of the policy labels"),
     (["generate", "--prompt", "hi", "--temperature", "nan"], "argument --temperature: must be a finite number in [0,"),
     (["generate", "--prompt", "hi", "--temperature", "-0.5"], "argument --temperature: must be a finite number in [0,"),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], "argument --temperature: must be a finite number in [0,"),
     (["generate", "--prompt", "hi", "--top-p", "2"], "argument --top-p: must be a finite number in (0, 1], got '2'"),
     (["generate", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be a finite number in (0, 1], got '0'"),
     (["generate", "--prompt", ""], "--prompt: must not be empty"),
@@ -219,6 +220,14 @@ def test_json_is_strict_when_a_cell_has_too_few_prompts_for_an_interval(model_di
         assert cell["low_reason"] == "no interval: too few units (n=2 < 5)" == cell["high_reason"]
         assert stats.Estimate.from_dict(cell).format() == f"{cell['value']:.2f} [no interval]"
         assert payload["verdicts"] == {"Cascade 32x4": "too few units"}
+    (tmp_path / "again" / "passkey_accuracy.png").mkdir(parents=True)  # a figure cannot be written: the JSON is kept
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["passkey", "--model", model_dir, "--policy", SINK, "--policy", CASCADE, "--min-length", "128",
+                  "--max-length", "128", "--buckets", "2", "--samples", "1", "--out", str(tmp_path / "again")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "jcascade passkey: error: --out: [Errno 21] Is a directory: " in err, err
+    assert f"(the results are written to {tmp_path / 'again' / 'passkey.json'}, the figures are not)" in err, err
+    assert _strict((tmp_path / "again" / "passkey.json").read_text())["results"] == written["results"]
 
 
 def test_json_text_convention():
@@ -297,7 +306,12 @@ _VALUES = st.one_of(st.integers(-2**70, 2**70).map(str), st.integers(-2**25, 2**
                                      "--json", "0.25,0.5", "2048,nan", ""]))
 
 
+@settings(max_examples=200)  # parsing only: a few ms an example
 @given(case=st.sampled_from(NUMBERS), value=_VALUES)
+@example(case=NUMBERS[1], value="inf")
+@example(case=NUMBERS[2], value="nan")
+@example(case=next(c for c in NUMBERS if c[1] == "--budget"), value="1e999")
+@example(case=NUMBERS[0], value="99999999999999999999K")
 def test_numbers_are_accepted_in_range_or_refused_naming_their_option(case, value):
     """Any value of a number option parses to an int or finite float in the option's range, or exits with the
     command's usage error (SystemExit 2) naming the option on stderr; never a traceback. Parse only: no model."""
