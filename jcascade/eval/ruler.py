@@ -300,9 +300,9 @@ class Generator:
         if len(best.prompt) > budget:
             raise ValueError(f"context_length={context_length} is too short for {task}: its smallest prompt takes "
                              f"{len(best.prompt)} tokens + {spec.tokens_to_generate} to generate")
-        # The units that exist: the prose's sentences, cwe's words; else as many as `budget` tokens can hold, as
-        # each unit adds a token (a sentence, a line; fwe: a coded word every 1 / ZETA_2 units), so no text built
-        # here holds more.
+        # The units that exist: the prose's sentences, cwe's words; else as many as `budget` tokens can hold: each
+        # unit adds a token (a sentence, a line; fwe's a coded word every ZETA_2 = 1.64 units), so a prompt of
+        # more would not fit, and no text built here is longer.
         haystack = "sentences of the prose" if spec.needs_prose else "words of cwe's list" if spec.family == "cwe" else ""
         most = len(self.prose) if spec.needs_prose else len(self.lists["cwe"]) if haystack else 2 * budget + 2
         # The largest unit count whose prompt fits (prompt tokens grow with units): `low` units fit, `high` do not
@@ -347,7 +347,8 @@ class Generator:
         if budget - filled >= per_unit:
             raise ValueError(f"{task} at context_length={context_length}: all {most} {haystack} make a prompt of "
                              f"{filled} tokens + {spec.tokens_to_generate} to generate, short of the "
-                             f"{context_length} asked; give a longer prose text (--book) or shorter contexts")
+                             f"{context_length} asked; use shorter contexts"
+                             + (" or a longer prose text (--book)" if spec.needs_prose else ""))
 
     def samples(self, task: str, context_length: int, count: int, seed: int = 0) -> list[Sample]:
         return [self.sample(task, context_length, i, seed) for i in range(count)]

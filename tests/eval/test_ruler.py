@@ -210,7 +210,7 @@ def test_a_sweep_refuses_repeated_tasks_and_lengths_before_any_model_time(genera
 
 
 def test_a_haystack_that_cannot_fill_the_context_is_refused_with_the_numbers():
-    short = ruler.Generator(tiny.tokenizer(), PROSE[:2000])  # 30-odd sentences: about 600 tokens
+    short = ruler.Generator(tiny.tokenizer(), PROSE[:2000])  # 35 sentences: about 1,400 tokens of prose
     assert len(short.sample("niah_single_2", 512, 0).prompt) > 512 - 128 - 60  # it fills a short context
     with pytest.raises(ValueError, match=r"niah_single_2 at context_length=2048: all \d+ sentences of the prose "
                                          r"make a prompt of \d+ tokens \+ 128 to generate, short of the 2048 asked"):
