@@ -26,7 +26,7 @@ from jcascade.eval import stats
 from jcascade.eval.checkpointing import Checkpointing
 from jcascade.generation import decode
 from jcascade.eval.perplexity import cache_capacity
-from jcascade.eval.texts import REPEAT_SENTENCES
+from jcascade.eval.texts import REPEAT_SENTENCES, distinct
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.")
@@ -155,6 +155,22 @@ def prompts(builder: PromptBuilder, context_length: int, samples: int, seed: int
             for b in range(num_buckets) for i in range(samples)]
 
 
+def check_context_lengths(lengths: Sequence[int]) -> list[int]:
+    """The context lengths of a sweep as a list of ints >= 1, each once (`texts.distinct`: n counts each
+    length's prompts once); raises ValueError naming the bad or repeated value."""
+    bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1]
+    if bad or not len(lengths):
+        raise ValueError(f"context_lengths must be a non-empty list of ints >= 1, got {list(lengths)}")
+    return [int(n) for n in distinct("context_lengths", lengths)]
+
+
+def plan(builder: PromptBuilder, context_lengths: Sequence[int], samples: int, seed: int,
+         num_buckets: int = 5) -> dict[int, list[PasskeyPrompt]]:
+    """{context_length: `prompts`} of a sweep, all built (and so checked: a length too short for its prompts
+    or depth buckets raises ValueError) before any model time is spent."""
+    return {n: prompts(builder, n, samples, seed, num_buckets) for n in check_context_lengths(context_lengths)}
+
+
 def equal_batches(count: int, most: int = 32) -> int:
     """The batch size that splits `count` prompts into the fewest batches of at most `most`, as equal as
     possible (80 -> 27: three batches, one padding row), so little of each generate call is padding."""
@@ -163,6 +179,9 @@ def equal_batches(count: int, most: int = 32) -> int:
 
 def context_lengths(shortest: int, longest: int) -> list[int]:
     """shortest, 2 shortest, 4 shortest, ... while <= longest."""
+    for name, value in (("shortest", shortest), ("longest", longest)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"the {name} context must be an int >= 1, got {value!r}")
     if longest < shortest:
         raise ValueError(f"the longest context ({longest}) must be >= the shortest ({shortest})")
     lengths = [shortest]
@@ -243,7 +262,8 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
           num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8, retention: bool = False,
           progress: Callable[[int], None] | None = None,
           checkpointing: Checkpointing | None = None) -> list[PasskeyResult]:
-    """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy).
+    """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy). The
+    prompts of every length are built and checked first (`plan`: distinct lengths, each long enough).
 
     Greedy answers (`answer`); every batch is padded to [batch_size, context_length] (rows repeated,
     lengths per row), so each (policy, context length) compiles once. `retention` also records which key
@@ -259,7 +279,7 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if not policies:
         raise ValueError("policies must name at least one policy")
-    builder = PromptBuilder(tokenizer, filler, words)
+    planned = plan(PromptBuilder(tokenizer, filler, words), context_lengths, samples, seed, num_buckets)
     results, resumed, batches, tokens_done = [], 0, 0, 0
     found = checkpointing.resume() if checkpointing is not None else None
     if found is not None:
@@ -267,8 +287,7 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
         results, resumed = [PasskeyResult(**r) for r in saved["results"]], saved["batches"]
         if progress is not None:
             progress(saved["tokens"])
-    for length in context_lengths:
-        batch = prompts(builder, length, samples, seed, num_buckets)
+    for length, batch in planned.items():
         for label, policy in policies.items():
             for first in range(0, len(batch), batch_size):
                 part = batch[first: first + batch_size]
