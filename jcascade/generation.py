@@ -4,6 +4,13 @@ Prompts are right-padded: row b's tokens are tokens[b, :lengths[b]], the rest is
 `lax.scan` over `policy.stride`-token chunks (the last one padded and masked through lengths); decode
 is a `lax.while_loop` over single tokens. Everything is jit-able, compiles once per shape and nests
 inside a user's `jit`.
+
+Entry points: `generate` (greedy or sampled continuations; `num_samples=`: several continuations of one prompt
+whose cache is shared), `score` (per-token log-likelihoods; `prefix=`: a prompt, then teacher forcing), `prefill`
+(the strided prefill on a cache of one's own), `decode` (the decode loop after it). `generate` and `score` take
+`context=` (compress once, ask many): a context, one for every row ([1, S]) or one per row ([B, S] with
+`context_lengths`), prefilled and compressed under the policy without seeing the questions, then frozen as a
+shared prefix; tokens are each row's question, prefilled after it in a cache of the row's own.
 """
 
 from __future__ import annotations
