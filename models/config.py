@@ -4,6 +4,8 @@ Hugging Face `config.json` files or GGUF metadata."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 from jcascade.rope import Llama3Scaling, RoPE
@@ -11,6 +13,24 @@ from jcascade.rope import Llama3Scaling, RoPE
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
 SLIDING, GLOBAL = "sliding", "global"  # layer types
+
+
+def required(fields: dict[str, Any], name: str, source, kind: type = int):
+    """fields[name] as `kind`: an int > 0 (int), a finite number (float) or a str; a ValueError naming the field
+    and `source` (the file) when it is missing, null or of another kind."""
+    value = fields.get(name)
+    if value is None:
+        raise ValueError(f"{source}: the required field {name!r} is missing")
+    if kind is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+    elif kind is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        wanted = {int: "a positive int", float: "a finite number"}.get(kind, kind.__name__)
+        raise ValueError(f"{source}: field {name!r} must be {wanted}, got {value!r}")
+    return kind(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +95,9 @@ class ModelConfig:
         return RoPE(self.rope_theta, self.rope_scaling)
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
-        """From a Hugging Face config.json dictionary (transformers 4 or 5 layout)."""
+    def from_hf(cls, config: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """From a Hugging Face config.json dictionary (transformers 4 or 5 layout); `source` (the file) is named
+        in the error for a required field that is missing or of the wrong kind."""
         names = config.get("architectures") or []
         known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
         if not known:
@@ -85,19 +106,18 @@ class ModelConfig:
                 f"jcascade supports {sorted(ARCHITECTURES)}"
             )
         arch = known[0]
+        field = lambda name, kind=int: required(config, name, source, kind)  # noqa: E731
         if arch == "gemma3":
-            return cls._gemma3(config)
+            return cls._gemma3(config, field, source)
         rope_params = dict(config.get("rope_parameters") or {})
         theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         scaling = config.get("rope_scaling") or rope_params or None
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
-            scaling = Llama3Scaling(
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-            )
+            where = f"{source} ({'rope_scaling' if config.get('rope_scaling') else 'rope_parameters'})"
+            scaling = Llama3Scaling(**{name: required(scaling, name, where, kind) for name, kind in (
+                ("factor", float), ("low_freq_factor", float), ("high_freq_factor", float),
+                ("original_max_position_embeddings", int))})
         elif rope_type == "default":
             scaling = None
         else:
@@ -111,18 +131,18 @@ class ModelConfig:
             raise ValueError(f"unsupported config.json: sliding_window={window} < max_position_embeddings={positions} "
                              "(Mistral's sliding-window attention is not implemented; models with "
                              "sliding_window null, such as Mistral-7B v0.2 and later, load)")
-        heads = config["num_attention_heads"]
+        heads = field("num_attention_heads")
         attention_bias = bool(config.get("attention_bias", False))
         eos = config.get("eos_token_id")
         return cls(
             architecture=arch,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            vocab_size=field("vocab_size"),
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_layers=field("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            head_dim=config.get("head_dim") or field("hidden_size") // heads,
             rope_theta=float(theta),
             rope_scaling=scaling,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -136,7 +156,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def _gemma3(cls, config: dict[str, Any]) -> ModelConfig:
+    def _gemma3(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
         """Gemma 3's text config (model_type gemma3_text): sliding and global layers by `layer_types`."""
         per_type = config.get("rope_parameters") or {}  # transformers 5: one entry per layer type
         full = per_type.get("full_attention") or {"rope_theta": config.get("rope_theta", 1e6),
@@ -154,7 +174,7 @@ class ModelConfig:
         if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ValueError(f"unsupported config.json: hidden_activation={config['hidden_activation']!r} "
                              "(supported: gelu_pytorch_tanh)")
-        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
         pattern = config.get("sliding_window_pattern", 6)
         names = config.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                               for i in range(layers)]
@@ -164,16 +184,18 @@ class ModelConfig:
                              "full_attention)")
         eos = config.get("eos_token_id")
         return cls(
-            architecture="gemma3", vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"], num_layers=layers, num_heads=heads,
+            architecture="gemma3", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rope_theta=float(full["rope_theta"]), rope_scaling=None, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            head_dim=config.get("head_dim") or field("hidden_size") // heads,
+            rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
+            rope_scaling=None, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
             qkv_bias=bool(config.get("attention_bias", False)), o_bias=bool(config.get("attention_bias", False)),
             max_position_embeddings=config.get("max_position_embeddings", 131072), qk_norm=True,
             layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
-            sliding_window=config.get("sliding_window", 4096), rope_local_theta=float(local["rope_theta"]),
+            sliding_window=config.get("sliding_window", 4096),
+            rope_local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
             query_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),

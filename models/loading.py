@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade.models.config import GLOBAL, SLIDING, ModelConfig
+from jcascade.models.config import GLOBAL, SLIDING, ModelConfig, required
 from jcascade.models.decoder import CausalLM, on_mesh
 from jcascade.models.weights import WEIGHTS, declarations, weight_shapes
 from jcascade.rope import Llama3Scaling
@@ -57,7 +57,7 @@ def _hf_config(path: pathlib.Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
-    return ModelConfig.from_hf(_json(config_file))
+    return ModelConfig.from_hf(_json(config_file), source=str(config_file))
 
 
 def _safetensors_problem(path: pathlib.Path) -> str | None:
@@ -102,10 +102,20 @@ def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
         try:
             with safe_open(path / name, framework="numpy") as f:
                 for key in f.keys():
-                    tensors[key], where[key] = f.get_tensor(key), name
+                    if key in where:
+                        raise ValueError(f"{index}: tensor {key!r} is in two shards, {where[key]} and {name} "
+                                         f"(the index names {weight_map.get(key)})")
+                    where[key] = name
+                    if index.is_file() and weight_map.get(key) != name:
+                        continue  # a tensor the index does not name here: not read
+                    tensors[key] = f.get_tensor(key)
         except SafetensorError as e:  # its messages name no file
             raise ValueError(f"{path / name}: {_safetensors_problem(path / name) or e}") from e
-    return cfg, _collect(cfg, where, lambda name: np.asarray(tensors[name]), "hf")
+    if index.is_file():
+        for key, name in weight_map.items():
+            if key not in tensors:
+                raise ValueError(f"{index} names {name} for tensor {key!r}, which {name} does not hold")
+    return cfg, _collect(cfg, {key: where[key] for key in tensors}, lambda name: np.asarray(tensors[name]), "hf")
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -164,31 +174,34 @@ def _gguf_reader(path: pathlib.Path):
 
 def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
+    arch = required(meta, "general.architecture", path, str)
     if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama, qwen2, qwen3, gemma3)")
+    field = lambda key, kind=int: required(meta, f"{arch}.{key}", path, kind)  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: GGUF rope frequency factors (llama3 scaling) are not supported")
-    heads = int(meta[f"{arch}.attention.head_count"])
+    heads = field("attention.head_count")
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    hidden = int(meta[f"{arch}.embedding_length"])
-    vocab = int(meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
+    hidden = field("embedding_length")
+    vocab_tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(meta.get(f"{arch}.vocab_size") or (field("vocab_size") if vocab_tokens is None else
+                                                     len(vocab_tokens.data)))
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
-    layers = int(meta[f"{arch}.block_count"])
+    layers = field("block_count")
     gemma = {}
     if arch == "gemma3":  # as llama.cpp runs it: every 6th layer global, RoPE base 10K on the sliding ones
         gemma = dict(layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)),
-                     sliding_window=int(meta[f"{arch}.attention.sliding_window"]), rope_local_theta=10000.0)
+                     sliding_window=field("attention.sliding_window"), rope_local_theta=10000.0)
     return ModelConfig(**gemma,
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]), num_layers=layers,
+        intermediate_size=field("feed_forward_length"), num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads,
         head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
                      or hidden // heads),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=None,
-        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        rms_norm_eps=field("attention.layer_norm_rms_epsilon", float),
         tie_word_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),

@@ -143,6 +143,38 @@ def test_bad_checkpoints_raise_clear_errors(llama, tmp_path):
         jc.load_pretrained(tmp_path / "nowhere")
 
 
+HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-tied", "gemma3"])
+def test_a_config_json_lacking_a_required_field_names_it_and_the_file(kind, tmp_path):
+    """Each field read_config cannot do without, removed or of the wrong kind: a ValueError naming the field and
+    the file (it was a bare KeyError)."""
+    config = hf_config(kind).to_dict() | {"architectures": [FAMILIES[kind]]}
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "model" / "config.json"
+    path.write_text(json.dumps(config))
+    assert jc.read_config(tmp_path / "model").vocab_size == VOCAB
+    cases = [(field, lambda c, f=field: c.pop(f), rf"config.json: the required field '{field}' is missing")
+             for field in HF_REQUIRED]
+    cases.append(("vocab_size", lambda c: c.update(vocab_size="101"),
+                  r"config.json: field 'vocab_size' must be a positive int, got '101'"))
+    if kind == "llama3-tied":
+        for field in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            cases.append((field, lambda c, f=field: c["rope_parameters"].pop(f),
+                          rf"config.json \(rope_parameters\): the required field '{field}' is missing"))
+    if kind == "gemma3":
+        cases.append(("rope_theta", lambda c: c["rope_parameters"]["full_attention"].pop("rope_theta"),
+                      r"config.json \(rope_parameters.full_attention\): the required field 'rope_theta' is missing"))
+    for field, change, match in cases:
+        broken = json.loads(json.dumps(config))
+        change(broken)
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=match) as raised:
+            jc.read_config(tmp_path / "model")
+        assert str(raised.value).startswith(str(path)), field
+
+
 def llama_cpp_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
     """Q/K rows [out, in] as llama.cpp's converter writes them for llama: each head's two rotary halves
     interleaved row by row."""
