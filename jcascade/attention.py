@@ -22,8 +22,9 @@ def attend(
 ) -> tuple[jax.Array, Scores | None]:
     """Attention of a chunk's queries to every held token and causally to the chunk (DESIGN §2-4).
 
-    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] un-rotated chunk keys/values (Hq a multiple of Hkv);
-    lengths: int32 [B] valid tokens per row (a prefix; padding queries return zeros);
+    state: one layer's cache (a stacked one is refused: index a layer or vmap over them);
+    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] un-rotated chunk keys/values (Hq a multiple of Hkv; B, Hkv, D the
+    state's); lengths: integer [B] valid tokens per row, in [0, T] (a prefix; padding queries return zeros);
     rope: callable (x, positions) -> rotated x, e.g. `jcascade.RoPE(theta)`; None for no rotation.
     implementation: "xla", "pallas" (on GPU Mosaic GPU for bf16/f16 chunks on Hopper, else Triton; Mosaic on
     TPU), "triton", "mosaic_gpu" or "mosaic_tpu" (interpret mode on the CPU); None picks Pallas on GPU/TPU and
@@ -32,15 +33,7 @@ def attend(
     policy's `attend` computes them. Under `Full`, rows that overflowed max_tokens return NaN.
     """
     check_policy(policy)
-    slots.check_chunk("k", k, state)
-    slots.check_chunk("v", v, state)
-    B, T, Hkv, D = k.shape
-    if q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != D or q.shape[2] % Hkv:
-        raise ValueError(
-            f"q must have shape [batch={B}, T={T}, Hq, head_dim={D}] with Hq a multiple of "
-            f"num_kv_heads={Hkv}, got {q.shape}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    B, T = slots.check_chunk(state, q, k, v)
+    slots.check_rope(rope)
     n = slots.check_lengths(lengths, B, T)
     return policy.attend(state, q, k, v, n, rope, implementation)

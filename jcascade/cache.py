@@ -31,17 +31,24 @@ def init_cache(
     With `num_layers`, every array gets a leading layer axis (scan over it to run a model).
     """
     check_policy(policy)
-    for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
-    if not policy.bounded and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(
-            f"init_cache: a {type(policy).__name__} cache needs max_tokens, a positive int; got {max_tokens!r}"
-        )
+    sizes = (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("max_tokens", max_tokens),
+             ("num_layers", num_layers))
+    for name, value in sizes:
+        if value is None and name in ("max_tokens", "num_layers"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"init_cache: {name} must be a positive int, got {type(value).__name__} {value!r}")
+        if not 1 <= value <= slots.CLOCK_LIMIT:
+            raise ValueError(f"init_cache: {name} must be a positive int (at most {slots.CLOCK_LIMIT}), got {value!r}")
+    if not policy.bounded and max_tokens is None:
+        raise ValueError(f"init_cache: a {type(policy).__name__} cache needs max_tokens, a positive int; got None")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"init_cache: dtype must be a floating-point dtype (e.g. jnp.bfloat16), got {dtype!r}")
     capacity = policy.cache_slots(max_tokens)
+    if capacity > slots.CLOCK_LIMIT:
+        raise ValueError(f"init_cache: {policy} with max_tokens={max_tokens} needs {capacity} slots, more than the "
+                         f"{slots.CLOCK_LIMIT} that int32 slot indices address")
     lead = () if num_layers is None else (num_layers,)
-    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
-        raise ValueError(f"init_cache: num_layers must be a positive int or None, got {num_layers!r}")
     shape = (*lead, batch, num_kv_heads, capacity)
     return CacheState(
         k=jnp.zeros((*shape, head_dim), dtype),
@@ -71,11 +78,8 @@ def update(
     in-place (Triton) insertion kernel; everything else runs the vectorised XLA formulation.
     """
     check_policy(policy)
-    slots.check_chunk("k", k, state)
-    slots.check_chunk("v", v, state)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    B, T, H, _ = k.shape
+    B, T = slots.check_chunk(state, None, k, v)
+    H = k.shape[2]
     n = slots.check_lengths(lengths, B, T)
     slots.check_clock(state.seen, n)
     cap = state.capacity
@@ -100,6 +104,7 @@ def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
     Returns a cache holding, per (row, KV head), the kept tokens in position order followed by empty slots.
     """
     check_policy(policy)
+    slots.check_state(state, stacked_ok=True)
     if not policy.observation_window:
         raise TypeError("compress applies to policies with an observation window (SnapKV, PyramidKV, KNorm, "
                         f"AdaKV, ExpectedAttention), got {type(policy).__name__}")

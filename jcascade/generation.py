@@ -23,42 +23,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from jcascade import compilation, slots
+from jcascade.slots import int_array
 from jcascade.policies import Full, check_policy
 from jcascade.shared import share_prefix
 from jcascade.models.config import ModelConfig
 from jcascade.models.decoder import CausalLM
-
-
-def _int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: str, where=None) -> jax.Array:
-    """`x` as int32, once checked: an integer array of any width (not float or bool) of `shape` whose entries
-    (where `where` is true, if given) lie in [low, high), `rule` in words. The values are compared in x's own
-    dtype, before any narrowing (jnp.asarray would turn an int64 2**32 + 5 into 5 without a word). Traced
-    values (inside a user's jit) cannot be checked here: there the check is a `checkify.debug_check`, an error
-    only under `jax.experimental.checkify.checkify` (README, "Reliability")."""
-    if not isinstance(x, jax.Array):
-        x = np.asarray(x)
-    wanted = f"{name} must be an integer array of shape {list(shape)}, got {x.dtype}{list(x.shape)}"
-    if not np.issubdtype(x.dtype, np.integer):
-        raise TypeError(wanted)
-    if x.shape != shape:
-        raise ValueError(wanted)
-    values = np.asarray(x) if slots.concrete(x) else x
-    info = np.iinfo(x.dtype)  # bounds beyond the dtype's range cannot be crossed (and would not convert)
-    bad = (values < low if low > info.min else np.zeros(shape, bool)) | (values >= high if high <= info.max else False)
-    if where is not None:
-        bad = bad & (np.asarray(where) if slots.concrete(where) else where)
-    if slots.concrete(bad):
-        if bad.any():
-            at = [tuple(i) for i in np.argwhere(bad)[:5].tolist()]
-            raise ValueError(f"{name}: {rule}, got {values[bad][:5].tolist()} at {at}")
-    else:
-        first = jnp.argmax(bad.ravel())
-        checkify.debug_check(~bad.any(), f"{name}: {rule}, got {{value}} at {{at}}", value=jnp.ravel(values)[first],
-                             at=jnp.stack(jnp.unravel_index(first, shape)))
-    return jnp.asarray(x, jnp.int32)
 
 
 def as_model(model, config: ModelConfig | None = None) -> CausalLM:
@@ -84,7 +55,7 @@ def as_model(model, config: ModelConfig | None = None) -> CausalLM:
 
 def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None,
                   names: tuple[str, str] = ("tokens", "lengths")):
-    """tokens [B, S], lengths [B] and targets [B, S] (if given) as int32, checked by `_int_array`: lengths in
+    """tokens [B, S], lengths [B] and targets [B, S] (if given) as int32, checked by `int_array`: lengths in
     [least, S], ids in [0, vocab_size) at each row's valid positions. Padding ids become 0: the embedding of
     an id outside the vocabulary is NaN, and a chunk's masked positions still multiply by it. `names`: the
     arguments that tokens and lengths stand for, as errors name them (("context", "context_lengths"))."""
@@ -98,11 +69,11 @@ def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None
         lengths = jnp.full((B,), S, jnp.int32)
     else:
         rule = f"each must lie in [{least}, {S}]" + (" (a prompt needs at least one token)" if least else "")
-        lengths = _int_array(lengths, names[1], (B,), least, S + 1, rule)
+        lengths = int_array(lengths, names[1], (B,), least, S + 1, rule)
     valid = jnp.arange(S)[None, :] < lengths[:, None]
     rule = f"token ids must lie in [0, vocab_size={model.config.vocab_size})"
     tokens, targets = (None if ids is None else
-                       jnp.where(valid, _int_array(ids, name, (B, S), 0, model.config.vocab_size, rule, valid), 0)
+                       jnp.where(valid, int_array(ids, name, (B, S), 0, model.config.vocab_size, rule, valid), 0)
                        for name, ids in ((names[0], tokens), ("targets", targets)))
     return tokens, lengths, targets
 

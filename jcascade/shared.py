@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jcascade import pallas_kernels, slots
 from jcascade.pallas_kernels.states import merge
@@ -46,19 +47,25 @@ class SharedPrefix:
 
 def share_prefix(policy: Policy, state: slots.CacheState, offset: jax.Array | int = 0, rope=None) -> SharedPrefix:
     """The cache `state` (one layer; its batch rows become the prefix rows), as `policy` positions it,
-    shifted by `offset` (int32 [P] or int: positions of the levels before it). rope: the RoPE the requests
-    decode with, or None; when given, the keys are stored rotated at their positions (which a frozen prefix
-    never changes), so that decoding reads them without rotating them in every step (and, on a Hopper GPU,
-    many requests' queries run on the tensor-core kernel, `pallas_kernels.prefix_attention`)."""
+    shifted by `offset` (an int, or an integer array [P]: positions of the levels before it, >= 0). rope: the
+    RoPE the requests decode with, or None; when given, the keys are stored rotated at their positions (which a
+    frozen prefix never changes), so that decoding reads them without rotating them in every step (and, on a
+    Hopper GPU, many requests' queries run on the tensor-core kernel, `pallas_kernels.prefix_attention`)."""
     check_policy(policy)
     if not policy.shareable:
         raise ValueError(f"{type(policy).__name__} cannot be a shared prefix (its cache is chosen per request)")
+    slots.check_state(state)
+    slots.check_rope(rope)
+    shape = () if np.ndim(offset) == 0 else state.seen.shape  # an int, or one per prefix row
+    offset = slots.int_array(offset, "offset", shape, 0, slots.CLOCK_LIMIT + 1,
+                             f"each must lie in [0, {slots.CLOCK_LIMIT}] (the positions of the levels before it)")
     key_pos, start = policy.key_positions(state)
-    offset = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), start.shape)
+    offset = jnp.broadcast_to(offset, start.shape)
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     valid = state.pos >= 0
-    k = state.k if rope is None else rope(state.k, key_pos)
-    k, v = (jnp.where(valid[..., None], x, 0) for x in (k, state.v))
+    held_k, held_v = slots.cached_kv(state)
+    k = held_k if rope is None else rope(held_k, key_pos)
+    k, v = (jnp.where(valid[..., None], x, 0) for x in (k, held_v))
     return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, rope=rope)
 
 
@@ -66,15 +73,48 @@ def merge_attention(v_a: jax.Array, lse_a: jax.Array, v_b: jax.Array, lse_b: jax
     """Exact merge of two attention states over disjoint key sets: v [..., D], lse f32 [...] (natural
     log). lse = logaddexp(lse_a, lse_b), v = sigmoid(lse_a - lse_b) v_a + sigmoid(lse_b - lse_a) v_b.
     Associative and commutative; (0, -inf) is the identity; never NaN for empty sets. v is float32."""
+    shape = np.shape(v_a)
+    for name, x, want in (("v_b", v_b, shape), ("lse_a", lse_a, shape[:-1]), ("lse_b", lse_b, shape[:-1])):
+        if np.shape(x) != want:
+            raise ValueError(f"{name} must have shape {list(want)} (v_a {list(shape)}: v [..., D], lse [...]), got "
+                             f"{list(np.shape(x))}")
     return merge(v_a, lse_a, v_b, lse_b)
 
 
-def _rows_per_prefix(prefix: SharedPrefix, batch: int) -> int:
-    rows = prefix.length.shape[0]
-    if batch % rows:
-        raise ValueError(f"a shared-prefix level with {rows} rows cannot serve a batch of {batch} requests "
-                         "(each row serves batch / rows consecutive requests)")
-    return batch // rows
+def _check_prefixes(prefixes, batch: int, num_kv_heads: int, head_dim: int, rope) -> list[int]:
+    """Checks each level against the requests (k, v [P, Hkv, S, D] with the requests' Hkv and D, valid
+    [P, Hkv, S], key_pos [P, 1 or Hkv, S], length [P], P dividing the batch, the same rope); returns the
+    requests each level's row serves."""
+    if isinstance(prefixes, SharedPrefix) or not isinstance(prefixes, Sequence):
+        hint = ": wrap it, [prefix]" if isinstance(prefixes, SharedPrefix) else ""
+        raise TypeError(f"prefixes must be a list of SharedPrefix levels (outermost first), got "
+                        f"{type(prefixes).__name__}{hint}")
+    fan_out = []
+    for i, prefix in enumerate(prefixes):
+        name = f"prefixes[{i}]"
+        if not isinstance(prefix, SharedPrefix):
+            raise TypeError(f"{name} must be a SharedPrefix (from jc.share_prefix), got {type(prefix).__name__}")
+        if prefix.k.ndim != 4:
+            raise ValueError(f"{name}.k must have shape [P, num_kv_heads, S, head_dim], got {list(prefix.k.shape)}"
+                             + (" (a stacked prefix of several layers: pass one layer's levels)" if prefix.k.ndim == 5
+                                else ""))
+        P, H, S, D = prefix.k.shape
+        if (H, D) != (num_kv_heads, head_dim):
+            raise ValueError(f"{name} has num_kv_heads={H}, head_dim={D} (k {list(prefix.k.shape)}), the requests' "
+                             f"state and k have num_kv_heads={num_kv_heads}, head_dim={head_dim}")
+        for field, want in (("v", [(P, H, S, D)]), ("valid", [(P, H, S)]), ("key_pos", [(P, 1, S), (P, H, S)]),
+                            ("length", [(P,)])):
+            if getattr(prefix, field).shape not in want:
+                raise ValueError(f"{name}.{field} must have shape {' or '.join(str(list(w)) for w in want)} "
+                                 f"(k {list(prefix.k.shape)}), got {list(getattr(prefix, field).shape)}")
+        if batch % P:
+            raise ValueError(f"{name}: a shared-prefix level with {P} rows cannot serve a batch of {batch} requests "
+                             "(each row serves batch / rows consecutive requests)")
+        if prefix.rope is not None and prefix.rope != rope:
+            raise ValueError(f"{name} holds keys rotated by {prefix.rope!r} (share_prefix's rope); "
+                             f"attend_shared must be given the same rope, got {rope!r}")
+        fan_out.append(batch // P)
+    return fan_out
 
 
 def attend_shared(
@@ -93,22 +133,19 @@ def attend_shared(
 
     state: the requests' own caches [B, ...] under `policy`, which must keep no scores (Full,
     SlidingWindow, Sink: score increments would need the merged normaliser); q [B, T, Hq, D], k, v
-    [B, T, Hkv, D] un-rotated, lengths as for `attend`. prefixes: levels, outermost first (each made by
-    `share_prefix` with the offset of the levels before it). Returns out [B, T, Hq, D] (q.dtype).
+    [B, T, Hkv, D] un-rotated, lengths as for `attend`. prefixes: a list of levels, outermost first (each made by
+    `share_prefix` with the offset of the levels before it), with the requests' num_kv_heads and head_dim.
+    Returns out [B, T, Hq, D] (q.dtype).
     """
     check_policy(policy)
     if policy.keeps_scores:
         raise ValueError(f"the per-request cache under a shared prefix must keep no scores (Full, SlidingWindow, "
                          f"Sink), got {type(policy).__name__}")
-    slots.check_chunk("k", k, state)
-    slots.check_chunk("v", v, state)
-    B, T, Hkv, D = k.shape
+    B, T = slots.check_chunk(state, q, k, v)
+    slots.check_rope(rope)
+    D = k.shape[3]
+    fan_out = _check_prefixes(prefixes, B, k.shape[2], D, rope)
     n = slots.check_lengths(lengths, B, T)
-    fan_out = [_rows_per_prefix(prefix, B) for prefix in prefixes]
-    for i, prefix in enumerate(prefixes):
-        if prefix.rope is not None and prefix.rope != rope:
-            raise ValueError(f"prefixes[{i}] holds keys rotated by {prefix.rope!r} (share_prefix's rope); "
-                             f"attend_shared must be given the same rope, got {rope!r}")
     # the innermost level's end is where the requests' own tokens start
     offset = jnp.repeat(prefixes[-1].length, fan_out[-1]) if prefixes else jnp.zeros((B,), jnp.int32)
     key_pos, start = policy.key_positions(state)

@@ -67,18 +67,23 @@ class Scores:
 
 
 def cached_positions(state: CacheState) -> jax.Array:
-    """int32 [B, Hkv, capacity]: original token index held by each slot, -1 for empty slots."""
+    """int32 [B, Hkv, capacity] (or [L, B, Hkv, capacity] for a stacked cache): original token index held by
+    each slot, -1 for empty slots."""
+    check_state(state, stacked_ok=True)
     return state.pos
 
 
 def cached_scores(state: CacheState) -> jax.Array:
-    """f32 [B, Hkv, capacity]: EMA score of each slot (same slot order as `cached_positions`)."""
+    """f32 [B, Hkv, capacity] (or [L, B, Hkv, capacity] for a stacked cache): EMA score of each slot (same
+    slot order as `cached_positions`)."""
+    check_state(state, stacked_ok=True)
     return state.score
 
 
 def cached_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
-    """(k, v), each [B, Hkv, capacity, D], un-rotated, same slot order as `cached_positions` (the state's
-    layer of a stacked cache when `state.layer` is set)."""
+    """(k, v), each [B, Hkv, capacity, D] (or [L, ...] for a stacked cache), un-rotated, same slot order as
+    `cached_positions` (the state's layer of a stacked cache when `state.layer` is set)."""
+    check_state(state, stacked_ok=True)
     if state.layer is None:
         return state.k, state.v
     return state.k[state.layer], state.v[state.layer]
@@ -87,7 +92,11 @@ def cached_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
 def write_kv(state: CacheState, index: tuple, k: jax.Array, v: jax.Array) -> CacheState:
     """The state with its (layer's) k and v set to `k`, `v` at `index` (a NumPy-style index tuple into
     [B, Hkv, capacity, D], `()` for all of it; out-of-range scatter indices are dropped). With `state.layer`
-    set this is one scatter into the stack: only the written rows move."""
+    set this is one scatter into the stack: only the written rows move. state: one layer (`check_state`)."""
+    check_state(state)
+    if not isinstance(index, tuple):
+        raise TypeError(f"index must be a tuple of indices into [batch, num_kv_heads, capacity, head_dim] (() for "
+                        f"all of it), got {type(index).__name__}")
     index = index if state.layer is None else (state.layer, *index)
     put = lambda x, val: x.at[index].set(val.astype(x.dtype), mode="drop")
     return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v))
@@ -311,32 +320,104 @@ def check_overflow(policy, placed: jax.Array, n: jax.Array, capacity: int) -> No
                          row=jnp.argmax(total), tokens=jnp.max(total))
 
 
-def check_chunk(name: str, x: jax.Array, state: CacheState) -> None:
-    B, H, _, D = state.k.shape[-4:]
-    if x.ndim != 4 or x.shape[0] != B or x.shape[2:] != (H, D):
-        raise ValueError(f"{name} must have shape [batch={B}, T, num_kv_heads={H}, head_dim={D}], got {x.shape}")
-
-
 def concrete(*arrays) -> bool:
     """Whether every array has a value now (not traced under jit), so that it can be validated."""
     return not any(isinstance(x, jax.core.Tracer) for x in arrays)
 
 
+def int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: str, where=None) -> jax.Array:
+    """`x` as int32, once checked: an integer array of any width (not float or bool) of `shape` whose entries
+    (where `where` is true, if given) lie in [low, high), `rule` in words. The values are compared in x's own
+    dtype, before any narrowing (jnp.asarray would turn an int64 2**32 + 5 into 5 without a word). Traced
+    values (inside a user's jit) cannot be checked here: there the check is a `checkify.debug_check`, an error
+    only under `jax.experimental.checkify.checkify` (README, "Reliability")."""
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)
+    wanted = f"{name} must be an integer array of shape {list(shape)}, got {x.dtype}{list(x.shape)}"
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(wanted)
+    if x.shape != shape:
+        raise ValueError(wanted)
+    values = np.asarray(x) if concrete(x) else x
+    info = np.iinfo(x.dtype)  # bounds beyond the dtype's range cannot be crossed (and would not convert)
+    bad = (values < low if low > info.min else np.zeros(shape, bool)) | (values >= high if high <= info.max else False)
+    if where is not None:
+        bad = bad & (np.asarray(where) if concrete(where) else where)
+    if concrete(bad):
+        if bad.any():
+            at = [tuple(i) for i in np.argwhere(bad)[:5].tolist()]
+            raise ValueError(f"{name}: {rule}, got {values[bad][:5].tolist()} at {at}")
+    else:
+        first = jnp.argmax(bad.ravel())
+        checkify.debug_check(~bad.any(), f"{name}: {rule}, got {{value}} at {{at}}", value=jnp.ravel(values)[first],
+                             at=jnp.stack(jnp.unravel_index(first, shape)) if shape else first)
+    return jnp.asarray(x, jnp.int32)
+
+
+def check_state(state, name: str = "state", *, stacked_ok: bool = False) -> None:
+    """Raises TypeError unless `state` is a `CacheState`, ValueError unless its arrays agree: one layer (k, v
+    [B, Hkv, capacity, D], or one layer's view of a stack: `CacheState.layer`), or, with `stacked_ok`, L layers
+    stacked on a leading axis (`init_cache(num_layers=L)`). Shapes only: free under jit."""
+    if not isinstance(state, CacheState):
+        raise TypeError(f"{name} must be a jcascade CacheState (from jc.init_cache), got {type(state).__name__}")
+    pos = state.pos.shape
+    if len(pos) not in (3, 4) or state.layer is not None and len(pos) != 3:
+        raise ValueError(f"{name}.pos must have shape [batch, num_kv_heads, capacity] (or a leading layer axis), got "
+                         f"{list(pos)}")
+    if len(pos) == 4 and not stacked_ok:
+        raise ValueError(f"{name} is a stacked cache of {pos[0]} layers (pos {list(pos)}), this function takes one "
+                         f"layer, pos [batch, num_kv_heads, capacity]: pass one layer "
+                         "(jax.tree.map(lambda x: x[i], state)) or jax.vmap over the layers")
+    lead = pos[:-3] if state.layer is None else state.k.shape[:1]  # () or (L,)
+    expected = {"k": (*lead, *pos[-3:], state.k.shape[-1]), "v": (*lead, *pos[-3:], state.k.shape[-1]),
+                "score": pos, "seen": pos[:-2]}
+    for field, shape in expected.items():
+        if getattr(state, field).shape != shape:
+            raise ValueError(f"{name}.{field} must have shape {list(shape)} (pos {list(pos)}), got "
+                             f"{list(getattr(state, field).shape)}")
+    for field in ("pos", "seen"):
+        if getattr(state, field).dtype != jnp.int32:
+            raise TypeError(f"{name}.{field} must be int32, got {getattr(state, field).dtype}")
+
+
+def check_chunk(state: CacheState, q, k, v) -> tuple[int, int]:
+    """Checks a chunk against a one-layer `state` (`check_state`): k, v [B, T, Hkv, D] with the state's batch,
+    num_kv_heads and head_dim, q [B, T, Hq, D] with Hq a multiple of Hkv (None: a chunk without queries), all
+    floating arrays. Returns (B, T)."""
+    check_state(state)
+    B, H, _, D = state.k.shape[-4:]
+    for name, x in (("k", k), ("v", v), ("q", q)):
+        if x is None and name == "q":
+            continue
+        if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
+            got = f"{x.dtype}{list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+            raise TypeError(f"{name} must be a floating-point array [batch, T, heads, head_dim], got {got}")
+    if k.ndim != 4 or k.shape[0] != B or k.shape[2:] != (H, D):
+        raise ValueError(f"k must have shape [batch={B}, T, num_kv_heads={H}, head_dim={D}] (the state's), got "
+                         f"{list(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k, {list(k.shape)}, got {list(v.shape)}")
+    T = k.shape[1]
+    if q is not None and (q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != D or q.shape[2] % H):
+        raise ValueError(f"q must have shape [batch={B}, T={T}, Hq, head_dim={D}] with Hq a multiple of "
+                         f"num_kv_heads={H}, got {list(q.shape)}")
+    return B, T
+
+
 def check_lengths(lengths, batch: int, chunk_len: int) -> jax.Array:
-    """int32 [B] valid-token counts (a prefix of each chunk row); None means the whole chunk."""
+    """int32 [B] valid-token counts (a prefix of each chunk row), checked by `int_array`; None means the whole
+    chunk."""
     if lengths is None:
         return jnp.full((batch,), chunk_len, jnp.int32)
-    if not isinstance(lengths, jax.Array):
-        lengths = np.asarray(lengths)  # checked in its own dtype: jnp.asarray would narrow an int64 first
-    if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
-        raise ValueError(f"lengths must be an int array of shape [batch={batch}], got {lengths.dtype}{list(lengths.shape)}")
-    if concrete(lengths):
-        values = np.asarray(lengths)
-        if values.min() < 0 or values.max() > chunk_len:
-            raise ValueError(f"lengths must lie in [0, chunk length {chunk_len}], got {values.tolist()}")
-    return jnp.asarray(lengths, jnp.int32)
+    return int_array(lengths, "lengths", (batch,), 0, chunk_len + 1, f"each must lie in [0, {chunk_len}] (the "
+                     "chunk's length)")
 
 
+def check_rope(rope) -> None:
+    """Raises TypeError unless rope is None or a callable (x, positions) -> rotated x."""
+    if rope is not None and not callable(rope):
+        raise TypeError(f"rope must be None or a callable (x, positions) -> rotated x, such as jc.RoPE(theta), got "
+                        f"{type(rope).__name__}")
 
 
 def insert(layout: RingLayout, state: CacheState, k: jax.Array, v: jax.Array, score: jax.Array,

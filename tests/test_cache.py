@@ -57,9 +57,9 @@ def test_bad_update_inputs_raise_clear_errors():
     scores = jc.Scores(jnp.zeros((2, 2, 5)), jnp.zeros((2, 2, 3)))
     with pytest.raises(ValueError, match="k must have shape"):
         jc.update(policy, state, k[:, :, :1], k, scores)
-    with pytest.raises(ValueError, match="lengths must lie in"):
+    with pytest.raises(ValueError, match=r"lengths: each must lie in \[0, 3\]"):
         jc.update(policy, state, k, k, scores, jnp.asarray([4, 1]))
-    with pytest.raises(ValueError, match="lengths must be an int array"):
+    with pytest.raises(TypeError, match="lengths must be an integer array"):
         jc.update(policy, state, k, k, scores, jnp.asarray([1.0, 2.0]))
     with pytest.raises(ValueError, match="pass the Scores"):
         jc.update(policy, state, k, k, None)

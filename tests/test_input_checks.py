@@ -2,20 +2,26 @@
 narrowing (under a user's jit: unchecked, or a checkify error); damaged or truncated weight and tokenizer files
 are named with what is wrong; a book or word list that is not text is refused."""
 
+import dataclasses
 import importlib.util
 import json
+import re
 import shutil
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.experimental import checkify
 
 import jcascade as jc
 import tiny
 from jcascade.eval import texts
 from jcascade.models import loading
+from jcascade.policies import policy_classes
 
 VOCAB = 50
 POLICY = jc.Full(stride=8)  # the default stride (4096) would pad each prompt to 4096 tokens
@@ -190,19 +196,27 @@ def test_damaged_safetensors_directories_name_the_file_and_the_fault(model, tmp_
         jc.load_pretrained(sharded)
 
 
-def write_gguf(path, model, intermediate_size=None):
-    """The tiny model as a float32 llama GGUF file (no tokenizer)."""
+GGUF_REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+                 "attention.layer_norm_rms_epsilon", "vocab_size")  # without a tokenizer: the vocabulary's size
+
+
+def write_gguf(path, model, intermediate_size=None, omit=None):
+    """The tiny model as a float32 llama GGUF file (no tokenizer), without the metadata field `omit`."""
     from gguf import GGUFWriter
 
     c = model.config
     writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(c.num_layers)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(intermediate_size or c.intermediate_size)
-    writer.add_head_count(c.num_heads)
-    writer.add_head_count_kv(c.num_kv_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_vocab_size(c.vocab_size)
+    for name, add, value in [
+        ("block_count", writer.add_block_count, c.num_layers), ("embedding_length", writer.add_embedding_length,
+                                                                c.hidden_size),
+        ("feed_forward_length", writer.add_feed_forward_length, intermediate_size or c.intermediate_size),
+        ("attention.head_count", writer.add_head_count, c.num_heads),
+        ("attention.head_count_kv", writer.add_head_count_kv, c.num_kv_heads),
+        ("attention.layer_norm_rms_epsilon", writer.add_layer_norm_rms_eps, c.rms_norm_eps),
+        ("vocab_size", writer.add_vocab_size, c.vocab_size),
+    ]:
+        if name != omit:
+            add(value)
     for ours, w in model.weights().items():  # GGUF's (llama.cpp's) row permutation of Q/K does not matter here
         for name, tensor in tiny.source_tensors(ours, w, "gguf", c.num_layers).items():
             writer.add_tensor(name, np.ascontiguousarray(tensor))
@@ -232,6 +246,56 @@ def test_damaged_gguf_files_name_the_file_and_the_fault(model, tmp_path):
     if importlib.util.find_spec("torch") is not None:  # transformers reads GGUF tokenizers through torch
         with pytest.raises(ValueError, match="cut.gguf: truncated"):
             jc.load_tokenizer(tmp_path / "cut.gguf")
+
+
+@pytest.mark.parametrize("field", GGUF_REQUIRED)
+def test_a_gguf_file_lacking_a_required_field_names_it_and_the_file(model, tmp_path, field):
+    write_gguf(tmp_path / "lacking.gguf", model, omit=field)
+    with pytest.raises(ValueError, match=rf"lacking.gguf: the required field 'llama.{field}' is missing"):
+        jc.read_config(tmp_path / "lacking.gguf")
+
+
+def test_a_sharded_checkpoint_reads_each_tensor_from_the_shard_its_index_names(model, tmp_path):
+    """Two shards, each tensor where the index says; a stale copy of a tensor in the other shard is refused
+    (it was read instead of the named one when its file came later), as is a tensor missing from its shard."""
+    from safetensors.numpy import load_file, save_file
+
+    good = hf_directory(tmp_path / "single", model)
+    tensors = load_file(good / "model.safetensors")
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+
+    def sharded(folder, shard_a, shard_b, weight_map):
+        folder.mkdir()
+        shutil.copy(good / "config.json", folder / "config.json")
+        save_file(shard_a, folder / "model-00001-of-00002.safetensors")
+        save_file(shard_b, folder / "model-00002-of-00002.safetensors")
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return folder
+
+    files = {name: "model-00001-of-00002.safetensors" if name in first else "model-00002-of-00002.safetensors"
+             for name in names}
+    loaded = jc.load_pretrained(sharded(tmp_path / "two", {n: tensors[n] for n in first},
+                                        {n: tensors[n] for n in second}, files))
+    for ours, w in model.weights().items():
+        np.testing.assert_array_equal(np.asarray(loaded.weights()[ours]), np.asarray(w), err_msg=ours)
+    stale = names[0]  # named in the first shard; a zeroed copy in the second, which is read last
+    twice = sharded(tmp_path / "twice", {n: tensors[n] for n in first},
+                    {**{n: tensors[n] for n in second}, stale: np.zeros_like(tensors[stale])}, files)
+    with pytest.raises(ValueError, match=rf"model.safetensors.index.json: tensor '{re.escape(stale)}' is in two "
+                                         r"shards, model-00001-of-00002.safetensors and "
+                                         r"model-00002-of-00002.safetensors \(the index names "
+                                         r"model-00001-of-00002.safetensors\)"):
+        jc.load_pretrained(twice)
+    lacking = sharded(tmp_path / "lacking", {n: tensors[n] for n in first[1:]}, {n: tensors[n] for n in second}, files)
+    with pytest.raises(ValueError, match=rf"index.json names model-00001-of-00002.safetensors for tensor "
+                                         rf"'{re.escape(stale)}', which model-00001-of-00002.safetensors does not "
+                                         "hold"):
+        jc.load_pretrained(lacking)
+    moved = sharded(tmp_path / "moved", {n: tensors[n] for n in first[1:]}, {n: tensors[n] for n in [stale, *second]},
+                    files)  # the tensor is in the other shard only: the index is wrong, and said so
+    with pytest.raises(ValueError, match=rf"names model-00001-of-00002.safetensors for tensor '{re.escape(stale)}'"):
+        jc.load_pretrained(moved)
 
 
 def test_damaged_converted_checkpoints_name_the_folder_and_the_fault(model, tmp_path):
@@ -286,14 +350,262 @@ def test_a_book_or_word_list_that_is_not_utf8_text_is_refused(tmp_path, content,
             load(path)
 
 
+# ---- the cache API ----------------------------------------------------------------------------------------
+
+SINK = jc.Sink(window=4, sinks=1, stride=4)  # bounded, keeps no scores
+CASCADE = jc.Cascade(cache_size=4, sinks=1, num_cascades=2, stride=4)  # keeps scores
+
+
 def test_attend_and_update_check_lengths_in_their_own_dtype():
     """The cache-level API too: an int64 length of 2**32 + 1 is refused, not narrowed to 1."""
-    policy = jc.Sink(window=8, sinks=2, stride=4)
-    state = jc.init_cache(policy, batch=1, num_kv_heads=1, head_dim=4)
+    state = jc.init_cache(SINK, batch=1, num_kv_heads=1, head_dim=4)
     q = k = v = jnp.ones((1, 4, 1, 4))
-    for call in (lambda n: jc.attend(policy, state, q, k, v, lengths=n),
-                 lambda n: jc.update(policy, state, k, v, None, lengths=n)):
-        with pytest.raises(ValueError, match=r"lengths must lie in \[0, chunk length 4\], got \[4294967297\]"):
+    for call in (lambda n: jc.attend(SINK, state, q, k, v, lengths=n),
+                 lambda n: jc.update(SINK, state, k, v, None, lengths=n)):
+        with pytest.raises(ValueError, match=r"lengths: each must lie in \[0, 4\] .*, got \[4294967297\] at "
+                                             r"\[\(0,\)\]"):
             call(np.array([2**32 + 1], np.int64))
-        with pytest.raises(ValueError, match="lengths must be an int array"):
+        with pytest.raises(ValueError, match=r"lengths: .*, got \[-1\]"):
+            call(np.array([-1], np.int8))
+        with pytest.raises(TypeError, match=r"lengths must be an integer array of shape \[1\], got float64\[1\]"):
             call(np.array([2.0]))
+        with pytest.raises(ValueError, match=r"lengths must be an integer array of shape \[1\], got int64\[1, 1\]"):
+            call(np.array([[2]]))
+
+
+def test_states_of_the_wrong_kind_or_layering_are_refused_by_name():
+    """A stacked cache (init_cache(num_layers=)) where one layer is expected, something that is no CacheState,
+    a policy that is no Policy, a state whose arrays disagree: each a clear error, before any computation."""
+    stacked = jc.init_cache(SINK, 2, 1, 4, num_layers=3)
+    one = jax.tree.map(lambda x: x[0], stacked)
+    x = jnp.ones((2, 3, 1, 4))
+    layered = r"state is a stacked cache of 3 layers \(pos \[3, 2, 1, 5\]\), .* pass one layer"
+    for call in (lambda s: jc.attend(SINK, s, x, x, x), lambda s: jc.update(SINK, s, x, x, None),
+                 lambda s: jc.share_prefix(SINK, s), lambda s: jc.attend_shared(SINK, s, x, x, x, []),
+                 lambda s: jc.write_kv(s, (), x[:, 0, :, None], x[:, 0, :, None])):
+        with pytest.raises(ValueError, match=layered):
+            call(stacked)
+        with pytest.raises(TypeError, match="state must be a jcascade CacheState .*, got tuple"):
+            call((one, one))
+        with pytest.raises(ValueError, match=r"state.seen must have shape \[2\] \(pos \[2, 1, 5\]\), got \[3\]"):
+            call(dataclasses.replace(one, seen=jnp.zeros(3, jnp.int32)))
+        jax.eval_shape(call, one)
+    # the readers and compress take one layer or a stack
+    assert jc.cached_positions(stacked).shape == (3, 2, 1, 5) and jc.cached_kv(one)[0].shape == (2, 1, 5, 4)
+    for read in (jc.cached_positions, jc.cached_scores, jc.cached_kv):
+        with pytest.raises(TypeError, match="state must be a jcascade CacheState .*, got dict"):
+            read({"pos": one.pos})
+    with pytest.raises(TypeError, match="policy must be one of jcascade's policies .*, got str"):
+        jc.attend("sink", one, x, x, x)
+    with pytest.raises(TypeError, match="index must be a tuple of indices"):
+        jc.write_kv(one, 0, x[:, 0], x[:, 0])
+    with pytest.raises(TypeError, match="state.pos must be int32, got float32"):
+        jc.attend(SINK, dataclasses.replace(one, pos=one.pos.astype(jnp.float32)), x, x, x)
+
+
+def test_chunks_that_do_not_fit_the_state_are_refused_with_the_expected_shape():
+    state = jc.init_cache(CASCADE, 2, 2, 4)
+    q, k = jnp.ones((2, 3, 4, 4)), jnp.ones((2, 3, 2, 4))
+    for wrong, error, match in [
+        (dict(k=jnp.ones((2, 3, 4, 4))), ValueError,
+         r"k must have shape \[batch=2, T, num_kv_heads=2, head_dim=4\] \(the state's\), got \[2, 3, 4, 4\]"),
+        (dict(k=jnp.ones((2, 3, 2, 8))), ValueError, r"k must have shape .*head_dim=4.*got \[2, 3, 2, 8\]"),
+        (dict(k=jnp.ones((1, 3, 2, 4))), ValueError, r"k must have shape \[batch=2,"),
+        (dict(v=jnp.ones((2, 2, 2, 4))), ValueError, r"v must have the shape of k, \[2, 3, 2, 4\], got \[2, 2, 2, 4\]"),
+        (dict(q=jnp.ones((2, 3, 3, 4))), ValueError, r"q must have shape \[batch=2, T=3, Hq, head_dim=4\] with Hq a "
+                                                     r"multiple of num_kv_heads=2, got \[2, 3, 3, 4\]"),
+        (dict(q=jnp.ones((2, 3, 4, 8))), ValueError, r"q must have shape .*got \[2, 3, 4, 8\]"),
+        (dict(q=jnp.ones((2, 3, 4, 4), jnp.int32)), TypeError, r"q must be a floating-point array .*, got int32"),
+        (dict(k=np.ones((2, 3, 2, 4), bool)), TypeError, r"k must be a floating-point array .*, got bool"),
+        (dict(v=[[1.0]]), TypeError, r"v must be a floating-point array .*, got list"),
+    ]:
+        args = dict(q=q, k=k, v=k) | wrong
+        with pytest.raises(error, match=match):
+            jc.attend(CASCADE, state, args["q"], args["k"], args["v"])
+        if "q" not in wrong:
+            with pytest.raises(error, match=match):
+                jc.update(CASCADE, state, args["k"], args["v"], None)
+    with pytest.raises(TypeError, match=r"rope must be None or a callable .*, got float"):
+        jc.attend(CASCADE, state, q, k, k, rope=10000.0)
+    with pytest.raises(ValueError, match=r"v_b must have shape \[3, 4\] .*got \[3, 5\]"):
+        jc.merge_attention(jnp.zeros((3, 4)), jnp.zeros(3), jnp.zeros((3, 5)), jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"lse_b must have shape \[3\] .*got \[4\]"):
+        jc.merge_attention(jnp.zeros((3, 4)), jnp.zeros(3), jnp.zeros((3, 4)), jnp.zeros(4))
+    # the shapes are checked under jit too (they are static)
+    with pytest.raises(ValueError, match="k must have shape"):
+        jax.jit(lambda k: jc.attend(CASCADE, state, q, k, k))(jnp.ones((2, 3, 4, 4)))
+
+
+def test_init_cache_refuses_sizes_and_dtypes_by_name():
+    for kwargs, error, match in [
+        (dict(batch=2.0), TypeError, "init_cache: batch must be a positive int, got float 2.0"),
+        (dict(num_kv_heads=True), TypeError, "init_cache: num_kv_heads must be a positive int, got bool"),
+        (dict(head_dim=0), ValueError, r"init_cache: head_dim must be a positive int \(at most 2147483647\), got 0"),
+        (dict(num_layers=np.int64(2)), TypeError, "init_cache: num_layers must be a positive int, got int64"),
+        (dict(num_layers=0), ValueError, "init_cache: num_layers must be a positive int"),
+        (dict(max_tokens=-1), ValueError, "init_cache: max_tokens must be a positive int"),
+        (dict(dtype=jnp.int32), TypeError, "init_cache: dtype must be a floating-point dtype"),
+        (dict(policy=jc.Full()), ValueError, "init_cache: a Full cache needs max_tokens"),
+        (dict(policy=jc.Recycled(top_k=4, refresh_every=2), max_tokens=2**31 - 4), ValueError,
+         "needs 2147483650 slots, more than the 2147483647 that int32 slot indices address"),
+        (dict(policy=vars(SINK)), TypeError, "policy must be one of jcascade's policies"),
+    ]:
+        args = dict(policy=SINK, batch=1, num_kv_heads=1, head_dim=4) | kwargs
+        with pytest.raises(error, match=match):
+            jax.eval_shape(lambda: jc.init_cache(**args))
+
+
+def test_traced_lengths_and_offsets_are_unchecked_or_a_checkify_error():
+    state = jc.init_cache(SINK, 2, 1, 4)
+    x = jnp.ones((2, 3, 1, 4))
+    attend = checkify.checkify(jax.jit(lambda n: jc.attend(SINK, state, x, x, x, lengths=n)[0]))
+    error, _ = attend(jnp.array([3, 4]))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"lengths: each must lie in \[0, 3\] .*got 4 at \[1\]"):
+        error.throw()
+    attend(jnp.array([3, 0]))[0].throw()
+    share = checkify.checkify(jax.jit(lambda offset: jc.share_prefix(SINK, state, offset).length))
+    error, _ = share(jnp.array([0, -5]))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"offset: each must lie in \[0, 2147483647\] .*got -5 at \[1\]"):
+        error.throw()
+    share(jnp.array([0, 5]))[0].throw()
+
+
+# ---- property-based: shapes and lengths of the cache API, policy fields -------------------------------------
+# Valid inputs are traced (jax.eval_shape: every check and the whole computation, no compilation), so that each
+# example costs milliseconds.
+
+SIZES = st.integers(1, 3)
+
+
+@st.composite
+def chunk_calls(draw):
+    """(B, H, D, T, Hq, lengths, fault): a valid chunk for a [B, H, ., D] cache, and at most one fault in it."""
+    B, H, T = draw(SIZES), draw(SIZES), draw(SIZES)
+    D = draw(st.sampled_from([2, 4]))
+    lengths = np.array(draw(st.lists(st.integers(0, T), min_size=B, max_size=B)))
+    fault = draw(st.sampled_from([None, "k_heads", "k_head_dim", "k_batch", "v_len", "q_heads", "q_len", "q_dtype",
+                                  "lengths_value", "lengths_shape", "lengths_dtype", "stacked"]))
+    return B, H, D, T, H * draw(SIZES), lengths, fault
+
+
+@given(chunk_calls(), st.sampled_from([SINK, CASCADE, jc.Full(stride=4)]))
+def test_chunks_of_any_shape_run_or_are_refused_by_argument(call, policy):
+    B, H, D, T, Hq, lengths, fault = call
+    state = jc.init_cache(policy, B, H, D, max_tokens=T, num_layers=2 if fault == "stacked" else None)
+    q, k, v = (jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((B, T, Hq, D), (B, T, H, D), (B, T, H, D)))
+    change = {"k_heads": ("k", (B, T, H + 1, D)), "k_head_dim": ("k", (B, T, H, D + 1)),
+              "k_batch": ("k", (B + 1, T, H, D)), "v_len": ("v", (B, T + 1, H, D)),
+              "q_heads": ("q", (B, T, Hq + 1, D) if H > 1 else (B, T, Hq, 2 * D)),  # (any Hq is a multiple of 1)
+              "q_len": ("q", (B, T + 1, Hq, D))}
+    if fault in change:
+        name, shape = change[fault]
+        q, k, v = (jax.ShapeDtypeStruct(shape, jnp.float32) if n == name else x for n, x in zip("qkv", (q, k, v)))
+    if fault == "q_dtype":
+        q = jax.ShapeDtypeStruct(q.shape, jnp.int32)
+    lengths = {"lengths_value": lengths + T + 1, "lengths_shape": lengths[None], "lengths_dtype": lengths * 1.0}.get(
+        fault, lengths)
+
+    def attend_and_update(q, k, v):
+        out, scores = jc.attend(policy, state, q, k, v, lengths)
+        return out, scores, jc.update(policy, state, k, v, scores, lengths)
+
+    if fault is None:
+        out, scores, after = jax.eval_shape(attend_and_update, q, k, v)
+        assert out.shape == (B, T, Hq, D) and out.dtype == jnp.float32
+        cap = state.capacity
+        assert scores is None if not policy.keeps_scores else (scores.cache.shape, scores.chunk.shape) == ((B, H, cap),
+                                                                                                          (B, H, T))
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), after) == jax.tree.map(lambda x: (x.shape, x.dtype), state)
+        return
+    named = {"stacked": "state"}.get(fault, fault.split("_")[0])
+    with pytest.raises((ValueError, TypeError), match=rf"^{named}\b"):
+        jax.eval_shape(attend_and_update, q, k, v)
+
+
+ODD_VALUES = st.one_of(st.integers(-2, 6), st.sampled_from([2**31 - 1, 2**31, 2**63]), st.booleans(), st.none(),
+                       st.floats(allow_nan=True), st.text(max_size=3), st.just(np.int64(3)))
+
+
+@given(st.fixed_dictionaries({name: ODD_VALUES for name in ("batch", "num_kv_heads", "head_dim", "max_tokens",
+                                                             "num_layers")}))
+def test_init_cache_sizes_give_the_shapes_asked_or_are_refused_by_name(sizes):
+    policy = jc.Full(stride=4)
+    try:
+        state = jax.eval_shape(lambda: jc.init_cache(policy, **sizes))
+    except (ValueError, TypeError) as e:
+        bad = [name for name, x in sizes.items() if not (type(x) is int and 1 <= x < 2**31 or
+                                                           x is None and name == "num_layers")]
+        assert bad and re.match(rf"init_cache: ({'|'.join(bad)}) must be", str(e)), (sizes, e)
+        return
+    lead = () if sizes["num_layers"] is None else (sizes["num_layers"],)
+    shape = (*lead, sizes["batch"], sizes["num_kv_heads"], sizes["max_tokens"])
+    assert state.k.shape == (*shape, sizes["head_dim"]) and state.pos.shape == shape and state.seen.shape == shape[:-2]
+
+
+# a valid instance of every policy class (its required fields), and a value of the kind each field wants
+VALID_POLICIES = {"full": dict(), "slidingwindow": dict(window=4), "sink": dict(window=4),
+                  "cascade": dict(cache_size=8), "h2o": dict(heavy=2, recent=2), "tova": dict(cache_size=4),
+                  "snapkv": dict(budget=40), "pyramidkv": dict(budget=16, window=4),
+                  "adakv": dict(scorer=jc.SnapKV(budget=8, window=2, positions="original")),
+                  "knorm": dict(budget=4), "expectedattention": dict(budget=8), "kvzip": dict(budget=4),
+                  "recycled": dict(top_k=2, refresh_every=2)}
+SCORERS = st.sampled_from([jc.SnapKV(budget=8, window=2), jc.PyramidKV(budget=8, window=2, positions="original"),
+                           jc.Full()])
+
+
+def field_values(hint) -> st.SearchStrategy:
+    """Values of the kind a field's type hint names (about half the draws), or of any odd kind."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    kind = (st.sampled_from(args) if origin is typing.Literal else st.integers(0, 40) if hint is int else
+            st.floats(0, 1) if hint is float else st.booleans() if hint is bool else
+            st.tuples(st.integers(-1, 5)) if origin is tuple else SCORERS)
+    odd = st.one_of(ODD_VALUES, st.sampled_from(["max", "cache", "avg", "global"]), st.lists(st.integers(0, 5)))
+    return st.one_of(kind, odd)
+
+
+def test_every_policy_class_has_a_valid_instance_here():
+    assert set(VALID_POLICIES) == set(policy_classes())
+    for name, cls in policy_classes().items():
+        cls(**VALID_POLICIES[name])
+
+
+def test_policy_int_fields_stop_at_the_int32_limit():
+    """Token counts, slots and strides are int32 inside: a field past 2**31 - 1 is refused where it is given."""
+    for make, name in [(lambda: jc.Cascade(cache_size=8, stride=2**31), "Cascade.stride"),
+                       (lambda: jc.Sink(window=2**31), "Sink.window"), (lambda: jc.SnapKV(budget=2**40), "SnapKV.budget")]:
+        with pytest.raises(ValueError, match=rf"{name} must be >= \d \(and at most 2147483647\), got"):
+            make()
+    assert jc.Sink(window=2**31 - 1).window == 2**31 - 1
+
+
+@given(st.sampled_from(sorted(VALID_POLICIES)), st.data())
+def test_policy_fields_are_accepted_and_work_or_are_refused_by_name(name, data):
+    """Random values for one or two fields of each policy: the policy either refuses them, naming a field it was
+    given, or is hashable (static under jit) and runs: a cache (whose slots int32 can index, or init_cache says
+    why not), a chunk attended and inserted (traced)."""
+    cls = policy_classes()[name]
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+    changed = {field: data.draw(field_values(hints[field]), label=field)
+               for field in data.draw(st.sets(st.sampled_from(fields), min_size=1, max_size=2))}
+    try:
+        policy = cls(**VALID_POLICIES[name] | changed)
+    except (ValueError, TypeError) as e:
+        assert any(field in str(e) for field in changed), (changed, e)
+        return
+    hash(policy)
+    slots = policy.cache_slots(8)
+    assert isinstance(slots, int) and slots >= 1, (policy, slots)
+    make = lambda: jc.init_cache(policy, 1, 1, 2, max_tokens=8)  # noqa: E731
+    if slots > 2**31 - 1:
+        with pytest.raises(ValueError, match="int32 slot indices"):
+            jax.eval_shape(make)
+        return
+
+    def step(x):
+        state = make()
+        out, scores = jc.attend(policy, state, x, x, x)
+        return out, jc.update(policy, state, x, x, scores)
+
+    out, state = jax.eval_shape(step, jax.ShapeDtypeStruct((1, 2, 1, 2), jnp.float32))
+    assert out.shape == (1, 2, 1, 2) and state.pos.shape == (1, 1, slots)

@@ -2,6 +2,8 @@
 (one and two levels), and `num_samples`. The multi-query prefix kernel against its reference:
 tests/pallas_kernels/test_gpu.py."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,55 @@ def test_shared_prefix_errors(model):
     cascade = jc.Cascade(cache_size=8, sinks=0, num_cascades=2)
     with pytest.raises(ValueError, match="must keep no scores"):
         jc.attend_shared(cascade, jc.init_cache(cascade, 3, 2, 8), jnp.zeros((3, 2, 2, 8)), k, k, [prefix])
+
+
+def test_prefixes_that_do_not_fit_the_requests_are_refused_by_name():
+    """A prefix with other KV heads or head_dim than the requests (it was attended silently, or failed inside an
+    einsum), a negative or misshaped offset, a stacked state or prefix, a bare SharedPrefix for the list."""
+    k = jnp.ones((2, 3, 2, 8))
+    empty = lambda rows, H, D: jc.init_cache(jc.Full(), rows, H, D, max_tokens=11)  # noqa: E731 (shapes matter here)
+    requests = empty(2, 2, 8)
+    q = jnp.ones((2, 3, 4, 8))
+    for H, D, match in [(4, 8, r"prefixes\[0\] has num_kv_heads=4, head_dim=8 \(k \[1, 4, 11, 8\]\), the requests' "
+                                r"state and k have num_kv_heads=2, head_dim=8"),
+                        (1, 8, "prefixes\\[0\\] has num_kv_heads=1"), (2, 4, "prefixes\\[0\\] has .*head_dim=4")]:
+        with pytest.raises(ValueError, match=match):
+            jc.attend_shared(jc.Full(), requests, q, k, k, [jc.share_prefix(jc.Full(), empty(1, H, D))])
+    prefix = jc.share_prefix(jc.Full(), empty(1, 2, 8))
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), prefix)
+    with pytest.raises(ValueError, match=r"prefixes\[1\].k must have shape \[P, num_kv_heads, S, head_dim\], got "
+                                         r"\[2, 1, 2, 11, 8\] \(a stacked prefix of several layers"):
+        jc.attend_shared(jc.Full(), requests, q, k, k, [prefix, stacked])
+    with pytest.raises(TypeError, match=r"prefixes must be a list of SharedPrefix levels .*: wrap it, \[prefix\]"):
+        jc.attend_shared(jc.Full(), requests, q, k, k, prefix)
+    with pytest.raises(TypeError, match=r"prefixes\[0\] must be a SharedPrefix .*, got CacheState"):
+        jc.attend_shared(jc.Full(), requests, q, k, k, [requests])
+    with pytest.raises(ValueError, match=r"prefixes\[0\].key_pos must have shape \[1, 1, 11\] or \[1, 2, 11\]"):
+        jc.attend_shared(jc.Full(), requests, q, k, k, [dataclasses.replace(prefix, key_pos=prefix.key_pos[:, :, :3])])
+    with pytest.raises(ValueError, match=r"q must have shape \[batch=2, T=3, Hq, head_dim=8\]"):
+        jc.attend_shared(jc.Full(), requests, q[..., :4], k, k, [prefix])
+    for offset, error, match in [
+        (-1, ValueError, r"offset: each must lie in \[0, 2147483647\] \(the positions of the levels before it\), got "
+                         r"\[-1\]"),
+        (np.array([4, -2]), ValueError, r"offset: .*got \[-2\] at \[\(1,\)\]"),
+        (np.array([2**31, 0]), ValueError, r"offset: .*got \[2147483648\]"),
+        (np.array([1, 2, 3]), ValueError, r"offset must be an integer array of shape \[2\], got int64\[3\]"),
+        (2.0, TypeError, r"offset must be an integer array of shape \[\], got float64\[\]"),
+    ]:
+        with pytest.raises(error, match=match):
+            jc.share_prefix(jc.Full(), requests, offset)
+    with pytest.raises(ValueError, match="state is a stacked cache of 2 layers"):
+        jc.share_prefix(jc.Full(), jax.tree.map(lambda x: jnp.stack([x, x]), requests))
+
+
+def test_share_prefix_reads_one_layer_of_a_stacked_cache_through_its_view():
+    """A state that is one layer's view of a stack (CacheState.layer) shares that layer's keys, not the stack."""
+    ks = jax.random.split(jax.random.key(0), 2)
+    k, v = jax.random.normal(ks[0], (1, 4, 2, 8)), jax.random.normal(ks[1], (1, 4, 2, 8))
+    layers = [full_state(k, v), full_state(-k, 2 * v)]
+    stack = jax.tree.map(lambda *x: jnp.stack(x), *layers)
+    view = dataclasses.replace(jax.tree.map(lambda x: x[1], stack), k=stack.k, v=stack.v, layer=jnp.int32(1))
+    for rope in (None, ROPE):
+        got, want = jc.share_prefix(jc.Full(), view, 3, rope), jc.share_prefix(jc.Full(), layers[1], 3, rope)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -29,18 +29,20 @@ import jax.numpy as jnp
 
 from jcascade import pallas_kernels
 from jcascade.rope import rotate_chunk
-from jcascade.slots import CacheState, Scores, rank_by_position
+from jcascade.slots import CLOCK_LIMIT, CacheState, Scores, rank_by_position
 
 HEAD_REDUCTIONS = ("max", "mean")
 POSITION_MODES = ("cache", "original")
 
 
 def check_int(policy: object, name: str, value: object, minimum: int) -> None:
-    """Raises ValueError naming `Policy.name` unless value is an int >= minimum."""
+    """Raises ValueError naming `Policy.name` unless value is an int in [minimum, 2**31 - 1] (token counts and
+    slots are int32)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{type(policy).__name__}.{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{type(policy).__name__}.{name} must be >= {minimum}, got {value}")
+    if not minimum <= value <= CLOCK_LIMIT:
+        raise ValueError(f"{type(policy).__name__}.{name} must be >= {minimum} (and at most {CLOCK_LIMIT}), "
+                         f"got {value}")
 
 
 def check_choice(policy: object, name: str, value: object, choices: tuple[str, ...]) -> None:
