@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jcascade.eval.checkpointing import complete, finished
+
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
 NIAH = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "
@@ -412,7 +414,9 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     task's `tokens_to_generate` (greedy decoding: the same tokens as generating that many), so each (policy,
     length) compiles once. progress(n) after each batch with its number of prompts. checkpointing
     (`checkpointing.Checkpointing`): results saved every `every` tokens (prompts times the context length),
-    and a run continues from its last checkpoint, the batches it holds not run again.
+    and a run continues from its last checkpoint (same batch size, its units this sweep's first ones:
+    `checkpointing.finished`), the units it holds not run again. Raises a RuntimeError unless the results
+    hold every planned unit once (`checkpointing.complete`).
     """
     import jcascade as jc
 
@@ -422,20 +426,24 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise ValueError(f"tasks must be a non-empty list of {list(TASKS)}, got {list(tasks)}")
-    results, resumed, batches = [], 0, 0
-    found = checkpointing.resume() if checkpointing is not None else None
+    plan = [(label, task, length, i) for length in context_lengths for label in policies(length) for task in tasks
+            for i in range(samples)]
+    key = lambda r: (r.policy, r.task, r.context_length, r.index)  # noqa: E731
+    results = []
+    found = checkpointing.resume(batch_size=batch_size) if checkpointing is not None else None
     if found is not None:
-        results, resumed = [RulerResult(**r) for r in found[1]["results"]], found[1]["batches"]
+        results = finished(found[1], plan, RulerResult, key)
         if progress is not None:
             progress(len(results))
+    done, planned = len(results), 0  # the units the checkpoint holds, the units planned up to this batch
     tok, longest = generator.tokenizer, max(TASKS[t].tokens_to_generate for t in tasks)
     for length in context_lengths:
         prompts = [s for task in tasks for s in generator.samples(task, length, samples, seed)]
         for label, policy in policies(length).items():
             for first in range(0, len(prompts), batch_size):
                 part = prompts[first: first + batch_size]
-                batches += 1
-                if batches <= resumed:
+                planned += len(part)
+                if planned <= done:
                     continue
                 rows = [part[i % len(part)] for i in range(batch_size)]
                 tokens = np.zeros((batch_size, length), np.int32)
@@ -451,6 +459,6 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
                 if progress is not None:
                     progress(len(part))
                 if checkpointing is not None and checkpointing.due(len(part) * length):
-                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results],
-                                              "batches": batches})
+                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
+    complete(results, plan, key, "RULER sweep")
     return results
