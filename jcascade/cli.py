@@ -45,6 +45,10 @@ def _evaluate(args, name: str, total: int, identity: dict, work, tokenizer, mesh
                       args.resume, run, command, unit)
 
 
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _finish(args, name: str, result: dict, text: str, figures, checkpointing=None) -> None:
     """Writes the results (`runner.write`), prints the tables (stdout, or stderr with --json) and, with
     --json, the summary (`report.summary`) to stdout."""
@@ -105,7 +109,7 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
          + "\n".join(f"  {k}: {v!r}" for k, v in policies.items()))
     results, seconds, checkpointing = _evaluate(
         args, "passkey", len(policies) * per_length * sum(lengths),
-        {"policies": {k: repr(v) for k, v in policies.items()}},
+        {"policies": {k: repr(v) for k, v in policies.items()}, "words": words and _sha256("\n".join(words))},
         lambda progress, checkpointing: passkey.sweep(
             model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler, words=words, seed=args.seed,
             num_buckets=args.buckets, retention=retention, progress=progress, checkpointing=checkpointing,
@@ -155,7 +159,8 @@ def cmd_ruler(args) -> None:
     prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
     generator = ruler.Generator(tokenizer, prose)
     results, seconds, checkpointing = _evaluate(
-        args, "ruler", len(specs) * len(tasks) * args.samples * len(lengths), {"policies": specs},
+        args, "ruler", len(specs) * len(tasks) * args.samples * len(lengths),
+        {"policies": specs, "prose": prose and _sha256(prose)},
         lambda progress, checkpointing: ruler.sweep(model, generator, tasks, lengths, at, samples=args.samples,
                                                     seed=args.seed, batch_size=batch, progress=progress,
                                                     checkpointing=checkpointing), tokenizer, mesh, unit="prompt")

@@ -11,11 +11,11 @@ the file and the problem.
 
 What a resume guarantees. A `Checkpointing` carries the run's identity, everything that determines its
 results: for the command line every argument, the sha256 of the model's weight files and of its
-tokenizer's definition, and the devices and mesh (`runner.identity`); the work adds the batch layout it
-computes with (`resume(batch_size=...)`). A checkpoint written under another identity is refused, naming
-each difference with its saved and its current value. The progress records the finished units themselves
-(e.g. passkey trials by (policy, length, bucket, sample)), not a count of batches: on resume the work
-checks that they are exactly the first units of its own plan, in order (`Checkpointing.finished`), and
+tokenizer's definition, the devices and mesh, and the software versions (`runner.identity`); the work adds
+the batch layout it computes with (`resume(batch_size=...)`). A checkpoint written under another identity
+is refused, naming each difference with its saved and its current value. The progress records the finished
+units themselves (e.g. passkey trials by (policy, length, bucket, sample)), not a count of batches: on
+resume the work checks that they are exactly the first units of its own plan, in order (`finished`), and
 skips them; at its end, `complete` checks that the results hold every planned unit once, in plan order.
 Same identity means the same batches, so a resumed run's results equal an uninterrupted run's; anything
 else raises. A run never reports fewer units than planned as complete.

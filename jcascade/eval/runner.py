@@ -48,7 +48,7 @@ def model_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 def model_sha256(path: pathlib.Path) -> str:
     """sha256 over the `model_files` of `path`: each one's relative name, size and bytes (streamed: a read of
-    the files, about a second per GB)."""
+    the files, a second or two per GB)."""
     root, digest = path.parent if path.is_file() else path, hashlib.sha256()
     for file in model_files(path):
         digest.update(f"{file.relative_to(root)}\0{file.stat().st_size}\0".encode())

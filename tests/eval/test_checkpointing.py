@@ -127,10 +127,13 @@ def _damage_arrays(directory):
 
 @pytest.mark.parametrize("damage,where,problem", [
     (lambda d: (d / "LATEST").write_text("generation-00000007"), "LATEST",
-     "damaged: it names 'generation-00000007', which is not a generation folder of .* \\(found: generation-00000000\\)"),
+     "damaged: it names 'generation-00000007', which is not a generation folder of .* "
+     "\\(found: generation-00000000\\)"),
     (lambda d: (d / "LATEST").write_text(""), "LATEST", "damaged: it names '', which is not a generation folder"),
     (lambda d: (d / "LATEST").write_bytes(b"\xff\xfe"), "LATEST", "damaged: it names bytes that are not text"),
     (lambda d: _progress_file(d).unlink(), "progress.json", "missing from the checkpoint"),
+    (lambda d: _progress_file(d).write_bytes(b'{"run": "\xff"}'), "progress.json",
+     "damaged: not UTF-8 text \\(byte 9\\)"),
     (lambda d: _rewrite_progress(d, lambda text: text[: len(text) // 2]), "progress.json",
      "damaged or truncated: not valid JSON \\(.* at line 1, column"),
     (lambda d: _rewrite_progress(d, lambda text: "[1, 2]"), "progress.json", "damaged: a JSON list, not an object"),
@@ -141,8 +144,8 @@ def _damage_arrays(directory):
     (lambda d: _rewrite_progress(d, lambda text: text.replace('"sample"', '"example"')), "progress.json",
      "damaged: its results are not PasskeyResult records \\(.*unexpected keyword argument 'example'"),
     (_damage_arrays, "arrays", "damaged: orbax cannot restore its arrays"),
-], ids=["latest-names-none", "latest-empty", "latest-not-text", "progress-missing", "progress-truncated",
-        "progress-not-object", "no-run", "no-results", "result-fields", "arrays"])
+], ids=["latest-names-none", "latest-empty", "latest-not-text", "progress-missing", "progress-not-text",
+        "progress-truncated", "progress-not-object", "no-run", "no-results", "result-fields", "arrays"])
 def test_a_damaged_checkpoint_names_the_file_and_the_problem(tmp_path, damage, where, problem):
     result = passkey.PasskeyResult("Sink", 128, 0, 0, "12345", 0.5, 120, "12345", 1.0, 2, None)
     key = lambda r: (r.policy, r.context_length, r.bucket, r.sample)  # noqa: E731
@@ -321,6 +324,33 @@ def test_passkey_interrupted_and_resumed_equals_an_uninterrupted_run(model_dir, 
     assert cut["seconds"] > saved_seconds  # the time of the run it resumed counts
     del whole["seconds"], cut["seconds"]
     assert cut == whole
+
+
+def test_a_resume_with_another_word_list_or_haystack_is_refused(model_dir, tmp_path, monkeypatch, capsys):
+    """The identity holds the content of --words-file (passkey) and of the prose --book (RULER), not their names."""
+    from jcascade.eval import ruler
+
+    def checkpointed_then_killed(*args, checkpointing, batch_size, **kwargs):
+        checkpointing.resume(batch_size=batch_size)
+        checkpointing.save(None, {"results": []})
+        raise KeyboardInterrupt("killed after its first checkpoint")
+
+    words, book = tmp_path / "words.txt", tmp_path / "book.txt"
+    words.write_text("\n".join(a + b + "sky" for a in "abcdefghijk" for b in "abcdefghijk"))
+    book.write_text("The grass is green. The sky is blue. " * 200)
+    for module, file, key, argv in [
+            (passkey, words, "words", ["passkey", "--policy", SINK, "--filler", "words", "--words-file", str(words),
+                                       "--min-length", "128", "--max-length", "128"]),
+            (ruler, book, "prose", ["ruler", "--tasks", "niah_single_2", "--policy", "full", "--budget", "0.5",
+                                    "--min-length", "1K", "--max-length", "1K", "--samples", "1", "--book", str(book)])]:
+        argv += ["--model", model_dir, "--checkpoint-every", "1", "--out", str(tmp_path)]
+        with monkeypatch.context() as m:
+            m.setattr(module, "sweep", checkpointed_then_killed)
+            with pytest.raises(KeyboardInterrupt):
+                cli.main(argv)
+        file.write_text(file.read_text().replace("sky", "sea"))
+        err = refusal(argv + ["--resume"], capsys)
+        assert f"it differs in (saved, now): {key} (\"" in err, err
 
 
 @pytest.mark.devices(2)
