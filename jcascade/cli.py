@@ -1,19 +1,26 @@
 """The `jcascade` command line: `jcascade compare | generate | passkey | perplexity | ruler | attention-map`
 (`jcascade COMMAND --help`), a thin layer over `jcascade.eval`. --model takes a model directory or .gguf file
 (default: SmolLM2-135M-Instruct from PyPI); results go to --out as JSON and PNG; --json prints the summary to
-stdout. Policies are NAME[:FIELD=VALUE,...], a policy class in lower case and its dataclass fields, e.g.
+stdout (strict JSON: a number that is not finite is null, with a "<key>_reason" beside it). Paths and options
+are checked before any model time; an error names its option. Policies are NAME[:FIELD=VALUE,...], a policy
+class in lower case and its dataclass fields, e.g.
   --policy cascade:cache_size=1024,sinks=64,stride=512 --policy sink:window=1024,sinks=64,stride=512
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
-import json
+import math
+import os
 import pathlib
+import re
 import shlex
 import sys
+
+import jax
 
 from jcascade.eval import attention_map, main_job, passkey, perplexity, plots, report, ruler, runner, texts
 from jcascade.models import sharding
@@ -29,7 +36,23 @@ def _load(args, batched: bool):
     data = 1 if mesh is None else mesh.shape["data"]
     if getattr(args, "batch_size", None) is not None and args.batch_size % data:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis ({data})")
-    return *runner.load(args.model, mesh, _log), mesh
+    with _option("--model"):
+        return *runner.load(args.model, mesh, _log), mesh
+
+
+@contextlib.contextmanager
+def _option(name: str):
+    """Errors (ValueError, TypeError, OSError) raised inside become ValueErrors naming the option `name`."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        message = _message(e)
+        raise ValueError(message if message.startswith(name) else f"{name}: {message}") from e
+
+
+def _message(error: Exception) -> str:
+    """The error's message; with its type's name for other than ValueError and OSError (whose messages say)."""
+    return str(error) if isinstance(error, ValueError | OSError) else f"{type(error).__name__}: {error}"
 
 
 def _evaluate(args, name: str, total: int, identity: dict, work, tokenizer, mesh, unit: str = "tok"):
@@ -52,39 +75,69 @@ def _sha256(text: str) -> str:
 def _finish(args, name: str, result: dict, text: str, figures, checkpointing=None) -> None:
     """Writes the results (`runner.write`), prints the tables (stdout, or stderr with --json) and, with
     --json, the summary (`report.summary`) to stdout."""
-    files = runner.write(args.out, name, result, figures, checkpointing)
+    with _option("--out"):
+        files = runner.write(args.out, name, result, figures, checkpointing)
     print(text + "\n\nwrote " + ", ".join(files), file=sys.stderr if args.json else sys.stdout)
     if args.json:
-        print(json.dumps(report.summary(result) | {"files": files}, indent=1))
+        print(report.json_text(report.summary(result) | {"files": files}))
 
 
-def _positive(text: str) -> int:
-    """A positive count: "4096", or "4K" / "4k" for 4096."""
-    try:
-        value = int(text[:-1]) * 1024 if text[-1:].lower() == "k" else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int such as 4096 or 4K, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
+LARGEST = 2**31 - 1  # counts and lengths: JAX's int32
+SEEDS = 2**32  # seeds: a JAX key holds 32 bits
+
+
+def _integer(least: int = 1, most: int = LARGEST, k: bool = True):
+    """An argparse type: an int in [least, most]; with `k`, "4K" / "4k" for 4096."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text[:-1]) * 1024 if k and text[-1:].lower() == "k" else int(text)
+        except ValueError:
+            example = " such as 4096 or 4K" if k else ""
+            raise argparse.ArgumentTypeError(f"must be an int{example}, got {text!r}") from None
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be {'positive' if least == 1 else f'>= {least}'} and at most "
+                                             f"{most}, got {text!r}")
+        return value
+    return parse
+
+
+_positive = _integer()
+
+
+def _real(low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: a finite float in [low, high] ((low, high] with `low_open`)."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high == math.inf else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number in {interval}, got {text!r}") from None
+        if not (math.isfinite(value) and low <= value <= high and not (low_open and value == low)):
+            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text!r}")
+        return value
+    return parse
 
 
 def _argument(parse):
-    """An argparse type from a parser raising ValueError."""
+    """An argparse type from a parser raising ValueError (or OverflowError: "1e999" as an int)."""
     def convert(text: str):
         try:
             return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+        except (ValueError, OverflowError) as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range ({e})" if isinstance(e, OverflowError)
+                                             else str(e)) from None
     return convert
 
 
 def _policies(args) -> dict:
     policies = report.labelled(args.policy or main_job.policies(**main_job.PAIR))
     for policy in policies.values() if args.command in ("perplexity", "attention-map") else ():
-        perplexity.check_streaming(policy)
+        with _option("--policy"):
+            perplexity.check_streaming(policy)
     if args.command != "attention-map":
-        report.baseline_label(policies, args.baseline)  # checked before the model loads
+        with _option("--baseline"):
+            report.baseline_label(policies, args.baseline)  # checked before the model loads
     return policies
 
 
@@ -93,15 +146,20 @@ def cmd_generate(args) -> None:
     result = {"model": name} | runner.generate(model, tokenizer, args.prompt, args.policy, raw=args.raw, seed=args.seed,
                                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                                top_p=args.top_p)
-    print(json.dumps(result, indent=1) if args.json else result["output"])
+    print(report.json_text(result) if args.json else result["output"])
     _log(f"[{result['prompt_tokens']} prompt tokens, {result['seconds']:.1f} s, {name}, {args.policy}]")
     if args.out is not None:
-        runner.write(args.out, "generate", result)
+        with _option("--out"):
+            runner.write(args.out, "generate", result)
 
 
 def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
+    _check_lengths(args)
     lengths = passkey.context_lengths(args.min_length, args.max_length)
-    words = texts.word_list(args.words_file, log=_log) if args.filler == "words" else None
+    if args.words_file is not None and args.filler != "words":
+        raise ValueError(f"--words-file: used only with --filler words, not --filler {args.filler}")
+    with _option("--words-file"):
+        words = texts.word_list(args.words_file, log=_log) if args.filler == "words" else None
     model, tokenizer, name, mesh = _load(args, batched=True)
     data, per_length = 1 if mesh is None else mesh.shape["data"], args.buckets * args.samples
     _log(f"{title}\nmodel {name}; filler {args.filler}; context lengths {lengths}; {args.buckets} depth buckets x "
@@ -133,7 +191,8 @@ def cmd_compare(args) -> None:
 def cmd_perplexity(args) -> None:
     policies = _policies(args)
     model, tokenizer, name, mesh = _load(args, batched=False)
-    books = perplexity.books(tokenizer, args.book or ["paradise_lost"], args.max_tokens, _log)
+    with _option("--book"):
+        books = perplexity.books(tokenizer, args.book or ["paradise_lost"], args.max_tokens, _log)
     longest = max([c for c in map(perplexity.cache_capacity, policies.values()) if c is not None], default=1)
     (results, skipped), seconds, checkpointing = _evaluate(
         args, "perplexity", len(policies) * sum(len(t) for t in books.values() if len(t) > longest),
@@ -153,10 +212,13 @@ def cmd_ruler(args) -> None:
     lengths, tasks = passkey.context_lengths(args.min_length, args.max_length), args.tasks
     model, tokenizer, name, mesh = _load(args, batched=True)  # KVzip's policies need the tokenizer
     at = lambda n: {k: v for b in args.budget for k, v in ruler.policies_at(args.policy, b, n, tokenizer).items()}  # noqa: E731
-    specs = {k: {str(n): repr(at(n)[k]) for n in lengths} for k in at(lengths[0])}  # a budget's slots grow with n
-    report.baseline_label(specs, args.baseline)
+    with _option("--budget"):  # a budget's slots grow with n
+        specs = {k: {str(n): repr(at(n)[k]) for n in lengths} for k in at(lengths[0])}
+    with _option("--baseline"):
+        report.baseline_label(specs, args.baseline)
     batch = args.batch_size or 8 * (1 if mesh is None else mesh.shape["data"])
-    prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
+    with _option("--book"):
+        prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
     generator = ruler.Generator(tokenizer, prose)
     results, seconds, checkpointing = _evaluate(
         args, "ruler", len(specs) * len(tasks) * args.samples * len(lengths),
@@ -173,8 +235,13 @@ def cmd_ruler(args) -> None:
 def cmd_attention_map(args) -> None:
     policies = _policies(args)
     model, tokenizer, name, _ = _load(args, batched=False)
-    tokens = perplexity.book_tokens(tokenizer, texts.load_book(args.book, _log), args.tokens)
+    with _option("--book"):
+        tokens = perplexity.book_tokens(tokenizer, texts.load_book(args.book, _log), args.tokens)
     layer = model.config.num_layers // 2 if args.layer is None else args.layer
+    for option, value, count in (("--layer", layer, model.config.num_layers),
+                                 ("--kv-head", args.kv_head, model.config.num_kv_heads)):
+        if value >= count:
+            raise ValueError(f"{option}: must be < {count} (the model's {option[2:].replace('-', ' ')}s), got {value}")
     maps, _, _ = runner.run("attention map", len(policies) * len(tokens), lambda progress, _: {
         k: attention_map.record(model, p, tokens, layer, args.kv_head, progress=progress) for k, p in policies.items()})
     heading, images = f"{name}, layer {layer}, KV head {args.kv_head}", {k: attention_map.render(m, args.pixels)
@@ -226,9 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", type=policy, default="cascade:cache_size=1024,sinks=64,stride=512", metavar="SPEC",
                    help="NAME[:FIELD=VALUE,...]")
     p.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--temperature", type=_real(0.0), default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=_real(0.0, 1.0, low_open=True), default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=_integer(0, SEEDS - 1, k=False), default=0, help="sampling seed")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
     def sweep(p, shortest, longest, samples, per: str):
@@ -237,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     ("--max-length", longest, "longest context; lengths double"),
                                     ("--samples", samples, f"prompts per {per} and length")):
             p.add_argument(flag, type=_positive, default=default, help=help)
-        p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+        p.add_argument("--seed", type=_integer(0, SEEDS - 1, k=False), default=0, help="seed of the prompts")
         evaluation(p)
 
     def passkey_options(p, machine: bool = False):
@@ -254,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "options take this machine's defaults, " + main_job.describe(), cmd_compare, True, policies=False)
     passkey_options(p, machine=True)
     p.add_argument("--cache-size", type=_positive, help="non-sink tokens of each cache")
-    p.add_argument("--sinks", type=int, help="sink tokens of each cache")
+    p.add_argument("--sinks", type=_integer(0), help="sink tokens of each cache")
     p.add_argument("--cascades", type=_positive, help="Cascade's sub-caches")
     p.add_argument("--stride", type=_positive, help="prefill chunk (tokens)")
 
@@ -288,26 +355,86 @@ def build_parser() -> argparse.ArgumentParser:
                 cmd_attention_map, False)
     p.add_argument("--book", default="paradise_lost", metavar="NAME|FILE", help="a packaged book or a text file")
     p.add_argument("--tokens", type=_positive, default=4096, help="stream the first N tokens")
-    p.add_argument("--layer", type=int, help="layer to show (default: the middle one)")
-    p.add_argument("--kv-head", type=int, default=0, help="KV head to show")
+    p.add_argument("--layer", type=_integer(0, k=False), help="layer to show (default: the middle one)")
+    p.add_argument("--kv-head", type=_integer(0, k=False), default=0, help="KV head to show")
     p.add_argument("--pixels", type=_positive, default=512, help="image side")
     return parser
+
+
+_NEGATIVE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)  # -1K, -.5, -inf, -nan
 
 
 def _negative_values(argv: list[str]) -> list[str]:
     """"--opt -1K" -> "--opt=-1K": a negative value reaches the option's check, not "expected one argument"."""
     out: list[str] = []
     for arg in argv:
-        joined = out and out[-1].startswith("--") and "=" not in out[-1] and arg[:1] == "-" and arg[1:2].isdigit()
+        joined = out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.match(arg)
         out[-1:] = [f"{out[-1]}={arg}"] if joined else [*out[-1:], arg]
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+RESULTS = {"compare": "passkey", "attention-map": "attention_map"}  # a command's results file, <name>.json
+
+
+def _check_lengths(args) -> None:
+    if args.min_length is not None and args.max_length is not None and args.max_length < args.min_length:
+        raise ValueError(f"--max-length: the longest context ({args.max_length}) must be >= the shortest "
+                         f"(--min-length {args.min_length})")
+
+
+def _check_out(out: pathlib.Path, files: list[str]) -> None:
+    """Raises a ValueError naming --out unless `out` is a writable directory or can be made one, where none of
+    `files` is a directory."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a directory")
+    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out: cannot create {out}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out: cannot write in {existing}" + ("" if existing == out else f" to create {out}"))
+    for name in files:
+        if (out / name).is_dir():
+            raise ValueError(f"--out: {out / name} is a directory, so the results cannot be written there")
+
+
+def _check(args) -> None:
+    """The checks that need no model, before any work: the paths of --model, --words-file, --book (a file
+    path; a packaged book's name is checked when it loads) and --out, and options that must agree."""
+    if args.model is not None and not pathlib.Path(args.model).exists():
+        raise ValueError(f"--model: no such model directory or .gguf file: {args.model}")
+    if getattr(args, "words_file", None) is not None and not pathlib.Path(args.words_file).is_file():
+        raise ValueError(f"--words-file: no such file: {args.words_file}")
+    books = getattr(args, "book", None)
+    for book in [books] if isinstance(books, str) else books or []:
+        if not pathlib.Path(book).is_file() and (pathlib.Path(book).suffix or os.sep in book):
+            raise ValueError(f"--book: no such file: {book} (a packaged book is named without suffix, e.g. "
+                             "paradise_lost)")
+    if hasattr(args, "min_length"):
+        _check_lengths(args)
+    if args.command == "generate" and not args.prompt:
+        raise ValueError("--prompt: must not be empty")
+    if args.out is not None:
+        _check_out(pathlib.Path(args.out), [RESULTS.get(args.command, args.command) + ".json"])
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments of a `jcascade` command line (default: sys.argv), checked as far as they can be without a
+    model; bad ones exit with the command's usage and an error naming the option (SystemExit 2)."""
     argv = _negative_values(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        args.run(args)
-    except (ValueError, FileNotFoundError) as e:
+        _check(args)
+    except ValueError as e:
         args.parser.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs a command line; every expected error (bad input, paths, memory) exits with the command's usage and
+    the message (SystemExit 2), never a traceback."""
+    args = parse(argv)
+    try:
+        args.run(args)
+    except (ValueError, TypeError, OSError, OverflowError, MemoryError, jax.errors.JaxRuntimeError) as e:
+        args.parser.error(_message(e))

@@ -4,6 +4,13 @@ Prompts are right-padded: row b's tokens are tokens[b, :lengths[b]], the rest is
 `lax.scan` over `policy.stride`-token chunks (the last one padded and masked through lengths); decode
 is a `lax.while_loop` over single tokens. Everything is jit-able, compiles once per shape and nests
 inside a user's `jit`.
+
+Entry points: `generate` (greedy or sampled continuations; `num_samples=`: several continuations of one prompt
+whose cache is shared), `score` (per-token log-likelihoods; `prefix=`: a prompt, then teacher forcing), `prefill`
+(the strided prefill on a cache of one's own), `decode` (the decode loop after it). `generate` and `score` take
+`context=` (compress once, ask many): a context, one for every row ([1, S]) or one per row ([B, S] with
+`context_lengths`), prefilled and compressed under the policy without seeing the questions, then frozen as a
+shared prefix; tokens are each row's question, prefilled after it in a cache of the row's own.
 """
 
 from __future__ import annotations
@@ -75,27 +82,61 @@ def as_model(model, config: ModelConfig | None = None) -> CausalLM:
                     f"dict of weights by name with config=ModelConfig(...); got {type(model).__name__}{hint}")
 
 
-def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None):
+def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None,
+                  names: tuple[str, str] = ("tokens", "lengths")):
     """tokens [B, S], lengths [B] and targets [B, S] (if given) as int32, checked by `_int_array`: lengths in
     [least, S], ids in [0, vocab_size) at each row's valid positions. Padding ids become 0: the embedding of
-    an id outside the vocabulary is NaN, and a chunk's masked positions still multiply by it."""
+    an id outside the vocabulary is NaN, and a chunk's masked positions still multiply by it. `names`: the
+    arguments that tokens and lengths stand for, as errors name them (("context", "context_lengths"))."""
     shape = np.shape(tokens)
     if len(shape) != 2:
-        raise ValueError(f"tokens must be an integer array of shape [batch, length], got shape {list(shape)}")
+        raise ValueError(f"{names[0]} must be an integer array of shape [batch, length], got shape {list(shape)}")
     B, S = shape
     if S == 0:
-        raise ValueError("tokens is empty: a prompt needs at least one token")
+        raise ValueError(f"{names[0]} is empty: a prompt needs at least one token")
     if lengths is None:
         lengths = jnp.full((B,), S, jnp.int32)
     else:
         rule = f"each must lie in [{least}, {S}]" + (" (a prompt needs at least one token)" if least else "")
-        lengths = _int_array(lengths, "lengths", (B,), least, S + 1, rule)
+        lengths = _int_array(lengths, names[1], (B,), least, S + 1, rule)
     valid = jnp.arange(S)[None, :] < lengths[:, None]
     rule = f"token ids must lie in [0, vocab_size={model.config.vocab_size})"
     tokens, targets = (None if ids is None else
                        jnp.where(valid, _int_array(ids, name, (B, S), 0, model.config.vocab_size, rule, valid), 0)
-                       for name, ids in (("tokens", tokens), ("targets", targets)))
+                       for name, ids in ((names[0], tokens), ("targets", targets)))
     return tokens, lengths, targets
+
+
+def _check_sharing(model: CausalLM, policy, argument: str) -> None:
+    """Refuses, naming `argument` (num_samples=, context=), what cannot hold a prompt's cache as a frozen shared
+    prefix: a policy that is not `shareable` (Recycled), a model with sliding layers (Gemma 3)."""
+    if not policy.shareable:
+        raise ValueError(f"{argument} does not support {type(policy).__name__} (its cache is chosen per request: it "
+                         "cannot be one frozen prefix shared by the rows)")
+    if model.config.sliding_layers:
+        raise ValueError(f"{argument} is not supported yet for models with sliding layers (Gemma 3): it holds the "
+                         "prompt's cache as a shared prefix")
+
+
+def _check_context(model: CausalLM, policy, context, context_lengths, batch: int):
+    """context [1 or batch, S] and context_lengths [1 or batch] (None: every row S tokens) as int32, checked as
+    `_check_tokens` checks tokens, by their own names; (None, None) without a context."""
+    if context is None:
+        if context_lengths is not None:
+            raise ValueError("context_lengths goes only with context= (the valid tokens of each context row)")
+        return None, None
+    shape = np.shape(context)
+    if len(shape) != 2 or shape[0] not in (1, batch):
+        raise ValueError(f"context must be an integer array of shape [1, length] (one context for every row) or "
+                         f"[{batch}, length] (one per row of tokens), got shape {list(shape)}")
+    _check_sharing(model, policy, "context=")
+    context, context_lengths, _ = _check_tokens(model, context, context_lengths, names=("context", "context_lengths"))
+    return context, context_lengths
+
+
+def _longest(tokens: jax.Array, lengths: jax.Array) -> int:
+    """The longest row's length (the padded width inside a user's jit, where lengths are traced)."""
+    return tokens.shape[1] if isinstance(lengths, jax.core.Tracer) else int(jnp.max(lengths))
 
 
 def _number(name: str, x, kind, rule: str, ok) -> int | float:
@@ -160,7 +201,9 @@ def prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array,
 
 
 def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
-             implementation: str | None = None, targets: jax.Array | None = None):
+             implementation: str | None = None, targets: jax.Array | None = None, prefixes: tuple = ()):
+    """`prefill` once checked; prefixes: shared-prefix levels that every row's history begins with (the rows'
+    own tokens then go to `state`, which must keep no scores: `jcascade.attend_shared`)."""
     B, S = tokens.shape
     chunks, chunk_lengths = _chunks(tokens, lengths, policy.stride)
     target_chunks = None if targets is None else _chunks(targets, lengths, policy.stride)[0]
@@ -168,7 +211,7 @@ def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array
     def step(carry, inputs):
         state, last = carry
         toks, n, tgt = inputs
-        hidden, state = model(policy, state, toks, n, implementation)
+        hidden, state = model(policy, state, toks, n, implementation, prefixes)
         logp = None if tgt is None else token_log_probs(model, hidden, tgt)
         return (state, _last_valid(hidden, n, last)), logp
 
@@ -204,9 +247,30 @@ def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room
     return model.compress(policy, state, room), last, logps
 
 
+def _shared_prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, implementation):
+    """A prompt [P, S] prefilled and compressed under `policy` alone (`_prompt`), then frozen as one shared-prefix
+    level (layers stacked, keys rotated by the model's RoPE; `share_prefix`): the level and the prompt rows' last
+    hidden states [P, hidden]."""
+    state, last, _ = _prompt(model, policy, tokens, lengths, 0, implementation)
+    return jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope))(state), last
+
+
+def _after_context(model: CausalLM, policy, context: jax.Array, context_lengths: jax.Array, tokens: jax.Array,
+                   lengths: jax.Array, room: int, implementation, targets: jax.Array | None = None):
+    """The context compressed and shared (`_shared_prompt`), then each row's tokens [B, T] prefilled on top of it
+    into a Full cache of its own with `room` more slots: (prefixes, that cache, the last hidden state [B, hidden]
+    of each row's tokens, `prefill`'s log-probs of targets or None, the context's last hidden states [B, hidden])."""
+    prefix, context_last = _shared_prompt(model, policy, context, context_lengths, implementation)
+    own = Full(stride=policy.stride)
+    B, T = tokens.shape
+    state = model.init_cache(own, B, max_tokens=T + room)
+    state, last, logps = _prefill(model, own, state, tokens, lengths, implementation, targets, (prefix,))
+    return (prefix,), state, last, logps, jnp.broadcast_to(context_last, (B, context_last.shape[-1]))
+
+
 def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | None = None,
-          prefix: int | None = None, implementation: str | None = None,
-          config: ModelConfig | None = None) -> jax.Array:
+          prefix: int | None = None, context: jax.Array | None = None, context_lengths: jax.Array | None = None,
+          implementation: str | None = None, config: ModelConfig | None = None) -> jax.Array:
     """Per-token log-likelihoods log p(x_t | x_<t) under `policy`, streamed at constant memory. model: a
     CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 
@@ -218,21 +282,32 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     as `generate` does) and feeds the rest one token per step, as decoding would see it (teacher
     forcing); policies that act after a prompt (`needs_prompt`: SnapKV, PyramidKV compress, Recycled
     recycles while decoding) need it.
+    context: int [1, C] (one for every row) or [B, C] (one per row; `context_lengths` [1 or B] its valid
+    tokens, default all C), prefilled and compressed under `policy` alone, then frozen, as `generate`'s context=
+    (which says what is shared and what it costs); tokens are then scored after it, in a Full cache of each
+    row's own. Returns float32 [B, S]: entry t is log p(tokens[:, t] | context, tokens[:, :t]), the first token
+    included; entries from a row's length on are 0. For a [1 or B, C] context of C tokens in every row and a
+    policy that evicts nothing after its prompt (Full, SnapKV, PyramidKV, AdaKV, KNorm, ExpectedAttention, KVzip)
+    this is score(concatenate([context, tokens], axis=1), prefix=C)[:, C - 1:]. No prefix= with a context.
     """
     check_policy(policy)
     model = as_model(model, config)
     tokens, lengths, _ = _check_tokens(model, tokens, lengths)
     S = tokens.shape[1]
-    if prefix is None and policy.needs_prompt:
-        raise ValueError(f"{type(policy).__name__} acts after a prompt: pass prefix=<prompt length> to score")
+    if context is not None and prefix is not None:
+        raise ValueError("prefix= and context= do not combine: the context is the prompt that policy compresses")
+    if prefix is None and context is None and policy.needs_prompt:
+        raise ValueError(f"{type(policy).__name__} acts after a prompt: pass prefix=<prompt length> (or context=) "
+                         "to score")
     if prefix is not None:
         prefix = _number("prefix", prefix, numbers.Integral, f"None or an int in [1, {S}]", lambda p: 1 <= p <= S)
-    _check_positions(model, policy, S)
-    logps = _score(model, tokens, policy, lengths, prefix, implementation)
+    context, context_lengths = _check_context(model, policy, context, context_lengths, tokens.shape[0])
+    _check_positions(model, policy, S + (0 if context is None else _longest(context, context_lengths)))
+    logps = _score(model, tokens, policy, lengths, prefix, context, context_lengths, implementation)
     # checked on the device; rows and positions come to the host only when something is non-finite (padding
     # entries are 0), and not under a user's jit, where there is nothing to look at yet
     if slots.concrete(logps) and not bool(jnp.isfinite(logps).all()):
-        warn_nonfinite(np.asarray(logps), np.asarray(lengths) - 1)
+        warn_nonfinite(np.asarray(logps), np.asarray(lengths) - (1 if context is None else 0))
     return logps
 
 
@@ -251,9 +326,14 @@ def warn_nonfinite(logps: np.ndarray, valid: np.ndarray) -> None:
 
 
 @compilation.jit(static_argnames=("policy", "prefix", "implementation"))
-def _score(model, tokens, policy, lengths, prefix, implementation):
+def _score(model, tokens, policy, lengths, prefix, context, context_lengths, implementation):
     B, S = tokens.shape
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    if context is not None:  # the first token after the context's last hidden state, the others after their own rows
+        _, _, _, logps, context_last = _after_context(model, policy, context, context_lengths, tokens, lengths, 0,
+                                                      implementation, targets)
+        logps = jnp.concatenate([token_log_probs(model, context_last[:, None], tokens[:, :1]), logps[:, :-1]], axis=1)
+        return jnp.where(jnp.arange(S)[None, :] < lengths[:, None], logps, 0.0)
     prompt_len = S if prefix is None else prefix
     state, _, logps = _prompt(model, policy, tokens[:, :prompt_len], jnp.minimum(lengths, prompt_len), S - prompt_len, implementation,
                               targets[:, :prompt_len])
@@ -297,8 +377,9 @@ def _sample(logits: jax.Array, rng, temperature: float, top_p: float) -> jax.Arr
 
 def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: int | None = None, rng: jax.Array | None = None,
-             lengths: jax.Array | None = None, num_samples: int | None = None,
-             implementation: str | None = None, config: ModelConfig | None = None) -> jax.Array:
+             lengths: jax.Array | None = None, num_samples: int | None = None, context: jax.Array | None = None,
+             context_lengths: jax.Array | None = None, implementation: str | None = None,
+             config: ModelConfig | None = None) -> jax.Array:
     """Continues right-padded prompts tokens [B, S] (valid prefix `lengths`) by max_new_tokens tokens. model: a
     CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 
@@ -312,6 +393,19 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     would not evict during decoding (Full, SnapKV, PyramidKV; any policy while prompt and new tokens fit
     its cache); otherwise the prompt's cache is frozen as it was after the prompt. Needs a `shareable`
     policy (not Recycled).
+
+    context: compress once, ask many. int [1, C] is one context for every row, [B, C] one context per row, with
+    `context_lengths` int [1 or B] its valid tokens per row (default: all C); tokens [B, S] are then each row's
+    question, continued after its context. The context is prefilled and compressed under `policy` alone: its
+    compression (SnapKV's observation window, KVzip's reconstruction pass, ...) sees the context, never a
+    question. Its cache is then frozen as a shared prefix (as for num_samples; one level of 1 or B rows, so both
+    forms have one semantics) that never evicts, and each row's question and new tokens go to a Full cache of its
+    own at the positions after the context. Under a policy that keeps every token (Full; SnapKV and the like with
+    a budget of at least C) this equals generating from each row's context + question as one prompt; a policy
+    that evicts while tokens stream (Cascade, Sink, H2O, ...) evicts only inside the context. Memory: the
+    compressed context (once for a [1, C] context, B times for [B, C]) plus B caches of S + max_new_tokens
+    slots (question plus new tokens bound a row's own cache). Needs a `shareable` policy (not Recycled), a model
+    without sliding layers (not Gemma 3), and no num_samples.
     """
     max_new_tokens = _number("max_new_tokens", max_new_tokens, numbers.Integral, "a positive int", lambda n: n >= 1)
     temperature = _number("temperature", temperature, numbers.Real, "a finite float >= 0 (0 is greedy)",
@@ -330,33 +424,37 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     tokens, lengths, _ = _check_tokens(model, tokens, lengths)
     if num_samples is not None:
         num_samples = _number("num_samples", num_samples, numbers.Integral, "a positive int or None", lambda n: n >= 1)
+        if context is not None:
+            raise ValueError("num_samples and context= do not combine: for several samples of one question, repeat "
+                             "the question over the rows of tokens with a [1, length] context")
         if tokens.shape[0] != 1:
             raise ValueError(f"num_samples continues one prompt: tokens must have batch 1, got {tokens.shape[0]}")
-        if not policy.shareable:
-            raise ValueError(f"num_samples does not support {type(policy).__name__} (its cache cannot be shared by "
-                             "the samples)")
-        if model.config.sliding_layers:
-            raise ValueError("num_samples is not supported yet for models with sliding layers (Gemma 3)")
-    longest = tokens.shape[1] if isinstance(lengths, jax.core.Tracer) else int(jnp.max(lengths))  # the longest row
-    _check_positions(model, policy, longest + max_new_tokens)
+        _check_sharing(model, policy, "num_samples")
+    context, context_lengths = _check_context(model, policy, context, context_lengths, tokens.shape[0])
+    before = 0 if context is None else _longest(context, context_lengths)
+    _check_positions(model, policy, before + _longest(tokens, lengths) + max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(model, tokens, policy, lengths, rng, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, eos_id=eos_id, num_samples=num_samples, implementation=implementation)
+    return _generate(model, tokens, policy, lengths, rng, context, context_lengths, max_new_tokens=max_new_tokens,
+                     temperature=temperature, top_p=top_p, eos_id=eos_id, num_samples=num_samples,
+                     implementation=implementation)
 
 
 @compilation.jit(static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id",
                             "num_samples", "implementation"))
-def _generate(model, tokens, policy, lengths, rng, *, max_new_tokens, temperature, top_p, eos_id, num_samples,
-              implementation):
-    if num_samples is None:
-        state, last_hidden, _ = _prompt(model, policy, tokens, lengths, max_new_tokens, implementation)
-        decode_policy, prefixes = policy, ()
-    else:  # the prompt's cache, shared; each sample's tokens in a Full cache of its own
-        prompt_state, last_hidden, _ = _prompt(model, policy, tokens, lengths, 0, implementation)
-        prefixes = (jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope))(prompt_state),)
-        decode_policy = Full(stride=policy.stride)
+def _generate(model, tokens, policy, lengths, rng, context, context_lengths, *, max_new_tokens, temperature, top_p,
+              eos_id, num_samples, implementation):
+    decode_policy = Full(stride=policy.stride)  # the rows' own cache under a shared prefix
+    if context is not None:  # the context's cache, shared; each row's question and new tokens in a cache of its own
+        prefixes, state, last_hidden, _, _ = _after_context(model, policy, context, context_lengths, tokens, lengths,
+                                                            max_new_tokens, implementation)
+    elif num_samples is not None:  # the prompt's cache, shared; each sample's tokens in a Full cache of its own
+        prefix, last_hidden = _shared_prompt(model, policy, tokens, lengths, implementation)
+        prefixes = (prefix,)
         state = model.init_cache(decode_policy, num_samples, max_tokens=max_new_tokens)
         last_hidden = jnp.broadcast_to(last_hidden, (num_samples, last_hidden.shape[-1]))
+    else:
+        state, last_hidden, _ = _prompt(model, policy, tokens, lengths, max_new_tokens, implementation)
+        decode_policy, prefixes = policy, ()
     return decode(model, decode_policy, state, last_hidden, rng, max_new_tokens=max_new_tokens,
                   temperature=temperature, top_p=top_p, eos_id=eos_id, implementation=implementation,
                   prefixes=prefixes)

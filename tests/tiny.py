@@ -19,19 +19,21 @@ TEXT = " ".join([INTRO, *REPEAT_SENTENCES, NEEDLE.format(key="0123456789"), QUES
                  "the quick brown fox jumps over the lazy dog"])
 
 
-def tokenizer(chat: bool = True):
-    """A byte-level BPE tokenizer (at most 512 tokens) trained on the passkey texts, with an <eos> token and,
-    if `chat`, a chat template."""
+def tokenizer(chat: bool = True, text: str = TEXT, byte_level: bool = True):
+    """A BPE tokenizer (at most 512 tokens) trained on `text` (the passkey texts), with an <eos> token and,
+    if `chat`, a chat template: byte-level (it encodes any text), or without `byte_level` split at white space
+    and silently dropping the characters `text` lacks (a BPE without an unknown token)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<eos>", "<|user|>", "<|end|>", "<|assistant|>"]
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if byte_level else pre_tokenizers.Whitespace()
+    if byte_level:
+        bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([TEXT] * 4, trainer)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [])
+    bpe.train_from_iterator([text] * 4, trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>",
                                       additional_special_tokens=specials[1:])
     if chat:

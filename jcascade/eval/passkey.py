@@ -26,7 +26,7 @@ from jcascade.eval import stats
 from jcascade.eval.checkpointing import Checkpointing, complete, finished
 from jcascade.generation import decode
 from jcascade.eval.perplexity import cache_capacity
-from jcascade.eval.texts import REPEAT_SENTENCES
+from jcascade.eval.texts import REPEAT_SENTENCES, distinct
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.")
@@ -155,6 +155,22 @@ def prompts(builder: PromptBuilder, context_length: int, samples: int, seed: int
             for b in range(num_buckets) for i in range(samples)]
 
 
+def check_context_lengths(lengths: Sequence[int]) -> list[int]:
+    """The context lengths of a sweep as a list of ints >= 1, each once (`texts.distinct`: n counts each
+    length's prompts once); raises ValueError naming the bad or repeated value."""
+    bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1]
+    if bad or not len(lengths):
+        raise ValueError(f"context_lengths must be a non-empty list of ints >= 1, got {list(lengths)}")
+    return [int(n) for n in distinct("context_lengths", lengths)]
+
+
+def plan(builder: PromptBuilder, context_lengths: Sequence[int], samples: int, seed: int,
+         num_buckets: int = 5) -> dict[int, list[PasskeyPrompt]]:
+    """{context_length: `prompts`} of a sweep, all built (and so checked: a length too short for its prompts
+    or depth buckets raises ValueError) before any model time is spent."""
+    return {n: prompts(builder, n, samples, seed, num_buckets) for n in check_context_lengths(context_lengths)}
+
+
 def equal_batches(count: int, most: int = 32) -> int:
     """The batch size that splits `count` prompts into the fewest batches of at most `most`, as equal as
     possible (80 -> 27: three batches, one padding row), so little of each generate call is padding."""
@@ -163,6 +179,9 @@ def equal_batches(count: int, most: int = 32) -> int:
 
 def context_lengths(shortest: int, longest: int) -> list[int]:
     """shortest, 2 shortest, 4 shortest, ... while <= longest."""
+    for name, value in (("shortest", shortest), ("longest", longest)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"the {name} context must be an int >= 1, got {value!r}")
     if longest < shortest:
         raise ValueError(f"the longest context ({longest}) must be >= the shortest ({shortest})")
     lengths = [shortest]
@@ -243,7 +262,8 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
           num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8, retention: bool = False,
           progress: Callable[[int], None] | None = None,
           checkpointing: Checkpointing | None = None) -> list[PasskeyResult]:
-    """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy).
+    """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy). The
+    prompts of every length are built and checked first (`plan`: distinct lengths, each long enough).
 
     Greedy answers (`answer`); every batch is padded to [batch_size, context_length] (rows repeated,
     lengths per row), so each (policy, context length) compiles once. `retention` also records which key
@@ -261,19 +281,18 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if not policies:
         raise ValueError("policies must name at least one policy")
-    builder = PromptBuilder(tokenizer, filler, words)
-    plan = [(label, length, b, i) for length in context_lengths for label in policies for b in range(num_buckets)
-            for i in range(samples)]
+    planned = plan(PromptBuilder(tokenizer, filler, words), context_lengths, samples, seed, num_buckets)
+    units = [(label, length, b, i) for length in planned for label in policies for b in range(num_buckets)
+             for i in range(samples)]
     key = lambda r: (r.policy, r.context_length, r.bucket, r.sample)  # noqa: E731
     results = []
     found = checkpointing.resume(batch_size=batch_size) if checkpointing is not None else None
     if found is not None:
-        results = finished(found[1], plan, PasskeyResult, key)
+        results = finished(found[1], units, PasskeyResult, key)
         if progress is not None:
             progress(sum(r.context_length for r in results))
-    done, planned = len(results), 0  # the units the checkpoint holds, the units planned up to this batch
-    for length in context_lengths:
-        batch = prompts(builder, length, samples, seed, num_buckets)
+    done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
+    for length, batch in planned.items():
         for label, policy in policies.items():
             for first in range(0, len(batch), batch_size):
                 part = batch[first: first + batch_size]
@@ -283,8 +302,8 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                     tokens[r, : len(p.tokens)] = p.tokens
                 lengths = np.array([len(p.tokens) for p in rows], np.int32)
                 fed = len(part) * length  # context tokens of this batch's prompts (padding rows excluded)
-                planned += len(part)
-                if planned <= done:
+                reached += len(part)
+                if reached <= done:
                     continue
                 out, held = answer(model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
                                    eos_id=tokenizer.eos_token_id, retention=retention)
@@ -297,7 +316,7 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                     progress(fed)
                 if checkpointing is not None and checkpointing.due(fed):
                     checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
-    complete(results, plan, key, "passkey sweep")
+    complete(results, units, key, "passkey sweep")
     return results
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import pathlib
+import warnings
 from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
@@ -124,14 +125,39 @@ def book_tokens(tokenizer, text: str, max_tokens: int | None = None) -> np.ndarr
 
 def books(tokenizer, names, max_tokens: int | None = None, log=print) -> dict[str, np.ndarray]:
     """{name: tokens int32 [S]} of packaged books or text files (`texts.load_book`; ["all"]: every packaged
-    book), each cut to its first max_tokens."""
+    book), each cut to its first max_tokens. A book is named by its stem ("paradise_lost" for
+    paradise_lost.txt); books sharing a stem by the shortest ends of their paths that tell them apart
+    ("a/notes.txt", "b/notes.txt"). A book given twice (the same name or file) raises ValueError: n counts
+    each book once."""
     from jcascade.eval import texts
 
-    names = texts.book_names(log) if list(names) == ["all"] else names
-    return {pathlib.Path(b).stem: book_tokens(tokenizer, texts.load_book(b, log), max_tokens) for b in names}
+    names = texts.book_names(log) if list(names) == ["all"] else [str(b) for b in names]
+    paths = [pathlib.Path(b).resolve() if pathlib.Path(b).is_file() else pathlib.Path(b) for b in names]
+    texts.distinct("books", [str(p) for p in paths])
+    keys = [p.stem for p in paths]
+    for stem in {k for k in keys if keys.count(k) > 1}:
+        group = [i for i, k in enumerate(keys) if k == stem]
+        for ends in range(1, max(len(paths[i].parts) for i in group) + 1):
+            tails = {i: "/".join(paths[i].parts[-ends:]) for i in group}
+            if len(set(tails.values())) == len(group):
+                break
+        keys = [tails.get(i, k) for i, k in enumerate(keys)]
+    return dict(zip(texts.distinct("book names", keys),
+                    (book_tokens(tokenizer, texts.load_book(b, log), max_tokens) for b in names)))
 
 
 BLOCK = 4096  # tokens per bootstrap block: log-likelihoods of tokens this far apart are nearly independent
+
+
+def warn_few_blocks(streams, block: int) -> None:
+    """Warns (RuntimeWarning, with the numbers) when the token streams [S] to be scored hold fewer blocks of
+    `block` predictions than an interval needs (`stats.MIN_UNITS`): their perplexity would get no interval."""
+    units = sum(-(-(len(t) - 1) // block) for t in streams)
+    if streams and units < stats.MIN_UNITS:
+        warnings.warn(f"the {len(streams)} book(s) to stream hold {sum(len(t) for t in streams)} tokens: {units} "
+                      f"block(s) of {block} tokens, fewer than the {stats.MIN_UNITS} an interval needs, so their "
+                      "perplexity gets none; stream more tokens (--max-tokens, more books) or use smaller blocks "
+                      "(--block)", RuntimeWarning, stacklevel=3)
 
 
 def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, object], *, bucket: int = 256,
@@ -142,16 +168,18 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
     Returns the results and the names of the books skipped as not longer than the cache.
     checkpointing: saves the finished results and the running stream (its cache and log-probs) every
     `checkpointing.every` tokens, and continues from its last checkpoint, if any (its finished streams must be
-    this run's first ones: `checkpointing.finished`): the results are then
-    identical to an uninterrupted run's. Raises a RuntimeError unless the results hold every planned (book,
-    policy) once (`checkpointing.complete`).
+    this run's first ones: `checkpointing.finished`): the results are then identical to an uninterrupted
+    run's. Raises a RuntimeError unless the results hold every planned (book, policy) once
+    (`checkpointing.complete`).
     """
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-        raise ValueError(f"bucket must be a positive int, got {bucket!r}")
+    for name, value in (("bucket", bucket), ("block", block)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     for policy in policies.values():
         check_streaming(policy)
     capacities = [c for c in map(cache_capacity, policies.values()) if c is not None]
     longest = max(capacities, default=1)
+    warn_few_blocks([t for t in books.values() if len(t) > longest], block)
     plan = [(name, label) for name, tokens in books.items() if len(tokens) > longest for label in policies]
     key = lambda r: (r.book, r.policy)  # noqa: E731
     results, skipped, running = [], [], {}  # running: (book, policy label) -> the point its stream resumes at

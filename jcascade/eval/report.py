@@ -11,11 +11,20 @@ per-trial records (what `--json` prints), `jcascade.eval.plots` draws it.
 
 Every estimate is {"value", "low", "high", "n", "method"} (`stats.Estimate.as_dict`): n is the number of
 units behind it (prompts, or token blocks for perplexity), method how its 95 % interval was made.
+
+JSON (`json_text`, what the command writes and prints) is strict: never NaN or Infinity. A number that is
+not finite is written as null, and in an object a key "<key>_reason" beside it says why: for the bounds of
+an estimate without interval, "no interval: " and its method (e.g. "low": null, "low_reason": "no interval:
+too few units (n=4 < 5)"), otherwise the value it stands for ("not finite: nan", "not finite: inf"); in a
+list the null stands alone. numpy numbers and arrays are written as JSON numbers and lists.
+`stats.Estimate.from_dict` reads an estimate back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -43,7 +52,33 @@ def _estimates(table: Mapping) -> dict:
 
 
 def _estimate(d: Mapping) -> stats.Estimate:
-    return stats.Estimate(**d)
+    return stats.Estimate.from_dict(d)
+
+
+def _jsonable(value, reason: str = ""):
+    """value with the module doc's JSON convention applied: (the value, the reason when it became null)."""
+    if isinstance(value, np.ndarray | np.generic):
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, reason or f"not finite: {value}"
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            k = k.item() if isinstance(k, np.generic) else k
+            estimate = k in ("low", "high") and isinstance(value.get("method"), str)
+            out[k], why = _jsonable(v, f"no interval: {value['method']}" if estimate else "")
+            if why:
+                out[f"{k}_reason"] = why
+        return out, ""
+    if isinstance(value, list | tuple):
+        return [_jsonable(v)[0] for v in value], ""
+    return value, ""
+
+
+def json_text(value, indent: int | None = 1) -> str:
+    """Strict JSON of a report (or any result): the module doc's convention for numbers that are not finite;
+    anything else that JSON cannot hold raises (ValueError, TypeError) rather than being written."""
+    return json.dumps(_jsonable(value)[0], indent=indent, allow_nan=False)
 
 
 def baseline_label(policies: Mapping, baseline: str | None) -> str:

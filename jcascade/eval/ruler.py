@@ -19,8 +19,9 @@ Tasks (`TASKS`), as RULER's `synthetic.yaml` defines them:
 RULER's two QA tasks are left out: their data (SQuAD, HotpotQA) comes only from a model hub.
 
 A prompt is the tokenizer's chat template (when it has one) around the task text as the user message, then
-RULER's answer prefix, which the model continues. Its length is sized by binary search over the haystack
-units to the largest prompt with prompt tokens + the task's tokens to generate <= the context length.
+RULER's answer prefix, which the model continues. Its length is sized by a bounded search over the haystack
+units to the largest prompt with prompt tokens + the task's tokens to generate <= the context length; a
+haystack that runs out first (the prose, cwe's word list) is refused with the numbers, not returned short.
 Words come from the `wonderwords` package (as in RULER). Everything is deterministic given the seed: each
 sample (task, length, index) seeds its own generator. Scoring (`string_match_all`): the fraction of the
 expected strings found in the output, case-insensitively.
@@ -40,6 +41,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jcascade.eval.checkpointing import complete, finished
+from jcascade.eval.texts import distinct
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
@@ -58,6 +60,7 @@ FWE = ("Read the following coded text and track the frequency of each coded word
        "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
        "What are the three most frequently appeared words in the above coded text?")
 FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+ZETA_2 = math.pi**2 / 6  # sum of k^-2, fwe's Zipf normaliser for alpha = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,12 +239,13 @@ def _cwe(task: Task, units: int, rng: np.random.Generator, lists: dict, prose, c
 def _fwe(task: Task, units: int, rng: np.random.Generator, lists: dict, prose, context_length: int):
     vocabulary = sorted({"".join(rng.choice(list(string.ascii_lowercase), 6)) for _ in range(context_length // 50)})
     rng.shuffle(vocabulary)
-    vocabulary[0] = "..."
-    zeta = math.pi**2 / 6  # sum of k^-2, the Zipf normaliser for alpha = 2
-    counts = [int(units * k**-2.0 / zeta) for k in range(1, len(vocabulary) + 1)]
+    vocabulary = ["..."] + vocabulary[1:]
+    counts = [int(units * k**-2.0 / ZETA_2) for k in range(1, len(vocabulary) + 1)] + [0]
     coded = [w for w, c in zip(vocabulary, counts) for _ in range(c)]
     rng.shuffle(coded)
-    return FWE.format(context=" ".join(coded)), FWE_PREFIX, tuple(vocabulary[1:4]), ()
+    # the answers: the three words after the noise word, if each is more frequent than every other word
+    answers = tuple(vocabulary[1:4]) if len(vocabulary) >= 4 and counts[3] > counts[4] else ()
+    return FWE.format(context=" ".join(coded)), FWE_PREFIX, answers, ()
 
 
 _GENERATORS: dict[str, Callable] = {"niah": _niah, "vt": _vt, "cwe": _cwe, "fwe": _fwe}
@@ -260,6 +264,8 @@ class Generator:
         self.lists = {"noun": nouns, "adjective": adjectives,
                       "cwe": sorted(set(nouns) | set(adjectives) | set(words("verb")))}
         self.prose = sentences(prose) if prose is not None else None
+        if self.prose == []:
+            raise ValueError("prose: the prose haystack holds no text (an empty book?)")
 
     def _prompt(self, text: str, prefix: str) -> np.ndarray:
         tok = self.tokenizer
@@ -272,9 +278,15 @@ class Generator:
         return np.asarray(ids, np.int32)
 
     def sample(self, task: str, context_length: int, index: int, seed: int = 0) -> Sample:
-        """Sample `index` of `task` at `context_length` tokens (prompt + the task's tokens to generate)."""
+        """Sample `index` of `task` at `context_length` tokens (prompt + the task's tokens to generate): the
+        prompt with the most haystack units that fits. Raises ValueError, with the numbers, when the context
+        cannot hold the smallest prompt, when the prose (or cwe's word list) runs out with room for more in the
+        context (the prompt would be shorter than asked), or when the prompt holds too few words to define the
+        answers (fwe at a few hundred tokens)."""
         if task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+        if isinstance(context_length, bool) or not isinstance(context_length, (int, np.integer)) or context_length < 1:
+            raise ValueError(f"context_length must be an int >= 1, got {context_length!r}")
         spec = TASKS[task]
         if spec.needs_prose and self.prose is None:
             raise ValueError(f"task {task!r} hides its needles in prose: give the Generator a prose text")
@@ -285,30 +297,59 @@ class Generator:
             text, prefix, answers, needles = _GENERATORS[spec.family](spec, units, rng, self.lists, self.prose, context_length)
             return Sample(task, context_length, index, text, prefix, self._prompt(text, prefix), answers, needles)
 
-        most = len(self.prose) if spec.needs_prose else (len(self.lists["cwe"]) if spec.family == "cwe" else None)
         best = build(1)
         if len(best.prompt) > budget:
             raise ValueError(f"context_length={context_length} is too short for {task}: its smallest prompt takes "
                              f"{len(best.prompt)} tokens + {spec.tokens_to_generate} to generate")
+        # The units that exist: the prose's sentences, cwe's words; else as many as `budget` tokens can hold: each
+        # unit adds a token (a sentence, a line; fwe's a coded word every ZETA_2 = 1.64 units), so a prompt of
+        # more would not fit, and no text built here is longer.
+        haystack = "sentences of the prose" if spec.needs_prose else "words of cwe's list" if spec.family == "cwe" else ""
+        most = len(self.prose) if spec.needs_prose else len(self.lists["cwe"]) if haystack else 2 * budget + 2
         # The largest unit count whose prompt fits (prompt tokens grow with units): `low` units fit, `high` do not
-        # (None: not found yet), at most `most` exist. Guesses interpolate the tokens per unit seen so far, so a
-        # few tokenizations find it; after 8 guesses it bisects (or doubles), so it ends however the text grows.
+        # (None: not found yet). Guesses interpolate the tokens per unit seen so far, so a few tokenizations find
+        # it; after 8 guesses it bisects (or doubles), so it ends within 9 + 2 log2(most) tokenizations.
         tokens, low, high = {1: len(best.prompt)}, 1, None
         for step in itertools.count():
-            if (high is not None and high - low <= 1) or low == most:
-                return best  # with all the prose (or words) fitting, shorter than asked, as RULER's are
+            if high is not None and high - low <= 1:
+                break
+            if low == most:
+                self._check_filled(task, context_length, haystack, most, tokens)
+                break
             other = high if high is not None else min(tokens)
             per_unit = (tokens[other] - tokens[low]) / (other - low) if other != low else tokens[low]
             guess = low + int((budget - tokens[low]) / max(per_unit, 1e-9)) if step < 8 else (
                 2 * low if high is None else (low + high) // 2)
-            units = max(guess, low + 1) if high is None else min(max(guess, low + 1), high - 1)
-            units = units if most is None else min(units, most)
+            units = min(max(guess, low + 1), most) if high is None else min(max(guess, low + 1), high - 1)
             candidate = build(units)
             tokens[units] = len(candidate.prompt)
             if tokens[units] <= budget:
                 low, best = units, candidate
             else:
                 high = units
+        if not best.answers:
+            raise ValueError(f"context_length={context_length} is too short for {task}: its largest prompt "
+                             f"({len(best.prompt)} tokens) holds too few words to define the answers (fwe: three "
+                             "coded words each more frequent than every other); use a longer context")
+        return best
+
+    @staticmethod
+    def _check_filled(task: str, context_length: int, haystack: str, most: int, tokens: dict[int, int]) -> None:
+        """Raises ValueError when all `most` units fit (tokens: prompt tokens by unit count) with room for about
+        one more: the haystack ran out before the context was filled, or (no `haystack`) the prompt does not
+        grow with its units as the search assumes."""
+        spec = TASKS[task]
+        budget, filled = context_length - spec.tokens_to_generate, tokens[most]
+        per_unit = (filled - tokens[1]) / (most - 1) if most > 1 else 0
+        if not haystack:
+            raise ValueError(f"{task} at context_length={context_length}: the search for the prompt's size cannot "
+                             f"converge: {most} units make a prompt of {filled} tokens (1 unit: {tokens[1]}), still "
+                             f"under the {budget} it may take; the tokenizer folds the units' text")
+        if budget - filled >= per_unit:
+            raise ValueError(f"{task} at context_length={context_length}: all {most} {haystack} make a prompt of "
+                             f"{filled} tokens + {spec.tokens_to_generate} to generate, short of the "
+                             f"{context_length} asked; use shorter contexts"
+                             + (" or a longer prose text (--book)" if spec.needs_prose else ""))
 
     def samples(self, task: str, context_length: int, count: int, seed: int = 0) -> list[Sample]:
         return [self.sample(task, context_length, i, seed) for i in range(count)]
@@ -326,28 +367,29 @@ def _names(text: str, known, what: str) -> list[str]:
     unknown = [t for t in names if t not in known]
     if unknown or not names:
         raise ValueError(f"{what} must be comma-separated names among {', '.join(known)}, got {text!r}")
-    return names
+    return distinct(what, names)
 
 
 def task_list(text: str) -> list[str]:
-    """"niah_single_1,vt" -> the task names; "all" -> every task. Raises ValueError naming the known ones."""
+    """"niah_single_1,vt" -> the task names; "all" -> every task. Raises ValueError naming the known ones, or
+    a task given twice (n counts each task's prompts once)."""
     return list(TASKS) if text.strip() == "all" else _names(text, TASKS, "tasks")
 
 
 def policy_list(text: str) -> list[str]:
-    """"full,cascade" -> the policy names of `policies_at`."""
+    """"full,cascade" -> the policy names of `policies_at`, each once."""
     return _names(text, POLICIES, "policies")
 
 
 def budget_list(text: str) -> list[float]:
-    """"0.25,0.5" or "2048,4096" -> budgets (fractions of the context, or token counts)."""
+    """"0.25,0.5" or "2048,4096" -> budgets (fractions of the context, or token counts), each once."""
     try:
         budgets = [float(b) for b in text.split(",")]
     except ValueError:
         budgets = []
     if not budgets or any(not b > 0 or (b >= 1 and b != int(b)) for b in budgets):
         raise ValueError(f"budgets must be comma-separated fractions in (0, 1) or token counts, got {text!r}")
-    return budgets
+    return distinct("budgets", budgets)
 
 
 def budget_slots(budget: float, context_length: int) -> int:
@@ -367,14 +409,15 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
     recent; TOVA all of them; SnapKV, PyramidKV, KNorm, ExpectedAttention and KVzip their budget (SnapKV's window
     32, PyramidKV's 8; KVzip's reconstruction prompts in `tokenizer`'s tokens, which it needs); AdaKV SnapKV's
     budget on average over a layer's heads. Streaming policies prefill in chunks of half their slots (at most
-    2048); labels name the budget ("Cascade 25%")."""
+    2048); labels name the budget ("Cascade 25%", "Cascade 12.5%", "Cascade 2048"), so distinct budgets
+    label apart. Each name once."""
     import jcascade as jc
 
     if "kvzip" in names and tokenizer is None:
         raise ValueError("policies_at: kvzip needs the tokenizer (its reconstruction prompts are token ids)")
 
     slots = budget_slots(budget, context_length)
-    tag = f"{budget:.0%}" if budget < 1 else str(int(budget))
+    tag = f"{budget * 100:g}%" if budget < 1 else str(int(budget))
     stride = min(2048, slots // 2)
     make = {"full": lambda: jc.Full(stride=2048),
             "sink": lambda: jc.Sink(window=slots - 64, sinks=64, stride=stride),
@@ -389,7 +432,23 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
             "kvzip": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, stride=2048)}
     if any(n not in make for n in names):
         raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
+    distinct("policies", names)
     return {("Full" if n == "full" else f"{make[n]().label.split()[0]} {tag}"): make[n]() for n in names}
+
+
+def plan(generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int], samples: int,
+         seed: int = 0) -> dict[int, list[Sample]]:
+    """{context_length: the `samples` samples of every task, task-major} of a sweep, all built, and so checked
+    (`Generator.sample` raises for a prompt that cannot fill its context), before any model time is spent.
+    Tasks and lengths are each given once (`texts.distinct`: n counts each unit once)."""
+    from jcascade.eval.passkey import check_context_lengths
+
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks must be a non-empty list of {list(TASKS)}, got {list(tasks)}")
+    tasks = distinct("tasks", tasks)
+    return {n: [s for task in tasks for s in generator.samples(task, n, samples, seed)]
+            for n in check_context_lengths(context_lengths)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +466,7 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
           policies: Callable[[int], dict], *, samples: int = 50, seed: int = 0, batch_size: int = 8,
           progress: Callable[[int], None] | None = None, checkpointing=None) -> list[RulerResult]:
     """Every task x context length x policy on the same `samples` prompts per task, greedy as RULER decodes.
+    The prompts are built and checked first (`plan`: distinct tasks and lengths, prompts that fill them).
 
     policies(context_length) -> {label: policy} (e.g. `policies_at` at a budget; labels must not depend on
     the length). The prompts of all tasks at a length are right-padded to [batch_size, context_length] (rows
@@ -423,27 +483,23 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     for name, value in (("samples", samples), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown or not tasks:
-        raise ValueError(f"tasks must be a non-empty list of {list(TASKS)}, got {list(tasks)}")
-    plan = [(label, task, length, i) for length in context_lengths for label in policies(length) for task in tasks
-            for i in range(samples)]
+    planned = plan(generator, tasks, context_lengths, samples, seed)
+    units = [(label, task, n, i) for n in planned for label in policies(n) for task in tasks for i in range(samples)]
     key = lambda r: (r.policy, r.task, r.context_length, r.index)  # noqa: E731
     results = []
     found = checkpointing.resume(batch_size=batch_size) if checkpointing is not None else None
     if found is not None:
-        results = finished(found[1], plan, RulerResult, key)
+        results = finished(found[1], units, RulerResult, key)
         if progress is not None:
             progress(len(results))
-    done, planned = len(results), 0  # the units the checkpoint holds, the units planned up to this batch
+    done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
     tok, longest = generator.tokenizer, max(TASKS[t].tokens_to_generate for t in tasks)
-    for length in context_lengths:
-        prompts = [s for task in tasks for s in generator.samples(task, length, samples, seed)]
+    for length, prompts in planned.items():
         for label, policy in policies(length).items():
             for first in range(0, len(prompts), batch_size):
                 part = prompts[first: first + batch_size]
-                planned += len(part)
-                if planned <= done:
+                reached += len(part)
+                if reached <= done:
                     continue
                 rows = [part[i % len(part)] for i in range(batch_size)]
                 tokens = np.zeros((batch_size, length), np.int32)
@@ -460,5 +516,5 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
                     progress(len(part))
                 if checkpointing is not None and checkpointing.due(len(part) * length):
                     checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
-    complete(results, plan, key, "RULER sweep")
+    complete(results, units, key, "RULER sweep")
     return results

@@ -10,11 +10,13 @@ import importlib.metadata
 import json
 import pathlib
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
 import jcascade as jc
 from jcascade.eval.checkpointing import Checkpointing, open_run
+from jcascade.eval.report import json_text
 from jcascade.models.loading import CONVERTED_CONFIG
 
 
@@ -129,12 +131,23 @@ def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | No
 
 def write(out: str | pathlib.Path, name: str, report: dict, figures: Sequence[Callable] = (),
           checkpointing: Checkpointing | None = None) -> list[str]:
-    """Writes `out`/<name>.json and figure(out) for each figure function, removes the finished run's
-    checkpoint; returns the paths written."""
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    files = [str(out / f"{name}.json")] + [str(draw(out)) for draw in figures]
+    """Writes `out`/<name>.json (strict JSON: `jcascade.eval.report.json_text`) and figure(out) for each figure
+    function, removes the finished run's checkpoint; returns the paths written. When the JSON cannot be
+    written there, it is written to a temporary file instead and the OSError raised names both paths; an
+    OSError writing a figure says that the JSON was written (the checkpoint is then kept)."""
+    out, text = pathlib.Path(out), json_text(report)
+    path = out / f"{name}.json"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as e:
+        with tempfile.NamedTemporaryFile("w", prefix=f"jcascade-{name}-", suffix=".json", delete=False) as saved:
+            saved.write(text)
+        raise OSError(f"cannot write {path} ({e}); the results are saved in {saved.name}") from e
+    try:
+        files = [str(path)] + [str(draw(out)) for draw in figures]
+    except OSError as e:
+        raise OSError(f"{e} (the results are written to {path}, the figures are not)") from e
     if checkpointing is not None:
         checkpointing.clear()
     return files

@@ -29,7 +29,8 @@ The rules, each chosen so that an interval can only be wider than the plain boot
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -50,6 +51,22 @@ class Estimate:
     high: float
     n: int
     method: str = "bootstrap"
+
+    def __post_init__(self):  # numpy numbers become Python ones (what JSON writes); None bounds (JSON's) are NaN
+        for name in ("value", "low", "high"):
+            x = getattr(self, name)
+            x = float("nan") if x is None and name != "value" else x
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+                raise ValueError(f"Estimate.{name} must be a real number, got {x!r}")
+            object.__setattr__(self, name, float(x))
+        object.__setattr__(self, "n", integer("Estimate.n", self.n, least=0))
+        if not isinstance(self.method, str):
+            raise ValueError(f"Estimate.method must be a str, got {self.method!r}")
+
+    @classmethod
+    def from_dict(cls, d) -> Estimate:
+        """The Estimate of `as_dict` or of a report's JSON (null bounds, "*_reason" keys beside them)."""
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     @property
     def has_interval(self) -> bool:
@@ -72,8 +89,20 @@ class Estimate:
         return dataclasses.asdict(self)
 
 
+def integer(name: str, value, least: int | None = None) -> int:
+    """value as a Python int (numpy integers accepted, bools not), at least `least`; else a ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value!r}")
+    return int(value)
+
+
 def _check_units(name: str, x, n: int | None = None) -> np.ndarray:
-    x = np.asarray(x, np.float64)
+    try:
+        x = np.asarray(x, np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a 1-D array of real numbers, got {x!r:.80}") from None
     if x.ndim != 1 or x.size == 0 or (n is not None and x.size != n):
         raise ValueError(f"{name} must be a non-empty 1-D array{'' if n is None else f' of {n} units'}, "
                          f"got shape {list(x.shape)}")
@@ -104,27 +133,29 @@ def _means(values: np.ndarray, weights: np.ndarray, idx: np.ndarray | slice) -> 
     return (values[idx] * weights[idx]).sum(axis=-1) / weights[idx].sum(axis=-1)
 
 
-def _bootstrap(columns: Sequence, weights, strata, transform: Callable, contrast: Callable, seed: int
-               ) -> tuple[float, np.ndarray | None, np.ndarray, str]:
-    """(contrast of the transformed column means, its bootstrap replicates or None with too few units,
-    the weights, the method)."""
-    columns = [_check_units(f"columns[{i}]", c) for i, c in enumerate(columns)]
-    n = columns[0].size
-    columns = [_check_units(f"columns[{i}]", c, n) for i, c in enumerate(columns)]
+def _bootstrap(columns: dict[str, object], weights, strata, bounds, transform: Callable, contrast: Callable, seed: int
+               ) -> tuple[float, np.ndarray | None, np.ndarray, str, tuple[float, float] | None]:
+    """(contrast of the transformed means of the columns {name: values [n]}, its bootstrap replicates or None
+    with too few units, the weights, the method, the checked bounds)."""
+    n = _check_units(*next(iter(columns.items()))).size
+    columns = {name: _check_units(name, c, n) for name, c in columns.items()}
+    if not callable(transform):
+        raise ValueError(f"transform must be callable, got {transform!r}")
     weights = np.ones(n) if weights is None else _check_units("weights", weights, n)
     if np.any(weights <= 0):
         raise ValueError("weights must be positive")
-    if strata is not None and len(strata) != n:
-        raise ValueError(f"strata must give one label per unit ({n}), got {len(strata)}")
-    value = float(contrast(*(transform(_means(c, weights, slice(None))) for c in columns)))
+    strata = _check_strata(strata, n)
+    bounds = _check_bounds(bounds, columns, transform)
+    seed = integer("seed", seed, least=0)
+    value = float(contrast(*(transform(_means(c, weights, slice(None))) for c in columns.values())))
     if n < MIN_UNITS:
-        return value, None, weights, f"too few units (n={n} < {MIN_UNITS})"
-    labels = stratum_codes(strata, columns[0] - columns[1] if len(columns) == 2 else columns[0])
+        return value, None, weights, f"too few units (n={n} < {MIN_UNITS})", bounds
+    labels = stratum_codes(strata, np.subtract(*columns.values()) if len(columns) == 2 else columns["values"])
     idx = resample_indices(labels, RESAMPLES, np.random.default_rng(seed))
-    replicates = contrast(*(transform(_means(c, weights, idx)) for c in columns))
+    replicates = contrast(*(transform(_means(c, weights, idx)) for c in columns.values()))
     method = "stratified bootstrap" if labels.max() > 0 else "bootstrap"
     return value, replicates, weights, method + (" (strata pooled)" if strata is not None and labels.max() == 0
-                                                 else "")
+                                                 else ""), bounds
 
 
 def _percentiles(replicates: np.ndarray) -> tuple[float, float]:
@@ -132,10 +163,38 @@ def _percentiles(replicates: np.ndarray) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def _check_bounds(bounds) -> tuple[float, float]:
-    if len(bounds) != 2 or not bounds[0] < bounds[1]:
-        raise ValueError(f"bounds must be (low, high) with low < high, got {bounds!r}")
-    return float(bounds[0]), float(bounds[1])
+def _check_strata(strata, n: int) -> list | None:
+    """strata as a list of n hashable labels (or None)."""
+    if strata is None:
+        return None
+    if isinstance(strata, (str, bytes)) or not isinstance(strata, Sequence | np.ndarray):
+        raise ValueError(f"strata must be a sequence of one label per unit, got {type(strata).__name__}")
+    strata = list(strata)
+    if len(strata) != n:
+        raise ValueError(f"strata must give one label per unit ({n}), got {len(strata)}")
+    unhashable = [s for s in strata if not isinstance(s, Hashable)]
+    if unhashable:
+        raise ValueError(f"strata labels must be hashable (e.g. a tuple, not a list), got {unhashable[0]!r}")
+    return strata
+
+
+def _check_bounds(bounds, columns: dict[str, np.ndarray], transform: Callable) -> tuple[float, float] | None:
+    """bounds (low, high) as finite floats with low < high that every value of every column lies in."""
+    if bounds is None:
+        return None
+    if transform is not np.asarray:
+        raise ValueError("bounds apply to untransformed means only")
+    try:
+        low, high = (float(b) for b in bounds)
+    except (TypeError, ValueError):
+        raise ValueError(f"bounds must be (low, high) with low < high, got {bounds!r}") from None
+    if not (np.isfinite(low) and np.isfinite(high) and low < high):
+        raise ValueError(f"bounds must be (low, high), finite, with low < high, got {bounds!r}")
+    for name, c in columns.items():
+        outside = c[(c < low) | (c > high)]
+        if outside.size:
+            raise ValueError(f"{name} must lie in bounds [{low:g}, {high:g}], got {outside[:3].tolist()}")
+    return low, high
 
 
 def effective_units(weights: np.ndarray) -> float:
@@ -144,7 +203,11 @@ def effective_units(weights: np.ndarray) -> float:
 
 
 def wilson(p: float, n: float) -> tuple[float, float]:
-    """Wilson's score interval for a proportion p observed over n units."""
+    """Wilson's score interval for a proportion p in [0, 1] observed over n > 0 units (numpy numbers too)."""
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real) or not 0 <= p <= 1:
+        raise ValueError(f"p must be a proportion in [0, 1], got {p!r}")
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real) or not 0 < n < np.inf:
+        raise ValueError(f"n must be a positive finite number of units, got {n!r}")
     centre = (p + _Z**2 / (2 * n)) / (1 + _Z**2 / n)
     half = _Z / (1 + _Z**2 / n) * np.sqrt(p * (1 - p) / n + _Z**2 / (4 * n**2))
     return float(centre - half), float(centre + half)
@@ -156,15 +219,14 @@ def mean(values, *, weights=None, strata=None, bounds: tuple[float, float] | Non
 
     weights float [n] (e.g. tokens per block; default 1); strata: a hashable label per unit; bounds: the
     range every value lies in, when it has one (accuracies: (0, 1)); not with a transform."""
-    value, replicates, w, method = _bootstrap([values], weights, strata, transform, lambda x: x, seed)
+    value, replicates, w, method, bounds = _bootstrap({"values": values}, weights, strata, bounds, transform,
+                                                      lambda x: x, seed)
     n = w.size
     if replicates is None:
         return Estimate(value, float("nan"), float("nan"), n, method)
     low, high = _percentiles(replicates)
     if bounds is not None:
-        if transform is not np.asarray:
-            raise ValueError("bounds apply to untransformed means only")
-        lo, hi = _check_bounds(bounds)
+        lo, hi = bounds
         p = min(max((value - lo) / (hi - lo), 0.0), 1.0)
         w_low, w_high = wilson(p, effective_units(w))
         low, high = min(low, lo + (hi - lo) * w_low), max(high, lo + (hi - lo) * w_high)
@@ -176,15 +238,14 @@ def paired_difference(a, b, *, weights=None, strata=None, bounds: tuple[float, f
                       transform: Callable[[np.ndarray], np.ndarray] = np.asarray, seed: int = 0) -> Estimate:
     """transform(mean a) - transform(mean b) over the same n units (float [n] each), with its 95 % interval;
     every replicate redraws one set of units for both sides. bounds: the range of each side's values."""
-    value, replicates, w, method = _bootstrap([a, b], weights, strata, transform, lambda x, y: x - y, seed)
+    value, replicates, w, method, bounds = _bootstrap({"a": a, "b": b}, weights, strata, bounds, transform,
+                                                      lambda x, y: x - y, seed)
     n = w.size
     if replicates is None:
         return Estimate(value, float("nan"), float("nan"), n, method)
     low, high = _percentiles(replicates)
     if bounds is not None and high - low <= 1e-12 * max(1.0, abs(value)):
-        if transform is not np.asarray:
-            raise ValueError("bounds apply to untransformed means only")
-        lo, hi = _check_bounds(bounds)
+        lo, hi = bounds
         spread = (hi - lo) * _Z**2 / (effective_units(w) + _Z**2)
         low, high = max(value - spread, lo - hi), min(value + spread, hi - lo)
         method += " widened (every unit differed by the same amount)"
@@ -195,8 +256,7 @@ def blocks(values, block: int) -> tuple[np.ndarray, np.ndarray]:
     """Splits a stream of per-token values [S] into consecutive blocks of `block` tokens (the last one may
     be shorter). Returns (mean per block, tokens per block), each float [ceil(S / block)]."""
     values = _check_units("values", values)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
+    block = integer("block", block, least=1)
     starts = np.arange(0, values.size, block)
     counts = np.diff(np.append(starts, values.size)).astype(np.float64)
     return np.add.reduceat(values, starts) / counts, counts

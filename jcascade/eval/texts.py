@@ -9,6 +9,7 @@
 
 Everything is cached under `jcascade.models.packaged.cache_dir()` ($JCASCADE_CACHE, default
 ~/.cache/jcascade). Every loader also takes a local file, so nothing here needs the network in tests.
+`distinct` checks the evaluations' lists of units (context lengths, tasks, budgets, books) for repeats.
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def read_text(path: str | os.PathLike) -> str:
     if "\0" in text:
         raise ValueError(f"{path}: not text (a NUL character at offset {text.index(chr(0))}: a binary file?)")
     return text.replace("\r\n", "\n")
+
+
+def distinct(name: str, values) -> list:
+    """`values` as a list, each value once: a value given twice raises ValueError naming `name` and the value.
+    Each is a unit an evaluation's n counts (a context length, task, budget or book): a repeat would count
+    its prompts twice and narrow the intervals."""
+    values = list(values)
+    repeated = [v for i, v in enumerate(values) if v in values[:i]]
+    if repeated:
+        raise ValueError(f"{name}: {repeated[0]!r} is given twice; each is counted once in n, so give it once")
+    return values
 
 
 def word_list(path: str | os.PathLike | None = None, log=print) -> list[str]:
@@ -107,15 +119,19 @@ def book_names(log=print) -> list[str]:
 
 
 def load_book(book: str | os.PathLike, log=print) -> str:
-    """A book's text: a packaged book by name (see `book_names`) or a local text file by path."""
+    """A book's text: a packaged book by name (see `book_names`) or a local text file by path. A book with
+    no text (empty, or only white space) raises ValueError naming it."""
     if pathlib.Path(book).is_file():
-        return read_text(book)
-    if pathlib.Path(book).suffix or os.sep in str(book):
+        text = read_text(book)
+    elif pathlib.Path(book).suffix or os.sep in str(book):
         raise FileNotFoundError(f"no such book file: {book}")
-    names = book_names(log)
-    if book not in names:
+    elif book not in (names := book_names(log)):
         raise ValueError(f"book must be a text file or one of the packaged books {names}, got {str(book)!r}")
-    return read_text(_books_dir() / f"{book}.txt")
+    else:
+        text = read_text(_books_dir() / f"{book}.txt")
+    if not text.strip():
+        raise ValueError(f"book {str(book)!r} holds no text (an empty file?)")
+    return text
 
 
 def _fetch_books(directory: pathlib.Path, log) -> None:

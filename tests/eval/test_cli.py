@@ -1,13 +1,19 @@
 """The `jcascade` command line end to end on a tiny random model saved to a temporary directory (offline)."""
 
+import contextlib
+import io
 import json
+import math
 
 import jax
+import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import jcascade as jc
 from jcascade import cli
-from jcascade.eval import main_job, passkey, stats
+from jcascade.eval import main_job, passkey, report, runner, stats
 from jcascade.policies import parse_policy, policy_classes
 
 SINK = "sink:window=32,sinks=4,stride=32"
@@ -82,7 +88,7 @@ def test_passkey_and_compare(model_dir, tmp_path, capsys):
     assert "Sink vs Cascade" in captured.err and "key tokens the question sees" in captured.err
     [(cascade, difference)] = summary["differences"].items()  # Cascade 32x2: the CPU's 2 cascades
     assert cascade == f"Cascade 32x{main_job.SETTINGS['cpu']['cascades']}"
-    assert summary["verdicts"] == {cascade: stats.verdict_word(stats.Estimate(**difference["all"]), "better")}
+    assert summary["verdicts"] == {cascade: stats.verdict_word(stats.Estimate.from_dict(difference["all"]), "better")}
     assert "results" not in summary and summary["files"][0].endswith("passkey.json")
     assert summary["accuracy"]["Sink 32"]["128"]["n"] == 5 and summary["retention"] is not None
     compare = json.loads((tmp_path / "compare" / "passkey.json").read_text())
@@ -141,16 +147,31 @@ def test_ruler(model_dir, tmp_path, capsys):
     (["passkey", "--policy", "nope"], "unknown policy 'nope'"),
     (["passkey", "--policy", "cascade:cache_size=32,sinks=4", "--min-length", "16"],
      "context_length=16 is too short: the passkey prompt without filler takes"),
-    (["passkey", "--min-length", "4K", "--max-length", "1K"], "the longest context (1024) must be >= the shortest (4096)"),
+    (["passkey", "--min-length", "4K", "--max-length", "1K"],
+     "--max-length: the longest context (1024) must be >= the shortest (--min-length 4096)"),
+    (["compare", "--min-length", "64K"], "--max-length: the longest context (768) must be >= the shortest"),
     (["perplexity", "--policy", "snapkv:budget=64"], "streaming policy"),
     (["generate", "--prompt", "hi", "--policy", "cascade:cache_size=-1"], "cache_size must be >= 1"),
-    (["passkey", "--samples", "0"], "argument --samples: must be positive, got '0'"),
-    (["passkey", "--samples", "-3"], "argument --samples: must be positive, got '-3'"),
-    (["passkey", "--min-length", "-1K"], "argument --min-length: must be positive, got '-1K'"),
-    (["passkey", "--samples", "two"], "argument --samples: must be a positive int such as 4096 or 4K, got 'two'"),
-    (["passkey", "--baseline", "Sink 99"], "baseline 'Sink 99' must be one of the policy labels"),
+    (["passkey", "--samples", "0"], "argument --samples: must be positive and at most 2147483647, got '0'"),
+    (["passkey", "--samples", "-3"], "argument --samples: must be positive and at most 2147483647, got '-3'"),
+    (["passkey", "--min-length", "-1K"], "argument --min-length: must be positive and at most 2147483647, got '-1K'"),
+    (["passkey", "--samples", "3000000K"], "argument --samples: must be positive and at most 2147483647"),
+    (["passkey", "--samples", "two"], "argument --samples: must be an int such as 4096 or 4K, got 'two'"),
+    (["passkey", "--seed", "-1"], "argument --seed: must be >= 0 and at most 4294967295, got '-1'"),
+    (["passkey", "--seed", "1.5"], "argument --seed: must be an int, got '1.5'"),
+    (["passkey", "--words-file", __file__], "--words-file: used only with --filler words, not --filler repeat"),
+    (["passkey", "--baseline", "Sink 99"], "--baseline: baseline 'Sink 99' must be one of the policy labels"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "argument --temperature: must be a finite number in [0,"),
+    (["generate", "--prompt", "hi", "--temperature", "-0.5"], "argument --temperature: must be a finite number in [0,"),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], "argument --temperature: must be a finite number in [0,"),
+    (["generate", "--prompt", "hi", "--top-p", "2"], "argument --top-p: must be a finite number in (0, 1], got '2'"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be a finite number in (0, 1], got '0'"),
+    (["generate", "--prompt", ""], "--prompt: must not be empty"),
+    (["ruler", "--budget", "inf"], "argument --budget: 'inf' is out of range"),
+    (["attention-map", "--layer", "2", "--tokens", "64"], "--layer: must be < 2 (the model's layers), got 2"),
+    (["attention-map", "--kv-head", "-1"], "argument --kv-head: must be >= 0"),
     (["ruler", "--tasks", "qa_1"], "argument --tasks: tasks must be comma-separated names among niah_single_1"),
-    (["ruler", "--budget", "0.01", "--policy", "sink"], "budget 0.01 keeps 40 slots at 4096 tokens"),
+    (["ruler", "--budget", "0.01", "--policy", "sink"], "--budget: budget 0.01 keeps 40 slots at 4096 tokens"),
     (["passkey", "--mesh", "data=0"], "with positive ints, got 'data=0'"),
     (["passkey", "--mesh", "rows=2"], "with positive ints, got 'rows=2'"),
     (["passkey", "--mesh", "data=2,data=4"], "each axis at most once"),
@@ -163,6 +184,7 @@ def test_bad_arguments_are_rejected_clearly(model_dir, argv, message, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err, err
     assert f"usage: jcascade {argv[0]} [-h]" in err and "{generate," not in err, err  # the subcommand's usage
+    assert f"jcascade {argv[0]}: error: " in err and "Traceback" not in err, err
 
 
 def test_help_shows_the_effective_defaults(capsys):
@@ -174,11 +196,132 @@ def test_help_shows_the_effective_defaults(capsys):
         assert all(e in text for e in expected), text
 
 
-def test_a_missing_model_is_rejected(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["passkey", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
-    assert "no such model directory or .gguf file" in capsys.readouterr().err
-
-
 def test_equal_batches():
     assert [passkey.equal_batches(n) for n in (1, 25, 32, 33, 80, 100)] == [1, 25, 32, 17, 27, 25]
+
+
+def _strict(text: str):
+    """json.loads refusing NaN and Infinity (which Python's json reads by default)."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_strict_when_a_cell_has_too_few_prompts_for_an_interval(model_dir, tmp_path, capsys):
+    """2 prompts per cell (< stats.MIN_UNITS): no interval. stdout and the file are strict JSON; the bounds are
+    null with the reason beside them, and the report reads back as the same estimates."""
+    cli.main(["passkey", "--model", model_dir, "--policy", SINK, "--policy", CASCADE, "--min-length", "128",
+              "--max-length", "128", "--buckets", "2", "--samples", "1", "--out", str(tmp_path), "--json"])
+    summary = _strict(capsys.readouterr().out)
+    written = _strict((tmp_path / "passkey.json").read_text())
+    for payload in (summary, written):
+        cell = payload["accuracy"]["Sink 32"]["128"]
+        assert cell["n"] == 2 and cell["low"] is None and cell["high"] is None
+        assert cell["low_reason"] == "no interval: too few units (n=2 < 5)" == cell["high_reason"]
+        assert stats.Estimate.from_dict(cell).format() == f"{cell['value']:.2f} [no interval]"
+        assert payload["verdicts"] == {"Cascade 32x4": "too few units"}
+    (tmp_path / "again" / "passkey_accuracy.png").mkdir(parents=True)  # a figure cannot be written: the JSON is kept
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["passkey", "--model", model_dir, "--policy", SINK, "--policy", CASCADE, "--min-length", "128",
+                  "--max-length", "128", "--buckets", "2", "--samples", "1", "--out", str(tmp_path / "again")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "jcascade passkey: error: --out: [Errno 21] Is a directory: " in err, err
+    assert f"(the results are written to {tmp_path / 'again' / 'passkey.json'}, the figures are not)" in err, err
+    assert _strict((tmp_path / "again" / "passkey.json").read_text())["results"] == written["results"]
+
+
+def test_json_text_convention():
+    """Not-finite numbers become null with "<key>_reason" beside them (in lists: null alone), numpy numbers
+    become JSON numbers, and what JSON cannot hold raises instead of being written."""
+    nan, inf = float("nan"), float("inf")
+    value = {"e": stats.Estimate(0.5, nan, nan, 3, "too few units (n=3 < 5)").as_dict(), "ppl": inf,
+             "curve": np.array([1.0, nan, -inf]), "n": np.int64(7), "ok": np.bool_(True),
+             np.int32(4): (np.float32(0.5),)}
+    assert _strict(report.json_text(value)) == {
+        "e": {"value": 0.5, "low": None, "low_reason": "no interval: too few units (n=3 < 5)", "high": None,
+              "high_reason": "no interval: too few units (n=3 < 5)", "n": 3, "method": "too few units (n=3 < 5)"},
+        "ppl": None, "ppl_reason": "not finite: inf", "curve": [1.0, None, None], "n": 7, "ok": True, "4": [0.5]}
+    with pytest.raises(TypeError):
+        report.json_text({"policy": jc.Full()})
+
+
+def test_results_that_cannot_be_written_to_out_are_kept(tmp_path):
+    """runner.write: a --out that cannot be made a directory (a file stands in the way) keeps the results in
+    a temporary file named by the error."""
+    blocker = tmp_path / "file"
+    blocker.write_text("mine")
+    with pytest.raises(OSError, match="the results are saved in ") as error:
+        runner.write(blocker / "out", "passkey", {"accuracy": float("nan"), "n": np.int64(3)})
+    saved = str(error.value).rsplit("saved in ", 1)[1]
+    assert _strict(open(saved).read()) == {"accuracy": None, "accuracy_reason": "not finite: nan", "n": 3}
+    assert blocker.read_text() == "mine"
+
+
+@pytest.mark.parametrize("make,option,message", [
+    (lambda tmp: ["--out", str(tmp / "file")], "--out", "exists and is not a directory"),
+    (lambda tmp: ["--out", str(tmp / "file" / "below")], "--out", "is not a directory"),
+    (lambda tmp: ["--out", str(tmp)], "--out", "passkey.json is a directory"),
+    (lambda tmp: ["--model", str(tmp / "nowhere")], "--model", "no such model directory or .gguf file"),
+    (lambda tmp: ["--filler", "words", "--words-file", str(tmp / "words.txt")], "--words-file", "no such file"),
+])
+def test_paths_are_refused_before_any_model_time(make, option, message, tmp_path, monkeypatch, capsys):
+    """A bad output or input path is refused at once, naming its option: the model is never loaded and the
+    file in the way is left as it was."""
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "passkey.json").mkdir()
+    monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["passkey", *make(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"jcascade passkey: error: {option}: " in err and message in err, err
+    assert (tmp_path / "file").read_text() == "mine"
+    with pytest.raises(SystemExit):
+        cli.main(["perplexity", "--book", str(tmp_path / "missing.txt")])
+    assert "jcascade perplexity: error: --book: no such file" in capsys.readouterr().err
+
+
+def _int(least: int, most: int = cli.LARGEST):
+    return lambda v: type(v) is int and least <= v <= most
+
+
+def _float(low: float, high: float, low_open: bool = False):
+    return lambda v: type(v) is float and math.isfinite(v) and low <= v <= high and not (low_open and v == low)
+
+
+_COUNT, _SEED = _int(1), _int(0, cli.SEEDS - 1)
+NUMBERS = [("generate", "--max-new-tokens", _COUNT), ("generate", "--temperature", _float(0, math.inf)),
+           ("generate", "--top-p", _float(0, 1, low_open=True)), ("generate", "--seed", _SEED),
+           *[("passkey", o, _COUNT) for o in ("--min-length", "--max-length", "--samples", "--buckets", "--batch-size",
+                                              "--checkpoint-every")],
+           ("passkey", "--seed", _SEED), ("compare", "--sinks", _int(0)),
+           *[("compare", o, _COUNT) for o in ("--cache-size", "--cascades", "--stride")],
+           *[("perplexity", o, _COUNT) for o in ("--max-tokens", "--bucket", "--block")],
+           ("ruler", "--budget", lambda v: all(type(b) is float and 0 < b < math.inf for b in v)),
+           ("ruler", "--samples", _COUNT), ("attention-map", "--layer", _int(0)),
+           ("attention-map", "--kv-head", _int(0)),
+           *[("attention-map", o, _COUNT) for o in ("--tokens", "--pixels")]]
+_VALUES = st.one_of(st.integers(-2**70, 2**70).map(str), st.integers(-2**25, 2**25).map(lambda i: f"{i}K"),
+                    st.floats().map(str), st.text(max_size=6),
+                    st.sampled_from(["0", "-0", "1e999", "-inf", "NaN", "0x10", " 7 ", "1_000", "4k", "K", "-.5",
+                                     "--json", "0.25,0.5", "2048,nan", ""]))
+
+
+@settings(max_examples=200)  # parsing only: a few ms an example
+@given(case=st.sampled_from(NUMBERS), value=_VALUES)
+@example(case=NUMBERS[1], value="inf")
+@example(case=NUMBERS[2], value="nan")
+@example(case=next(c for c in NUMBERS if c[1] == "--budget"), value="1e999")
+@example(case=NUMBERS[0], value="99999999999999999999K")
+def test_numbers_are_accepted_in_range_or_refused_naming_their_option(case, value):
+    """Any value of a number option parses to an int or finite float in the option's range, or exits with the
+    command's usage error (SystemExit 2) naming the option on stderr; never a traceback. Parse only: no model."""
+    command, option, accepted = case
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            args = cli.parse([command, option, value, *(["--prompt", "hi"] if command == "generate" else [])])
+        except SystemExit as exit_info:
+            last = err.getvalue().rstrip().splitlines()[-1]
+            assert exit_info.code == 2 and last.startswith(f"jcascade {command}: error: ") and option in last, last
+            return
+    assert accepted(getattr(args, option[2:].replace("-", "_"))), (option, value)

@@ -4,6 +4,7 @@ perplexity, attention-map reconstruction, and the word-list / book loaders on lo
 import dataclasses
 import io
 import tarfile
+import warnings
 
 import numpy as np
 import pytest
@@ -106,6 +107,47 @@ def test_sweep_is_deterministic_and_complete(tok, model):
         passkey.sweep(model, tok, policies, [128], samples=0)
 
 
+def test_passkey_lengths_are_distinct_and_checked_before_any_model_time(tok):
+    """model=None: a sweep that reached the model would fail otherwise than with these ValueErrors."""
+    for lengths, match in [([128, 256, 128], "context_lengths: 128 is given twice"),
+                           ([200, 40], "context_length=40 is too short"),
+                           ([], "context_lengths must be a non-empty list of ints >= 1"),
+                           ([128, 128.0 + 1], "context_lengths must be a non-empty list of ints >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            passkey.sweep(None, tok, {"sink": SINK}, lengths)
+    assert passkey.context_lengths(1000, 4000) == [1000, 2000, 4000] and passkey.context_lengths(512, 512) == [512]
+    for shortest, longest in ((0, 100), (-1, 8), (True, 8), (64, 0)):  # 0 or -1 never doubled past longest
+        with pytest.raises(ValueError, match="context must be an int >= 1"):
+            passkey.context_lengths(shortest, longest)
+
+
+def test_books_are_counted_once_and_named_apart(tmp_path, tok):
+    for folder, name, text in (("a", "notes.txt", "One book. "), ("b", "notes.txt", "Another book. "),
+                               ("c", "other.txt", "A third. "), ("c", "empty.txt", " \n")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / name).write_text(text * 20)
+    a, b, c = (str(tmp_path / f) for f in ("a/notes.txt", "b/notes.txt", "c/other.txt"))
+    found = perplexity.books(tok, [a, b, c])  # same stem, different folders: both kept, named by their folders
+    assert list(found) == ["a/notes.txt", "b/notes.txt", "other"]
+    assert [len(t) for t in found.values()] == [len(perplexity.book_tokens(tok, texts.read_text(p))) for p in (a, b, c)]
+    assert list(perplexity.books(tok, [a, c], max_tokens=5)) == ["notes", "other"]
+    with pytest.raises(ValueError, match="books: .*notes.txt' is given twice"):
+        perplexity.books(tok, [a, c, str(tmp_path / "b" / ".." / "a" / "notes.txt")])  # the same file again
+    with pytest.raises(ValueError, match=r"book '.*empty.txt' holds no text"):
+        perplexity.books(tok, [a, str(tmp_path / "c" / "empty.txt")])
+
+
+def test_perplexity_warns_when_its_books_hold_too_few_blocks_for_an_interval(model):
+    with pytest.warns(RuntimeWarning, match=r"the 2 book\(s\) to stream hold 41 tokens: 4 block\(s\) of 10 tokens"):
+        perplexity.warn_few_blocks([np.zeros(21), np.zeros(20)], 10)  # 20 + 19 predictions: 2 + 2 blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        perplexity.warn_few_blocks([np.zeros(21), np.zeros(22)], 10)  # 2 + 3 blocks: enough
+        perplexity.warn_few_blocks([], 10)  # nothing to stream: `perplexity` says so itself
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        perplexity.perplexity(model, {"b": np.zeros(100, np.int32)}, {"sink": SINK}, block=0)
+
+
 def _batch(prompts, length):
     tokens = np.zeros((len(prompts), length), np.int32)
     for r, p in enumerate(prompts):
@@ -177,7 +219,9 @@ def test_stream_equals_score_and_perplexity_skips_short_books(model):
     streamed = perplexity.stream(model, SINK, tokens)
     np.testing.assert_allclose(streamed, np.asarray(jc.score(model, tokens[None], SINK))[0], atol=1e-5)
     books = {"long": tokens, "short": tokens[:30]}
-    results, skipped = perplexity.perplexity(model, books, {"sink": SINK}, bucket=64)
+    with pytest.warns(RuntimeWarning, match=r"the 1 book\(s\) to stream hold 150 tokens: 1 block\(s\) of 4096 tokens, "
+                                            r"fewer than the 5 an interval needs"):
+        results, skipped = perplexity.perplexity(model, books, {"sink": SINK}, bucket=64)
     assert skipped == ["short"] and len(results) == 1
     r = results[0]
     assert r.tokens == 150 and r.nll == pytest.approx(-streamed.mean(), rel=1e-6)

@@ -2,10 +2,15 @@
 needles where the generator says, prompt lengths, and the scorer on hand-written outputs."""
 
 import collections
+import contextlib
+import math
 import re
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 import tiny
 from jcascade.eval import ruler
@@ -180,3 +185,135 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
                     checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
     resumed = sweep(checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
     assert resumed == whole
+
+
+# ---- counts that mean what they say: distinct units, prompts that fill their context, bounded searches -------
+
+
+def test_units_given_twice_are_refused_by_name():
+    for call, match in [(lambda: ruler.task_list("vt,niah_single_1,vt"), "tasks: 'vt' is given twice"),
+                        (lambda: ruler.policy_list("full,sink,full"), "policies: 'full' is given twice"),
+                        (lambda: ruler.budget_list("0.25,0.5,0.25"), "budgets: 0.25 is given twice"),
+                        (lambda: ruler.policies_at(["sink", "sink"], 0.25, 8192), "policies: 'sink' is given twice")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    # distinct budgets get distinct labels (a dict of labels would otherwise keep one of them)
+    labels = [next(iter(ruler.policies_at(["sink"], b, 8192))) for b in (0.25, 0.251, 0.252, 2048)]
+    assert labels == ["Sink 25%", "Sink 25.1%", "Sink 25.2%", "Sink 2048"]
+
+
+def test_a_sweep_refuses_repeated_tasks_and_lengths_before_any_model_time(generator):
+    """model=None: a sweep that reached the model would fail otherwise than with these ValueErrors."""
+    policies = lambda n: {"Full": None}  # noqa: E731
+    for tasks, lengths, match in [(["vt", "vt"], [1024], "tasks: 'vt' is given twice"),
+                                  (["vt"], [1024, 2048, 1024], "context_lengths: 1024 is given twice"),
+                                  (["vt"], [1024, 0], "context_lengths must be a non-empty list of ints >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            ruler.sweep(None, generator, tasks, lengths, policies, samples=1)
+
+
+def test_a_haystack_that_cannot_fill_the_context_is_refused_with_the_numbers():
+    short = ruler.Generator(tiny.tokenizer(), PROSE[:2000])  # 35 sentences: about 1,400 tokens of prose
+    assert len(short.sample("niah_single_2", 512, 0).prompt) > 512 - 128 - 60  # it fills a short context
+    with pytest.raises(ValueError, match=r"niah_single_2 at context_length=2048: all \d+ sentences of the prose "
+                                         r"make a prompt of \d+ tokens \+ 128 to generate, short of the 2048 asked"):
+        short.sample("niah_single_2", 2048, 0)
+    # all lengths are checked before the first generate call (model=None would fail otherwise)
+    with pytest.raises(ValueError, match="short of the 2048 asked"):
+        ruler.sweep(None, short, ["niah_single_1", "niah_single_2"], [512, 2048], lambda n: {"Full": None}, samples=1)
+    few_words = ruler.Generator(tiny.tokenizer())
+    few_words.lists["cwe"] = few_words.lists["cwe"][:40]
+    with pytest.raises(ValueError, match=r"cwe at context_length=2048: all 40 words of cwe's list make a prompt"):
+        few_words.sample("cwe", 2048, 0)
+    for empty in ("", " \n\n "):
+        with pytest.raises(ValueError, match="prose haystack holds no text"):
+            ruler.Generator(tiny.tokenizer(), empty)
+
+
+def test_fwe_refuses_a_prompt_whose_answers_are_not_the_three_most_frequent_words(generator):
+    with pytest.raises(ValueError, match=r"too short for fwe: its largest prompt \(\d+ tokens\) holds too few words"):
+        generator.sample("fwe", 300, 0)  # a few coded words: the three after "..." tie with the rest (or are absent)
+    s = generator.sample("fwe", 1024, 0)
+    counts = collections.Counter(s.text.split("coded words. ", 1)[1].split("\nQuestion:")[0].split())
+    others = [c for w, c in counts.items() if w != "..." and w not in s.answers]
+    assert min(counts[a] for a in s.answers) > max(others, default=0)
+
+
+def _plateau_tokenizer():
+    """A tokenizer in which fwe's prompt with one noise word "..." takes as many tokens as with none."""
+    tok = tiny.tokenizer(text=f"{tiny.TEXT} {ruler.FWE} ... ... ...")
+    assert len(tok(ruler.FWE.format(context=""))["input_ids"]) == len(tok(ruler.FWE.format(context="..."))["input_ids"])
+    return tok
+
+
+@contextlib.contextmanager
+def _recorded_builds():
+    """[(units, text, answer prefix)] of every prompt a generator builds inside the block."""
+    built, originals = [], dict(ruler._GENERATORS)
+
+    def recording(family):
+        def build(task, units, *rest):
+            assert units <= 10**6, f"{family}: a prompt of {units} units asked for"  # the unbounded search's mark
+            out = originals[family](task, units, *rest)
+            built.append((units, *out[:2]))
+            return out
+        return build
+
+    with mock.patch.dict(ruler._GENERATORS, {f: recording(f) for f in originals}):
+        yield built
+
+
+def test_fwe_ends_where_its_first_units_add_no_tokens():
+    """fwe's first units add at most a "...", which this tokenizer folds into the white space before the
+    question: the search measured 0 tokens per unit and asked for ~1e11 units (unbounded memory)."""
+    generator = ruler.Generator(_plateau_tokenizer())
+    for length in range(200, 420, 20):
+        with _recorded_builds() as built:
+            try:
+                generator.sample("fwe", length, 0)
+            except ValueError as e:
+                assert "context_length" in str(e)
+        assert max(units for units, *_ in built) <= 2 * length + 2, length
+
+
+def test_a_search_that_cannot_converge_raises_with_the_numbers():
+    """A tokenizer that drops every lowercase letter and "." (no unknown token): fwe's coded words add nothing."""
+    generator = ruler.Generator(tiny.tokenizer(chat=False, text="THE GRASS IS GREEN QUESTION WHAT ANSWER", byte_level=False))
+    with _recorded_builds(), pytest.raises(ValueError, match=r"fwe at context_length=1000: the search for the "
+                                                            r"prompt's size cannot converge: 1902 units make a prompt"):
+        generator.sample("fwe", 1000, 0)
+
+
+@pytest.fixture(scope="module")
+def generators():
+    return {"plain": ruler.Generator(tiny.tokenizer(), PROSE[:4000]), "plateau": ruler.Generator(_plateau_tokenizer())}
+
+
+@example(length=2048, task="niah_single_2", which="plain").via("the prose runs out")
+@example(length=300, task="fwe", which="plateau").via("units add no tokens")
+@given(length=st.one_of(st.integers(100, 600), st.integers(600, 3000)), task=st.sampled_from(["fwe", "cwe", "vt", "niah_single_1", "niah_multikey_2",
+                                                           "niah_single_2"]), which=st.sampled_from(["plain", "plateau"]))
+def test_the_prompt_search_is_bounded_and_finds_the_largest_prompt(generators, length, task, which):
+    """Within 9 + 2 log2(most) tokenizations and never more units than `most` (the haystack's, or what the
+    context can hold): the prompt with the most units that fits (one more does not, or the haystack ran out
+    within a unit of the context), or a ValueError saying why none fits."""
+    generator, spec = generators[which], ruler.TASKS[task]
+    if spec.needs_prose and generator.prose is None:
+        return
+    budget = length - spec.tokens_to_generate
+    most = (len(generator.prose) if spec.needs_prose else len(generator.lists["cwe"]) if task == "cwe"
+            else 2 * budget + 2)
+    with _recorded_builds() as built:
+        try:
+            s = generator.sample(task, length, 0)
+        except ValueError as e:
+            assert f"context_length={length}" in str(e)
+            s = None
+    assert len(built) <= 10 + 2 * math.log2(max(most, 1)) and max(units for units, *_ in built) <= max(most, 1)
+    if s is not None:
+        assert len(s.prompt) <= budget and s.answers
+        units = next(u for u, text, _ in built if text == s.text)
+        assert units + 1 in [u for u, *_ in built] or units == most
+        if units == most:  # the haystack ran out: the prompt is within a unit (on average) of the context
+            smallest = len(generator._prompt(*built[0][1:]))
+            assert budget - len(s.prompt) < (len(s.prompt) - smallest) / max(most - 1, 1)

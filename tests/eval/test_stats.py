@@ -152,8 +152,61 @@ def test_bad_input_is_rejected():
                         (lambda: stats.paired_difference([1.0, 2.0], [1.0]), "of 2 units"),
                         (lambda: stats.mean([1.0, 2.0], weights=[1.0, 0.0]), "positive"),
                         (lambda: stats.mean([1.0, 2.0], strata=[0]), "one label per unit"),
-                        (lambda: stats.blocks([1.0], 0), "block must be a positive int"),
+                        (lambda: stats.blocks([1.0], 0), "block must be >= 1"),
+                        (lambda: stats.blocks([1.0], 2.0), "block must be an int"),
+                        (lambda: stats.blocks([1.0], True), "block must be an int"),
                         (lambda: stats.mean(np.ones(6), bounds=(1, 0)), "bounds must be"),
                         (lambda: stats.verdict(stats.Estimate(0, 0, 0, 9), "A", "B", "higher"), "higher_is")]:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_bounds_and_arguments_are_checked_whatever_the_sample_size():
+    """Values outside the declared bounds, bounds that are not finite or ordered, bounds with a transform,
+    strata of the wrong length or with unhashable labels, seeds that are not non-negative ints: ValueErrors
+    naming the argument, with 3 units (no interval) as with 30 and for both sides of a paired difference."""
+    for n in (3, 30):
+        ones, half = np.ones(n), np.full(n, 0.5)
+        for call, match in [
+                (lambda: stats.mean(ones * 1.5, bounds=(0, 1)), r"values must lie in bounds \[0, 1\], got \[1.5"),
+                (lambda: stats.mean(-ones, bounds=(0, 1)), "values must lie in bounds"),
+                (lambda: stats.paired_difference(half, ones * 2, bounds=(0, 1)), r"b must lie in bounds \[0, 1\]"),
+                (lambda: stats.paired_difference(half, half, bounds=(0, 1), transform=np.exp), "untransformed"),
+                (lambda: stats.mean(half, bounds=(0, np.inf)), "finite"),
+                (lambda: stats.mean(half, bounds=(np.nan, 1)), "bounds must be"),
+                (lambda: stats.mean(half, bounds=(0, 1, 2)), "bounds must be"),
+                (lambda: stats.mean(half, bounds=1), "bounds must be"),
+                (lambda: stats.mean(half, bounds=(0, 1), transform=np.exp), "untransformed"),
+                (lambda: stats.mean(half, transform="exp"), "transform must be callable"),
+                (lambda: stats.mean(half, strata=[0] * (n + 1)), f"one label per unit \\({n}\\)"),
+                (lambda: stats.mean(half, strata="ab" * n), "sequence of one label per unit"),
+                (lambda: stats.mean(half, strata=[[0]] * n), "hashable"),
+                (lambda: stats.paired_difference(half, ones[:-1]), f"of {n} units"),
+                (lambda: stats.mean(half, seed=-1), "seed must be >= 0"),
+                (lambda: stats.mean(half, seed=1.0), "seed must be an int"),
+                (lambda: stats.mean([]), "non-empty"),
+                (lambda: stats.mean(["a"] * n), "real numbers")]:
+            with pytest.raises(ValueError, match=match):
+                call()
+    for call, match in [(lambda: stats.wilson(1.5, 10), "p must be a proportion"),
+                        (lambda: stats.wilson(0.5, 0), "n must be a positive"),
+                        (lambda: stats.Estimate(0.5, 0.1, 0.9, -1), "Estimate.n must be >= 0"),
+                        (lambda: stats.Estimate(0.5, 0.1, 0.9, 2.5), "Estimate.n must be an int"),
+                        (lambda: stats.Estimate("0.5", 0.1, 0.9, 2), "Estimate.value must be a real number")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_numpy_numbers_are_accepted_where_python_ones_are():
+    """numpy ints for seeds, blocks, n and Wilson's n, numpy floats for bounds and estimates: the same results
+    as Python numbers, and estimates that hold Python numbers (what JSON writes)."""
+    rng = np.random.default_rng(0)
+    x = rng.random(12)
+    assert stats.mean(x, seed=np.int64(3), bounds=(np.float32(0), np.int64(1))) == stats.mean(x, seed=3, bounds=(0, 1))
+    assert stats.paired_difference(x, x[::-1], seed=np.uint32(2)) == stats.paired_difference(x, x[::-1], seed=2)
+    np.testing.assert_array_equal(stats.blocks(x, np.int64(5))[1], stats.blocks(x, 5)[1])
+    assert stats.wilson(np.float64(0.5), np.int64(10)) == stats.wilson(0.5, 10)
+    e = stats.Estimate(np.float64(0.5), np.float32(0.25), np.float64(0.75), np.int64(12))
+    assert e == stats.Estimate(0.5, 0.25, 0.75, 12) and type(e.n) is int and type(e.low) is float
+    none = stats.Estimate.from_dict({"value": 0.5, "low": None, "low_reason": "no interval", "high": None, "n": 3})
+    assert not none.has_interval and none.format() == "0.50 [no interval]"
