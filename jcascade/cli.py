@@ -55,12 +55,21 @@ def _message(error: Exception) -> str:
     return str(error) if isinstance(error, ValueError | OSError) else f"{type(error).__name__}: {error}"
 
 
-def _evaluate(args, name: str, total: int, identity: dict, work, unit: str = "tok"):
-    """`runner.run` (progress in `unit`s) with the checkpoints of --checkpoint-every / --resume in --out/checkpoint-<name>."""
-    skip = ("run", "parser", "argv", "resume", "checkpoint_every", "out", "json", "policy")  # policies: by repr
+def _evaluate(args, name: str, total: int, identity: dict, work, tokenizer, mesh, unit: str = "tok"):
+    """`runner.run` (progress in `unit`s) with the checkpoints of --checkpoint-every / --resume in
+    --out/checkpoint-<name>. The run's identity: every argument (the policies by repr, the model by its content),
+    `identity`, and with checkpoints the model's and tokenizer's hashes and the devices (`runner.identity`)."""
+    skip = ("run", "parser", "argv", "resume", "checkpoint_every", "out", "json", "policy", "model", "mesh")
+    run = {k: v for k, v in vars(args).items() if k not in skip} | identity
+    if args.checkpoint_every is not None:  # the hashes read the model's files: only for a run that checkpoints
+        run |= runner.identity(args.model, tokenizer, mesh, _log)
+    command = shlex.join(["jcascade", *args.argv] + ([] if args.resume else ["--resume"]))
     return runner.run(name, total, work, pathlib.Path(args.out) / f"checkpoint-{name}", args.checkpoint_every,
-                      args.resume, {k: v for k, v in vars(args).items() if k not in skip} | identity,
-                      shlex.join(["jcascade", *args.argv] + ([] if args.resume else ["--resume"])), unit)
+                      args.resume, run, command, unit)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _finish(args, name: str, result: dict, text: str, figures, checkpointing=None) -> None:
@@ -158,11 +167,12 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
          + "\n".join(f"  {k}: {v!r}" for k, v in policies.items()))
     results, seconds, checkpointing = _evaluate(
         args, "passkey", len(policies) * per_length * sum(lengths),
-        {"model": name, "policies": {k: repr(v) for k, v in policies.items()}},
+        {"policies": {k: repr(v) for k, v in policies.items()}, "words": words and _sha256("\n".join(words))},
         lambda progress, checkpointing: passkey.sweep(
             model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler, words=words, seed=args.seed,
             num_buckets=args.buckets, retention=retention, progress=progress, checkpointing=checkpointing,
-            batch_size=args.batch_size or -(-passkey.equal_batches(per_length, 32 * data) // data) * data))
+            batch_size=args.batch_size or -(-passkey.equal_batches(per_length, 32 * data) // data) * data),
+        tokenizer, mesh)
     rep = report.passkey(results, policies, baseline=args.baseline, run={
         "title": title, "model": name, "filler": args.filler, "seed": args.seed, "context_lengths": lengths,
         "buckets": args.buckets, "samples": args.samples, "seconds": seconds})
@@ -180,17 +190,17 @@ def cmd_compare(args) -> None:
 
 def cmd_perplexity(args) -> None:
     policies = _policies(args)
-    model, tokenizer, name, _ = _load(args, batched=False)
+    model, tokenizer, name, mesh = _load(args, batched=False)
     with _option("--book"):
         books = perplexity.books(tokenizer, args.book or ["paradise_lost"], args.max_tokens, _log)
     longest = max([c for c in map(perplexity.cache_capacity, policies.values()) if c is not None], default=1)
     (results, skipped), seconds, checkpointing = _evaluate(
         args, "perplexity", len(policies) * sum(len(t) for t in books.values() if len(t) > longest),
-        {"model": name, "policies": {k: repr(v) for k, v in policies.items()},
+        {"policies": {k: repr(v) for k, v in policies.items()},
          "books": {b: [len(t), hashlib.sha256(t.tobytes()).hexdigest()] for b, t in books.items()}},
         lambda progress, checkpointing: perplexity.perplexity(model, books, policies, bucket=args.bucket,
                                                               block=args.block, progress=progress,
-                                                              checkpointing=checkpointing))
+                                                              checkpointing=checkpointing), tokenizer, mesh)
     rep = report.perplexity(results, policies, skipped=skipped, baseline=args.baseline, run={
         "model": name, "max_tokens": args.max_tokens, "bucket": args.bucket, "block": args.block, "seconds": seconds})
     _finish(args, "perplexity", rep, f"\nStreaming perplexity, {name}, {len(books) - len(skipped)} books, {seconds:.0f} "
@@ -211,10 +221,11 @@ def cmd_ruler(args) -> None:
         prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
     generator = ruler.Generator(tokenizer, prose)
     results, seconds, checkpointing = _evaluate(
-        args, "ruler", len(specs) * len(tasks) * args.samples * len(lengths), {"model": name, "policies": specs},
+        args, "ruler", len(specs) * len(tasks) * args.samples * len(lengths),
+        {"policies": specs, "prose": prose and _sha256(prose)},
         lambda progress, checkpointing: ruler.sweep(model, generator, tasks, lengths, at, samples=args.samples,
                                                     seed=args.seed, batch_size=batch, progress=progress,
-                                                    checkpointing=checkpointing), unit="prompt")
+                                                    checkpointing=checkpointing), tokenizer, mesh, unit="prompt")
     rep = report.ruler(results, specs, baseline=args.baseline, run={
         "model": name, "tasks": tasks, "budgets": args.budget, "samples": args.samples, "seconds": seconds})
     _finish(args, "ruler", rep, f"\nRULER, {name}, {seconds:.0f} s\n" + report.ruler_text(rep),

@@ -23,7 +23,7 @@ import numpy as np
 import jcascade as jc
 from jcascade import compilation
 from jcascade.eval import stats
-from jcascade.eval.checkpointing import Checkpointing
+from jcascade.eval.checkpointing import Checkpointing, complete, finished
 from jcascade.generation import decode
 from jcascade.eval.perplexity import cache_capacity
 from jcascade.eval.texts import REPEAT_SENTENCES, distinct
@@ -271,7 +271,9 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
     batch with its prompts times the context length (padding rows excluded), so the calls add up to
     len(policies) x num_buckets x samples x sum(context_lengths). `checkpointing` saves the
     results so far every `checkpointing.every` prompt tokens and continues from its last checkpoint, if
-    any (the batches it holds are not run again; the results equal an uninterrupted run's).
+    any: its batch size must be the same (part of the run's identity), its trials must be this sweep's first
+    ones (`checkpointing.finished`), and they are not run again, so the results equal an uninterrupted run's.
+    Raises a RuntimeError unless the results hold every planned trial once (`checkpointing.complete`).
     """
     for name, value, least in (("samples", samples, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),
                                ("max_new_tokens", max_new_tokens, 1)):
@@ -280,13 +282,16 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
     if not policies:
         raise ValueError("policies must name at least one policy")
     planned = plan(PromptBuilder(tokenizer, filler, words), context_lengths, samples, seed, num_buckets)
-    results, resumed, batches, tokens_done = [], 0, 0, 0
-    found = checkpointing.resume() if checkpointing is not None else None
+    units = [(label, length, b, i) for length in planned for label in policies for b in range(num_buckets)
+             for i in range(samples)]
+    key = lambda r: (r.policy, r.context_length, r.bucket, r.sample)  # noqa: E731
+    results = []
+    found = checkpointing.resume(batch_size=batch_size) if checkpointing is not None else None
     if found is not None:
-        saved = found[1]
-        results, resumed = [PasskeyResult(**r) for r in saved["results"]], saved["batches"]
+        results = finished(found[1], units, PasskeyResult, key)
         if progress is not None:
-            progress(saved["tokens"])
+            progress(sum(r.context_length for r in results))
+    done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
     for length, batch in planned.items():
         for label, policy in policies.items():
             for first in range(0, len(batch), batch_size):
@@ -297,8 +302,8 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                     tokens[r, : len(p.tokens)] = p.tokens
                 lengths = np.array([len(p.tokens) for p in rows], np.int32)
                 fed = len(part) * length  # context tokens of this batch's prompts (padding rows excluded)
-                batches, tokens_done = batches + 1, tokens_done + fed
-                if batches <= resumed:
+                reached += len(part)
+                if reached <= done:
                     continue
                 out, held = answer(model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
                                    eos_id=tokenizer.eos_token_id, retention=retention)
@@ -310,8 +315,8 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                 if progress is not None:
                     progress(fed)
                 if checkpointing is not None and checkpointing.due(fed):
-                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results], "batches": batches,
-                                              "tokens": tokens_done})
+                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
+    complete(results, units, key, "passkey sweep")
     return results
 
 

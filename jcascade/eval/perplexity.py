@@ -23,7 +23,7 @@ import numpy as np
 import jcascade as jc
 from jcascade import compilation
 from jcascade.eval import stats
-from jcascade.eval.checkpointing import Checkpointing
+from jcascade.eval.checkpointing import Checkpointing, complete, finished
 from jcascade.generation import token_log_probs, warn_nonfinite
 
 
@@ -167,8 +167,10 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
 
     Returns the results and the names of the books skipped as not longer than the cache.
     checkpointing: saves the finished results and the running stream (its cache and log-probs) every
-    `checkpointing.every` tokens, and continues from its last checkpoint, if any: the results are then
-    identical to an uninterrupted run's.
+    `checkpointing.every` tokens, and continues from its last checkpoint, if any (its finished streams must be
+    this run's first ones: `checkpointing.finished`): the results are then identical to an uninterrupted
+    run's. Raises a RuntimeError unless the results hold every planned (book, policy) once
+    (`checkpointing.complete`).
     """
     for name, value in (("bucket", bucket), ("block", block)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -178,17 +180,19 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
     capacities = [c for c in map(cache_capacity, policies.values()) if c is not None]
     longest = max(capacities, default=1)
     warn_few_blocks([t for t in books.values() if len(t) > longest], block)
+    plan = [(name, label) for name, tokens in books.items() if len(tokens) > longest for label in policies]
+    key = lambda r: (r.book, r.policy)  # noqa: E731
     results, skipped, running = [], [], {}  # running: (book, policy label) -> the point its stream resumes at
     found = checkpointing.resume() if checkpointing is not None else None
     if found is not None:
         arrays, saved = found
-        results = [BookPerplexity(**r) for r in saved["results"]]
+        results = finished(saved, plan, BookPerplexity, key)
         if arrays is not None:
             cache = jc.CacheState(**arrays["cache"])
             running[saved["book"], saved["policy"]] = (cache, np.asarray(arrays["logps"]), saved["position"])
         if progress is not None:
             progress(sum(r.tokens for r in results) + sum(point[2] for point in running.values()))
-    finished = {(r.book, r.policy) for r in results}
+    done = {key(r) for r in results}
 
     def save(name: str, label: str, point: StreamPoint) -> None:
         state, logps, position = point
@@ -202,7 +206,7 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
             skipped.append(name)
             continue
         for label, policy in policies.items():
-            if (name, label) in finished:
+            if (name, label) in done:
                 continue
             after_chunk = None if checkpointing is None else functools.partial(save, name, label)
             nll = -stream(model, policy, tokens, progress=progress, start=running.get((name, label)),
@@ -214,6 +218,7 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
                                           block_nll.tolist(), block))
     if not results:
         raise ValueError(f"no book is longer than the {longest}-token cache: give longer books or a larger max_tokens")
+    complete(results, plan, key, "perplexity")
     return results, skipped
 
 

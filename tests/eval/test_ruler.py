@@ -159,10 +159,10 @@ def test_outputs_cut_to_the_tasks_length_equal_generating_that_many(generator):
 
 
 def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
-    """A checkpoint holds the batches recorded before the stop, and the resumed sweep ends with the same results as
-    one never interrupted."""
+    """A checkpoint holds the batches recorded before the stop, a resume with another batch size is refused, and the
+    resumed sweep ends with the same results as one never interrupted."""
     import jcascade as jc
-    from jcascade.eval.checkpointing import Checkpointing
+    from jcascade.eval.checkpointing import Checkpointing, load_stream
 
     generator = ruler.Generator(tiny.tokenizer())
     model = tiny.model(len(generator.tokenizer))
@@ -178,8 +178,11 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         sweep(progress=stop_after_two, checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
-    saved = Checkpointing(tmp_path, 1, {"run": 1}).resume()[1]
-    assert saved["batches"] == 1 and len(saved["results"]) == 2  # stopped while recording the second batch
+    saved = load_stream(tmp_path)[1]
+    assert len(saved["results"]) == 2  # stopped while recording the second batch
+    with pytest.raises(ValueError, match=r"differs in \(saved, now\): batch_size \(2, 3\)\. Resume with"):
+        ruler.sweep(model, generator, ["vt"], [1024], policies, samples=6, batch_size=3,
+                    checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
     resumed = sweep(checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
     assert resumed == whole
 
