@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retention", action="store_true", help="also record how many of the key's tokens each layer "
                    "and KV head holds when the question is fed")
 
-    p = command("perplexity", "streaming perplexity over public-domain books (papers/000 §4.2)", cmd_perplexity, False)
+    p = command("perplexity", "streaming perplexity over public-domain books (§4.2 of the Cascading KV Cache "
+                "paper, arXiv 2406.17808)", cmd_perplexity, False)
     p.add_argument("--book", action="append", metavar="NAME|FILE", help="a packaged book (e.g. paradise_lost), "
                    "'all', or a text file; repeatable (default: paradise_lost)")
     p.add_argument("--max-tokens", type=_positive, help="stream at most this many tokens of each book (default: all)")

@@ -1,4 +1,4 @@
-"""Strided prefill, scoring and generation around a model and a cache policy (DESIGN §9).
+"""Strided prefill, scoring and generation around a model and a cache policy (docs/semantics.md §9).
 
 Prompts are right-padded: row b's tokens are tokens[b, :lengths[b]], the rest is padding. Prefill is a
 `lax.scan` over `policy.stride`-token chunks (the last one padded and masked through lengths); decode

@@ -1,4 +1,5 @@
-"""Passkey retrieval (papers/000 §4.4): a random 5-digit key hidden in filler text, asked for at the end.
+"""Passkey retrieval (§4.4 of the Cascading KV Cache paper, arXiv 2406.17808): a random 5-digit key
+hidden in filler text, asked for at the end.
 
 A prompt is: [chat template head] intro, filler, the key sentence, filler, the question [template tail]
 then the answer primed with "The pass key is " (so the next token is a digit). The key sentence sits at a
