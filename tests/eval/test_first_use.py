@@ -59,7 +59,7 @@ def test_the_command_line_prints_warnings_as_one_line(model_dir, tmp_path, capsy
     is one line `warning: ...` on stderr, no source line of a Python warning."""
     cli.main(["passkey", "--model", model_dir, "--policy", "sink:window=200,sinks=4,stride=64", "--policy",
               "cascade:cache_size=32,sinks=4,stride=64", "--min-length", "128", "--max-length", "128", "--buckets",
-              "1", "--samples", "1"])
+              "1", "--samples", "1", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     line = "warning: at 128 tokens the cache of Sink 200 holds the whole context: nothing is evicted, so it compares " \
            "as Full; use longer contexts or smaller caches\n"
