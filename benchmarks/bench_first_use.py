@@ -32,16 +32,19 @@ def main():
     p.add_argument("--out", default=None, help="JSON file for the results")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--new", type=int, default=16, help="new tokens per call")
+    p.add_argument("--policy", action="append", choices=("sink", "cascade", "kvzip", "snapkv"),
+                   help="the policies to time (default: all four)")
     args = p.parse_args()
 
     path = jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT)
     model, tokenizer = jc.load_pretrained(path), jc.load_tokenizer(path)
     prompt = np.array([tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
                                                      add_generation_prompt=True, return_dict=False)])
-    policies = {"Sink(window=64, sinks=4)": jc.Sink(window=64, sinks=4),
-                "Cascade(cache_size=64, sinks=4)": jc.Cascade(cache_size=64, sinks=4),
-                "KVzip(budget=32)": jc.KVzip.for_tokenizer(tokenizer, budget=32),
-                "SnapKV(budget=64)": jc.SnapKV(budget=64)}
+    policies = {"sink": ("Sink(window=64, sinks=4)", jc.Sink(window=64, sinks=4)),
+                "cascade": ("Cascade(cache_size=64, sinks=4)", jc.Cascade(cache_size=64, sinks=4)),
+                "kvzip": ("KVzip(budget=32)", jc.KVzip.for_tokenizer(tokenizer, budget=32)),
+                "snapkv": ("SnapKV(budget=64)", jc.SnapKV(budget=64))}
+    policies = dict(v for k, v in policies.items() if args.policy is None or k in args.policy)
     device = jax.devices()[0].device_kind
     rows = []
     print(f"{prompt.shape[1]}-token prompt, {args.new} new tokens, {device}")
