@@ -20,7 +20,7 @@ def attend(
     *,
     implementation: str | None = None,
 ) -> tuple[jax.Array, Scores | None]:
-    """Attention of a chunk's queries to every held token and causally to the chunk (DESIGN §2-4).
+    """Attention of a chunk's queries to every held token and causally to the chunk (docs/semantics.md §2-4).
 
     state: one layer's cache (a stacked one is refused: index a layer or vmap over them);
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] un-rotated chunk keys/values (Hq a multiple of Hkv; B, Hkv, D the

@@ -1,4 +1,4 @@
-"""`init_cache`, `update` and `compress`: the cache operations every policy shares (DESIGN §2-3).
+"""`init_cache`, `update` and `compress`: the cache operations every policy shares (docs/semantics.md §2-3).
 
 They check their arguments, then call the policy's hooks (`jcascade.policies.base.Policy`); the state
 and the slot machinery live in `jcascade.slots`.
@@ -69,7 +69,7 @@ def update(
     *,
     implementation: str | None = None,
 ) -> CacheState:
-    """Decays and accumulates the residents' scores, then inserts the chunk (DESIGN §3).
+    """Decays and accumulates the residents' scores, then inserts the chunk (docs/semantics.md §3).
 
     k, v: [B, T, Hkv, D] un-rotated chunk keys/values (the chunk `attend` just saw); scores: what
     `attend` returned (None for policies that keep no scores); lengths: int32 [B] valid tokens per row

@@ -24,8 +24,8 @@ import warnings
 import jax
 from tqdm import tqdm
 
-from jcascade.eval import attention_map, main_job, passkey, perplexity, plots, report, ruler, runner, texts
-from jcascade.models import sharding
+from jcascade.eval import attention_map, main_job, passkey, perplexity, plots, protocol, report, ruler, runner, texts
+from jcascade.models import read_config, sharding
 from jcascade.policies import parse_policy, policy_classes
 
 _log = functools.partial(print, file=sys.stderr)
@@ -184,14 +184,16 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
         lambda progress, checkpointing: passkey.sweep(
             model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler, words=words, seed=args.seed,
             num_buckets=args.buckets, retention=retention, progress=progress, checkpointing=checkpointing,
-            batch_size=batch),
+            protocol=args.protocol, batch_size=batch),
         tokenizer, mesh)
     rep = report.passkey(results, policies, baseline=args.baseline, run={
-        "title": title, "model": name, "filler": args.filler, "seed": args.seed, "context_lengths": lengths,
-        "buckets": args.buckets, "samples": args.samples, "seconds": seconds})
-    _finish(args, "passkey", rep, f"\n{title}\n{name}, {args.filler} filler, {seconds:.0f} s\n" + report.passkey_text(rep),
-            [lambda out: plots.passkey(rep, out / "passkey_accuracy.png", f"{title} ({name})"),
-             lambda out: plots.passkey_depth(rep, out / "passkey_depth.png", name)], checkpointing)
+        "title": title, "model": name, "protocol": args.protocol, "filler": args.filler, "seed": args.seed,
+        "context_lengths": lengths, "buckets": args.buckets, "samples": args.samples, "seconds": seconds})
+    _finish(args, "passkey", rep, f"\n{title}\n{name}, {args.protocol}, {args.filler} filler, {seconds:.0f} s\n"
+            + report.passkey_text(rep),
+            [lambda out: plots.passkey(rep, out / "passkey_accuracy.png", f"{title} ({name}, {args.protocol})"),
+             lambda out: plots.passkey_depth(rep, out / "passkey_depth.png", f"{name}, {args.protocol}")],
+            checkpointing)
 
 
 def cmd_compare(args) -> None:
@@ -239,11 +241,13 @@ def cmd_ruler(args) -> None:
         {"policies": specs, "prose": prose and _sha256(prose), "batch_size": batch},
         lambda progress, checkpointing: ruler.sweep(model, generator, tasks, lengths, at, samples=args.samples,
                                                     seed=args.seed, batch_size=batch, progress=progress,
-                                                    checkpointing=checkpointing), tokenizer, mesh, unit="prompt")
+                                                    checkpointing=checkpointing, protocol=args.protocol),
+        tokenizer, mesh, unit="prompt")
     rep = report.ruler(results, specs, baseline=args.baseline, run={
-        "model": name, "tasks": tasks, "budgets": args.budget, "samples": args.samples, "seconds": seconds})
-    _finish(args, "ruler", rep, f"\nRULER, {name}, {seconds:.0f} s\n" + report.ruler_text(rep),
-            [lambda out: plots.ruler(rep, out / "ruler.png", f"RULER ({name})")], checkpointing)
+        "model": name, "protocol": args.protocol, "tasks": tasks, "budgets": args.budget, "samples": args.samples,
+        "seconds": seconds})
+    _finish(args, "ruler", rep, f"\nRULER, {name}, {args.protocol}, {seconds:.0f} s\n" + report.ruler_text(rep),
+            [lambda out: plots.ruler(rep, out / "ruler.png", f"RULER ({name}, {args.protocol})")], checkpointing)
 
 
 def cmd_attention_map(args) -> None:
@@ -294,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"NAME[:FIELD=VALUE,...], repeatable (default: {pair})")
         return p
 
+    def protocol_option(p):
+        p.add_argument("--protocol", choices=protocol.PROTOCOLS, default=protocol.QUERY_AWARE, help="query-aware: "
+                       "the policy compresses each prompt with its question; query-agnostic: the context alone, "
+                       "before the question (kvpress's default), which is then read over the frozen compressed context")
+
     def evaluation(p):
         p.add_argument("--baseline", metavar="LABEL", help="the policy the others are compared with on the same "
                        "prompts, by its printed label (default: the first)")
@@ -334,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("compare", "the main job: passkey retrieval under Sink vs Cascade caches of the same size. Unset "
                 "options take this machine's defaults, " + main_job.describe(), cmd_compare, True, policies=False)
     passkey_options(p, machine=True)
+    p.set_defaults(protocol=protocol.QUERY_AWARE)  # it records retention, read inside one prompt
     p.add_argument("--cache-size", type=_positive, help="non-sink tokens of each cache")
     p.add_argument("--sinks", type=_integer(0), help="sink tokens of each cache")
     p.add_argument("--cascades", type=_positive, help="Cascade's sub-caches")
@@ -343,9 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
                 lambda args: run_passkey(args, _policies(args), "Passkey retrieval", args.retention), True)
     passkey_options(p)
     p.add_argument("--retention", action="store_true", help="also record how many of the key's tokens each layer "
-                   "and KV head holds when the question is fed")
+                   "and KV head holds when the question is fed (--protocol query-aware only)")
+    protocol_option(p)
 
-    p = command("perplexity", "streaming perplexity over public-domain books (papers/000 §4.2)", cmd_perplexity, False)
+    p = command("perplexity", "streaming perplexity over public-domain books (§4.2 of the Cascading KV Cache "
+                "paper, arXiv 2406.17808)", cmd_perplexity, False)
     p.add_argument("--book", action="append", metavar="NAME|FILE", help="a packaged book (e.g. paradise_lost), "
                    "'all', or a text file; repeatable (default: paradise_lost)")
     p.add_argument("--max-tokens", type=_positive, help="stream at most this many tokens of each book (default: all)")
@@ -363,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive, help="prompts per generate call, a multiple of the mesh's data "
                    "axis D (default: tasks x samples in equal batches of at most 8 x D)")
     p.add_argument("--book", default="paradise_lost", help="the prose haystack (RULER's essays are not offline)")
+    protocol_option(p)
     sweep(p, 4096, 8192, 50, "task")
 
     p = command("attention-map", "which positions each query sees while a book streams through a cache",
@@ -413,7 +426,8 @@ def _check_out(out: pathlib.Path, files: list[str]) -> None:
 
 def _check(args) -> None:
     """The checks that need no model, before any work: the paths of --model, --words-file, --book (a file
-    path; a packaged book's name is checked when it loads) and --out, and options that must agree."""
+    path; a packaged book's name is checked when it loads) and --out, and options that must agree (--protocol
+    query-agnostic refuses --retention, a Recycled --policy and, by its config, a --model with sliding layers)."""
     if args.model is not None and not pathlib.Path(args.model).exists():
         raise ValueError(f"--model: no such model directory or .gguf file: {args.model}")
     if getattr(args, "words_file", None) is not None and not pathlib.Path(args.words_file).is_file():
@@ -427,6 +441,14 @@ def _check(args) -> None:
         _check_lengths(args)
     if args.command == "generate" and not args.prompt:
         raise ValueError("--prompt: must not be empty")
+    if getattr(args, "protocol", None) == protocol.QUERY_AGNOSTIC:
+        if getattr(args, "retention", False):
+            raise ValueError("--retention: recorded under --protocol query-aware only (it reads the cache where the "
+                             "question's chunk starts, inside one prompt)")
+        with _option("--model"):
+            config = None if args.model is None else read_config(args.model)
+        with _option("--protocol"):
+            protocol.check(args.protocol, (args.policy or ()) if args.command == "passkey" else (), config)
     if args.out is not None:
         _check_out(pathlib.Path(args.out), [RESULTS.get(args.command, args.command) + ".json"])
 

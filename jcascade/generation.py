@@ -1,4 +1,4 @@
-"""Strided prefill, scoring and generation around a model and a cache policy (DESIGN §9).
+"""Strided prefill, scoring and generation around a model and a cache policy (docs/semantics.md §9).
 
 Prompts are right-padded: row b's tokens are tokens[b, :lengths[b]], the rest is padding. Prefill is a
 `lax.scan` over `policy.stride`-token chunks (the last one padded and masked through lengths; a prompt narrower
@@ -78,13 +78,14 @@ def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None
     return tokens, lengths, targets
 
 
-def _check_sharing(model: CausalLM, policy, argument: str) -> None:
-    """Refuses, naming `argument` (num_samples=, context=), what cannot hold a prompt's cache as a frozen shared
-    prefix: a policy that is not `shareable` (Recycled), a model with sliding layers (Gemma 3)."""
-    if not policy.shareable:
+def check_sharing(argument: str, policy=None, config: ModelConfig | None = None) -> None:
+    """Refuses, naming `argument` (num_samples=, context=, --protocol query-agnostic), what cannot hold a prompt's
+    cache as a frozen shared prefix: a `policy` that is not `shareable` (Recycled), a model `config` with sliding
+    layers (Gemma 3). Either may be None (not checked), so that a command checks them before loading a model."""
+    if policy is not None and not policy.shareable:
         raise ValueError(f"{argument} does not support {type(policy).__name__} (its cache is chosen per request: it "
                          "cannot be one frozen prefix shared by the rows)")
-    if model.config.sliding_layers:
+    if config is not None and config.sliding_layers:
         raise ValueError(f"{argument} is not supported yet for models with sliding layers (Gemma 3): it holds the "
                          "prompt's cache as a shared prefix")
 
@@ -100,7 +101,7 @@ def _check_context(model: CausalLM, policy, context, context_lengths, batch: int
     if len(shape) != 2 or shape[0] not in (1, batch):
         raise ValueError(f"context must be an integer array of shape [1, length] (one context for every row) or "
                          f"[{batch}, length] (one per row of tokens), got shape {list(shape)}")
-    _check_sharing(model, policy, "context=")
+    check_sharing("context=", policy, model.config)
     context, context_lengths, _ = _check_tokens(model, context, context_lengths, names=("context", "context_lengths"))
     return context, context_lengths
 
@@ -244,8 +245,8 @@ def _after_context(model: CausalLM, policy, context: jax.Array, context_lengths:
     into a Full cache of its own with `room` more slots: (prefixes, that cache, the last hidden state [B, hidden]
     of each row's tokens, `prefill`'s log-probs of targets or None, the context's last hidden states [B, hidden])."""
     prefix, context_last = _shared_prompt(model, policy, context, context_lengths, implementation)
-    own = Full(stride=policy.stride)
     B, T = tokens.shape
+    own = Full(stride=policy.stride)  # a short question is one chunk cut to its width (`chunk_size`), not a padded stride
     state = model.init_cache(own, B, max_tokens=T + room)
     state, last, logps = _prefill(model, own, state, tokens, lengths, implementation, targets, (prefix,))
     return (prefix,), state, last, logps, jnp.broadcast_to(context_last, (B, context_last.shape[-1]))
@@ -412,7 +413,7 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
                              "the question over the rows of tokens with a [1, length] context")
         if tokens.shape[0] != 1:
             raise ValueError(f"num_samples continues one prompt: tokens must have batch 1, got {tokens.shape[0]}")
-        _check_sharing(model, policy, "num_samples")
+        check_sharing("num_samples", policy, model.config)
     context, context_lengths = _check_context(model, policy, context, context_lengths, tokens.shape[0])
     before = 0 if context is None else _longest(context, context_lengths)
     _check_positions(model, policy, before + _longest(tokens, lengths) + max_new_tokens)

@@ -1,4 +1,4 @@
-"""Shared-prefix (cascade) attention, papers/003 and DESIGN §6.
+"""Shared-prefix (cascade) attention (FlashInfer's "Cascade Inference"; docs/semantics.md §6).
 
 Requests that share a prefix attend to its cache once, as one multi-query pass, and to their own suffix
 cache separately; the two attention states (v, lse) merge exactly. A prefix can be any policy's cache

@@ -1,4 +1,4 @@
-"""Cache state and slot machinery (DESIGN §2-4): the arrays every policy keeps, the slot order of ring
+"""Cache state and slot machinery (docs/semantics.md §2-4): the arrays every policy keeps, the slot order of ring
 caches, and the ring insertion that the ring policies share (`jcascade.policies.ring`).
 
 Slot layout of every ring cache: [sinks | ring 0 | ... | ring N-1 | heavy] (`RingLayout`). K/V stay
@@ -60,7 +60,8 @@ class CacheState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Scores:
-    """EMA increments returned by `attend` (DESIGN §3): cache f32 [B, Hkv, capacity], chunk f32 [B, Hkv, T]."""
+    """EMA increments returned by `attend` (docs/semantics.md §3): cache f32 [B, Hkv, capacity], chunk f32
+    [B, Hkv, T]."""
 
     cache: jax.Array
     chunk: jax.Array
@@ -110,7 +111,7 @@ def rank_by_position(pos: jax.Array) -> jax.Array:
 
 
 def slot_ranks(layout: RingLayout, seen: jax.Array) -> jax.Array:
-    """int32 [B, capacity]: rank of each slot's token in age order among held tokens (DESIGN §4).
+    """int32 [B, capacity]: rank of each slot's token in age order among held tokens (docs/semantics.md §4).
 
     Sinks come first (sink j -> j), then ring N-1 oldest to newest, ..., ring 0 newest last. Empty slots
     get -1. The rank is the RoPE position of `positions="cache"`.
@@ -176,7 +177,7 @@ def _shift_left(x: jax.Array, fill) -> jax.Array:
 
 def _insertions(layout: RingLayout, score: jax.Array, held: jax.Array, chunk_score: jax.Array, seen, n,
                 place_evicted: PlaceEvicted | None):
-    """Where each chunk token and each moving resident goes (DESIGN §3, step 2).
+    """Where each chunk token and each moving resident goes (docs/semantics.md §3, step 2).
 
     score: f32 [B, H, cap] resident scores after step 1; held: bool [B, H, cap] slots holding a token;
     chunk_score: f32 [B, H, T]; seen, n: int32 [B].
@@ -423,7 +424,7 @@ def check_rope(rope) -> None:
 def insert(layout: RingLayout, state: CacheState, k: jax.Array, v: jax.Array, score: jax.Array,
            chunk_score: jax.Array, placed: jax.Array, n: jax.Array, implementation: str | None = None,
            place_evicted: PlaceEvicted | None = None) -> CacheState:
-    """Inserts a chunk into a ring cache (DESIGN §3, step 2). k, v [B, T, H, D] un-rotated; score f32
+    """Inserts a chunk into a ring cache (docs/semantics.md §3, step 2). k, v [B, T, H, D] un-rotated; score f32
     [B, H, cap] the residents' scores after step 1; chunk_score f32 [B, H, T]; placed int32 [B] the row's
     slot clock (tokens placed so far: `seen`, or `append_fill` for append caches); n int32 [B] valid
     tokens. A single-token chunk on Triton runs the in-place insertion kernel (layouts without heavy

@@ -1,6 +1,6 @@
 """Pallas-Triton (GPU) kernel inserting one token per row into a ring-layout cache (decode, T == 1).
 
-DESIGN §3 step 2 for a single token: the row's clock alone says, for each ring, whether the token
+docs/semantics.md §3 step 2 for a single token: the row's clock alone says, for each ring, whether the token
 arrives, fills, is accepted (and pushes the ring's oldest token on) or competes with the ring's newest
 token, so each (row, KV head) program makes N scalar decisions and writes at most N + 1 rows, in place
 (the state's arrays are aliased to the outputs). Step 1 (decay and accumulate) stays in XLA, where it

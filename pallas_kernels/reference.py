@@ -1,4 +1,4 @@
-"""Plain-XLA reference of chunk attention with EMA-score increments (DESIGN §3, §7).
+"""Plain-XLA reference of chunk attention with EMA-score increments (docs/semantics.md §3, §7).
 
 Exact and simple: it materialises the [T, S] logits, so it is meant for tests, the CPU and small
 shapes; the Pallas kernels compute the same function blockwise.
@@ -75,7 +75,7 @@ def chunk_attention(
 
 
 def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=None):
-    """Queries of many requests against the prefix they share, with no causal part (DESIGN §6).
+    """Queries of many requests against the prefix they share, with no causal part (docs/semantics.md §6).
 
     q: [P, R, Hq, D] already rotated, the R queries served by each of the P prefix rows;
     k_cache, v_cache: [P, Hkv, S, D] un-rotated; cache_valid: bool [P, Hkv, S];

@@ -1,4 +1,4 @@
-"""The slot layout of ring caches and the closed-form ring schedule of the cascading cache (DESIGN §3).
+"""The slot layout of ring caches and the closed-form ring schedule of the cascading cache (docs/semantics.md §3).
 
 Where a token goes never depends on scores, only on its row's clock t (non-sink tokens seen before it):
 Fill phase (t < C = N * W): every ring accepts, so the cache fills like one sliding window and holds
@@ -24,7 +24,7 @@ class RingLayout:
 
     Ring 0 receives every non-sink token; ring i+1 receives the tokens ring i evicts. Ring i, once full,
     accepts (appends and evicts its oldest) on clocks t with t mod 2**i == 0; otherwise the incoming
-    token replaces the ring's newest token only if its score is strictly larger (DESIGN §3). `heavy`
+    token replaces the ring's newest token only if its score is strictly larger (docs/semantics.md §3). `heavy`
     slots after the rings receive tokens the last ring evicts, as the policy chooses (H2O). A layout of
     sinks only is an append cache: tokens fill the slots in order and are never evicted.
     """

@@ -1,4 +1,4 @@
-"""Attention states (v, lse) and their exact merge (DESIGN §6).
+"""Attention states (v, lse) and their exact merge (docs/semantics.md §6).
 
 An attention state over a key set is the softmax-normalised output v [..., D] and the log-sum-exp lse
 [...] of its logits (natural log). States over disjoint key sets merge exactly; the empty set is the

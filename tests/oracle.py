@@ -1,4 +1,4 @@
-"""Numpy references written for the tests: the token-by-token cascading-cache oracle (DESIGN §3), H2O's,
+"""Numpy references written for the tests: the token-by-token cascading-cache oracle (docs/semantics.md §3), H2O's,
 RoPE, softmax and pooling; and the tagged inputs the cache oracles are fed.
 
 One `CascadeOracle` per (batch row, KV head). Items are [position, score]; rings are Python lists from

@@ -1,6 +1,7 @@
-"""The package's import guard (jcascade/__init__.py)."""
+"""The package's import guard (jcascade/__init__.py), and a repository that stands alone (docs/semantics.md)."""
 
 import pathlib
+import re
 import subprocess
 import sys
 import sysconfig
@@ -15,3 +16,72 @@ def test_an_uninstalled_source_tree_says_how_to_install():
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=root)
     assert done.returncode == 1
     assert "jcascade is not installed" in done.stderr and "pip install -e ." in done.stderr
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Files that live outside the repository (the design notes and papers it was written from). Spelt in pieces so
+# that this file does not match itself.
+OUTSIDE = re.compile("|".join((r"\bDE" r"SIGN\b", r"\bREFER" r"ENCES\b", r"\bpapers" "/", r"\.\./" "shared",
+                               r"/work" "/shared")))
+SKIPPED = {".git", ".venv", "build", "dist", "__pycache__", ".hypothesis", ".pytest_cache"}
+
+
+def repository_files() -> list[pathlib.Path]:
+    """The repository's files: git's tracked and not-ignored ones, or, outside a git checkout, every file but
+    virtual environments, caches and build outputs."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        return [path for path in ROOT.rglob("*") if path.is_file()
+                and not SKIPPED & set(path.relative_to(ROOT).parts) and not path.parent.name.endswith(".egg-info")]
+
+
+def text_files() -> dict[str, str]:
+    """Relative path -> text of every repository file that is UTF-8 text (images and other binaries left out)."""
+    texts = {}
+    for path in repository_files():
+        try:
+            texts[path.relative_to(ROOT).as_posix()] = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+    return texts
+
+
+def test_the_repository_cites_no_file_outside_it():
+    """The repository stands alone: no docstring, help text, test or document points at the design notes or
+    papers it was written from (a folder of papers, the design and references notes); papers are cited by title
+    and arXiv id, the semantics live in docs/semantics.md."""
+    texts = text_files()
+    assert "README.md" in texts and "jcascade/cache.py" in texts
+    found = [f"{name}:{number}: {line.strip()}" for name, text in texts.items()
+             for number, line in enumerate(text.splitlines(), 1) if OUTSIDE.search(line)]
+    assert not found, "references to files outside the repository:\n" + "\n".join(found)
+
+
+def test_semantics_sections_cited_exist():
+    """Every "docs/semantics.md §n" (and §n-m) in the repository names a section that the page has."""
+    texts = text_files()
+    sections = set(re.findall(r"^## (\d+)\. ", texts["docs/semantics.md"], re.M))
+    cited = {(name, number) for name, text in texts.items()
+             for first, last in re.findall(r"docs/semantics\.md §(\d+)(?:-(\d+))?", text)
+             for number in {first, last or first}}
+    assert len(cited) > 10
+    missing = sorted(f"{name}: §{number}" for name, number in cited if number not in sections)
+    assert not missing, f"sections cited but not in docs/semantics.md ({sorted(sections, key=int)}): {missing}"
+
+
+def test_relative_markdown_links_point_at_files_that_exist():
+    """Every relative link of README.md and docs/*.md ([text](path), images too) names a file or folder of the
+    repository; web links and in-page anchors are not checked."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert len(pages) > 1
+    assert not broken, f"links to files that do not exist: {broken}"

@@ -1,5 +1,5 @@
-"""Attention-map reconstruction (papers/000 §4.6, Figure 10): which original positions each query position
-can attend to, and with what EMA score they are held, when a text is streamed through a cache.
+"""Attention-map reconstruction (§4.6 and Figure 10 of the Cascading KV Cache paper, arXiv 2406.17808):
+which original positions each query position can attend to, and with what EMA score they are held, when a text is streamed through a cache.
 
 With a strided prefill, the queries of a chunk see the cache as it was before the chunk plus the chunk's
 own keys up to themselves (causal). `record` streams the text (`jcascade.eval.perplexity.stream`) and keeps,

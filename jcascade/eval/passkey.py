@@ -1,4 +1,5 @@
-"""Passkey retrieval (papers/000 §4.4): a random 5-digit key hidden in filler text, asked for at the end.
+"""Passkey retrieval (§4.4 of the Cascading KV Cache paper, arXiv 2406.17808): a random 5-digit key
+hidden in filler text, asked for at the end.
 
 A prompt is: [chat template head] intro, filler, the key sentence, filler, the question [template tail]
 then the answer primed with "The pass key is " (so the next token is a digit). The key sentence sits at a
@@ -26,6 +27,7 @@ from jcascade.eval import stats
 from jcascade.eval.checkpointing import Checkpointing, complete, finished
 from jcascade.generation import decode
 from jcascade.eval.perplexity import cache_capacity
+from jcascade.eval.protocol import QUERY_AGNOSTIC, QUERY_AWARE, check, generate, padded
 from jcascade.eval.texts import REPEAT_SENTENCES, distinct
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -229,14 +231,24 @@ def _answer_and_retention(model, policy, tokens, lengths, chunk_starts, key_posi
 
 
 def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, lengths: np.ndarray, *,
-           max_new_tokens: int, eos_id: int | None, retention: bool) -> tuple[np.ndarray, np.ndarray | None]:
+           max_new_tokens: int, eos_id: int | None, retention: bool,
+           protocol: str = QUERY_AWARE) -> tuple[np.ndarray, np.ndarray | None]:
     """Greedy answers int32 [B, max_new_tokens] to the right-padded prompts tokens [B, S] and, if `retention`,
     the fraction of each prompt's key tokens the question sees, float [B, L, Hkv].
 
     For bounded caches the retention is read from the cache at the question's chunk (the answers are still
     generate's, see `_answer_and_retention`); policies that keep every prompt token (Full, SnapKV,
     PyramidKV, Recycled: they compress or recycle only after the prompt) see all of them by construction.
+    Under the query-agnostic `protocol` (`jcascade.eval.protocol.generate`) the context before each prompt's
+    `question_start` is compressed alone; retention is then refused (it is read inside one prompt).
     """
+    if protocol == QUERY_AGNOSTIC:
+        if retention:
+            raise ValueError("retention is recorded under the query-aware protocol only (it reads the cache where "
+                             "the question's chunk starts, inside one prompt), not under query-agnostic")
+        return generate(model, policy, [p.tokens for p in prompts], [p.question_start for p in prompts], protocol,
+                        width=tokens.shape[1], question_width=max(len(p.tokens) - p.question_start for p in prompts),
+                        max_new_tokens=max_new_tokens, eos_id=eos_id), None
     if not retention:
         return np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,
                                       eos_id=eos_id)), None
@@ -260,10 +272,13 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
 def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Sequence[int], *,
           samples: int = 1, filler: str = "repeat", words: Sequence[str] | None = None, seed: int = 0,
           num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8, retention: bool = False,
-          progress: Callable[[int], None] | None = None,
-          checkpointing: Checkpointing | None = None) -> list[PasskeyResult]:
+          progress: Callable[[int], None] | None = None, checkpointing: Checkpointing | None = None,
+          protocol: str = QUERY_AWARE) -> list[PasskeyResult]:
     """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy). The
-    prompts of every length are built and checked first (`plan`: distinct lengths, each long enough).
+    prompts of every length are built and checked first (`plan`: distinct lengths, each long enough), and with
+    them the `protocol` (`jcascade.eval.protocol`): "query-aware" compresses each prompt whole, "query-agnostic"
+    the context before the question (" What is the pass key?", at `question_start`) alone; `retention` is
+    recorded under query-aware only (it reads the cache where the question's chunk starts, inside one prompt).
 
     Greedy answers (`answer`); every batch is padded to [batch_size, context_length] (rows repeated,
     lengths per row), so each (policy, context length) compiles once. `retention` also records which key
@@ -271,8 +286,9 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
     batch with its prompts times the context length (padding rows excluded), so the calls add up to
     len(policies) x num_buckets x samples x sum(context_lengths). `checkpointing` saves the
     results so far every `checkpointing.every` prompt tokens and continues from its last checkpoint, if
-    any: its batch size must be the same (part of the run's identity), its trials must be this sweep's first
-    ones (`checkpointing.finished`), and they are not run again, so the results equal an uninterrupted run's.
+    any: its batch size and protocol must be the same (part of the run's identity), its trials must be this
+    sweep's first ones (`checkpointing.finished`), and they are not run again, so the results equal an
+    uninterrupted run's.
     Raises a RuntimeError unless the results hold every planned trial once (`checkpointing.complete`).
     """
     for name, value, least in (("samples", samples, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),
@@ -282,11 +298,12 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
     if not policies:
         raise ValueError("policies must name at least one policy")
     planned = plan(PromptBuilder(tokenizer, filler, words), context_lengths, samples, seed, num_buckets)
+    check(protocol, policies.values(), getattr(model, "config", None))
     units = [(label, length, b, i) for length in planned for label in policies for b in range(num_buckets)
              for i in range(samples)]
     key = lambda r: (r.policy, r.context_length, r.bucket, r.sample)  # noqa: E731
     results = []
-    found = checkpointing.resume(batch_size=batch_size) if checkpointing is not None else None
+    found = checkpointing.resume(batch_size=batch_size, protocol=protocol) if checkpointing is not None else None
     if found is not None:
         results = finished(found[1], units, PasskeyResult, key)
         if progress is not None:
@@ -297,16 +314,13 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
             for first in range(0, len(batch), batch_size):
                 part = batch[first: first + batch_size]
                 rows = [part[i % len(part)] for i in range(batch_size)]
-                tokens = np.zeros((batch_size, length), np.int32)
-                for r, p in enumerate(rows):
-                    tokens[r, : len(p.tokens)] = p.tokens
-                lengths = np.array([len(p.tokens) for p in rows], np.int32)
+                tokens, lengths = padded([p.tokens for p in rows], length)
                 fed = len(part) * length  # context tokens of this batch's prompts (padding rows excluded)
                 reached += len(part)
                 if reached <= done:
                     continue
                 out, held = answer(model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
-                                   eos_id=tokenizer.eos_token_id, retention=retention)
+                                   eos_id=tokenizer.eos_token_id, retention=retention, protocol=protocol)
                 for i, p in enumerate(part):
                     text = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
                     results.append(PasskeyResult(label, length, p.bucket, (first + i) % samples, p.key, p.depth,

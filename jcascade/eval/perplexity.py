@@ -1,4 +1,5 @@
-"""Streaming perplexity (papers/000 §4.2): each book is streamed from start to end in `policy.stride`-token
+"""Streaming perplexity (§4.2 of the Cascading KV Cache paper, arXiv 2406.17808): each book is streamed
+from start to end in `policy.stride`-token
 chunks through one cache, token log-likelihoods are collected per chunk; the device holds one cache and
 one chunk whatever the book's length. As in the paper, only books longer than the cache are scored.
 

@@ -22,6 +22,10 @@ A prompt is the tokenizer's chat template (when it has one) around the task text
 RULER's answer prefix, which the model continues. Its length is sized by a bounded search over the haystack
 units to the largest prompt with prompt tokens + the task's tokens to generate <= the context length; a
 haystack that runs out first (the prose, cwe's word list) is refused with the numbers, not returned short.
+The question, where RULER's templates place it, is the task text's last line, after the haystack and the
+task's instruction ("What is the special magic number for ...", "Question: ..."): the question, the template's
+closing and the answer prefix are what the query-agnostic protocol (`jcascade.eval.protocol`) keeps from the
+compression; the tokens before it are the context.
 Words come from the `wonderwords` package (as in RULER). Everything is deterministic given the seed: each
 sample (task, length, index) seeds its own generator. Scoring (`string_match_all`): the fraction of the
 expected strings found in the output, case-insensitively.
@@ -41,6 +45,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jcascade.eval.checkpointing import complete, finished
+from jcascade.eval.protocol import QUERY_AWARE, check, generate
 from jcascade.eval.texts import distinct
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -101,7 +106,9 @@ class Sample:
     """One prompt of a task. text: the user message (the task text, before any chat template); prompt: the
     token ids the model reads (chat template and answer prefix included), int32 [n]; answers: the strings
     the output should contain; needles: (sentence, character offset in `text`) of each hidden needle or
-    chain line the answers come from."""
+    chain line the answers come from; question_start: the index in `prompt` of the question's first token
+    (the token that holds the question's first character, even if it starts before it): prompt[:question_start]
+    is the context, prompt[question_start:] the question, template closing and answer prefix."""
 
     task: str
     context_length: int
@@ -111,6 +118,7 @@ class Sample:
     prompt: np.ndarray
     answers: tuple[str, ...]
     needles: tuple[tuple[str, int], ...]
+    question_start: int
 
 
 def words(kind: str) -> list[str]:
@@ -259,6 +267,9 @@ class Generator:
     prose haystack (e.g. `texts.load_book("paradise_lost")`), needed by the tasks whose `needs_prose`."""
 
     def __init__(self, tokenizer, prose: str | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("tokenizer: RULER's prompts find where their question starts from the tokenizer's "
+                             "character offsets, which only a fast (Rust-backed) Hugging Face tokenizer gives")
         self.tokenizer = tokenizer
         nouns, adjectives = words("noun"), words("adjective")
         self.lists = {"noun": nouns, "adjective": adjectives,
@@ -267,15 +278,17 @@ class Generator:
         if self.prose == []:
             raise ValueError("prose: the prose haystack holds no text (an empty book?)")
 
-    def _prompt(self, text: str, prefix: str) -> np.ndarray:
+    def _prompt(self, text: str, prefix: str) -> tuple[np.ndarray, int]:
+        """The prompt's token ids int32 [n] and the index of its question's first token: the first token whose
+        characters end after the start of the question (the text's last line) in the templated prompt."""
         tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            head = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=False)
-            ids = tok(head + prefix, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tok(text + prefix)["input_ids"]
-        return np.asarray(ids, np.int32)
+        chat = bool(getattr(tok, "chat_template", None))
+        head = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=False) if chat else text
+        at = head.rindex(text[text.rindex("\n") + 1:])  # the question, at the end of the user message
+        encoded = tok(head + prefix, add_special_tokens=not chat, return_offsets_mapping=True)
+        start = next(i for i, (_, end) in enumerate(encoded["offset_mapping"]) if end > at)
+        return np.asarray(encoded["input_ids"], np.int32), start
 
     def sample(self, task: str, context_length: int, index: int, seed: int = 0) -> Sample:
         """Sample `index` of `task` at `context_length` tokens (prompt + the task's tokens to generate): the
@@ -295,7 +308,8 @@ class Generator:
         def build(units: int):
             rng = np.random.default_rng([seed, context_length, index, list(TASKS).index(task)])
             text, prefix, answers, needles = _GENERATORS[spec.family](spec, units, rng, self.lists, self.prose, context_length)
-            return Sample(task, context_length, index, text, prefix, self._prompt(text, prefix), answers, needles)
+            ids, question_start = self._prompt(text, prefix)
+            return Sample(task, context_length, index, text, prefix, ids, answers, needles, question_start)
 
         best = build(1)
         if len(best.prompt) > budget:
@@ -464,9 +478,12 @@ class RulerResult:
 
 def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int],
           policies: Callable[[int], dict], *, samples: int = 50, seed: int = 0, batch_size: int = 8,
-          progress: Callable[[int], None] | None = None, checkpointing=None) -> list[RulerResult]:
+          progress: Callable[[int], None] | None = None, checkpointing=None,
+          protocol: str = QUERY_AWARE) -> list[RulerResult]:
     """Every task x context length x policy on the same `samples` prompts per task, greedy as RULER decodes.
-    The prompts are built and checked first (`plan`: distinct tasks and lengths, prompts that fill them).
+    The prompts are built and checked first (`plan`: distinct tasks and lengths, prompts that fill them), and
+    with them the `protocol` (`jcascade.eval.protocol`): "query-aware" compresses each prompt whole,
+    "query-agnostic" its context alone (prompt[:question_start]), the question read after it.
 
     policies(context_length) -> {label: policy} (e.g. `policies_at` at a budget; labels must not depend on
     the length). The prompts of all tasks at a length are right-padded to [batch_size, context_length] (rows
@@ -474,20 +491,19 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     task's `tokens_to_generate` (greedy decoding: the same tokens as generating that many), so each (policy,
     length) compiles once. progress(n) after each batch with its number of prompts. checkpointing
     (`checkpointing.Checkpointing`): results saved every `every` tokens (prompts times the context length),
-    and a run continues from its last checkpoint (same batch size, its units this sweep's first ones:
-    `checkpointing.finished`), the units it holds not run again. Raises a RuntimeError unless the results
-    hold every planned unit once (`checkpointing.complete`).
+    and a run continues from its last checkpoint (same batch size and protocol, its units this sweep's first
+    ones: `checkpointing.finished`), the units it holds not run again. Raises a RuntimeError unless the
+    results hold every planned unit once (`checkpointing.complete`).
     """
-    import jcascade as jc
-
     for name, value in (("samples", samples), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     planned = plan(generator, tasks, context_lengths, samples, seed)
+    check(protocol, [p for n in planned for p in policies(n).values()], getattr(model, "config", None))
     units = [(label, task, n, i) for n in planned for label in policies(n) for task in tasks for i in range(samples)]
     key = lambda r: (r.policy, r.task, r.context_length, r.index)  # noqa: E731
     results = []
-    found = checkpointing.resume(batch_size=batch_size) if checkpointing is not None else None
+    found = checkpointing.resume(batch_size=batch_size, protocol=protocol) if checkpointing is not None else None
     if found is not None:
         results = finished(found[1], units, RulerResult, key)
         if progress is not None:
@@ -495,6 +511,7 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
     done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
     tok, longest = generator.tokenizer, max(TASKS[t].tokens_to_generate for t in tasks)
     for length, prompts in planned.items():
+        question_width = max(len(s.prompt) - s.question_start for s in prompts)
         for label, policy in policies(length).items():
             for first in range(0, len(prompts), batch_size):
                 part = prompts[first: first + batch_size]
@@ -502,11 +519,9 @@ def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Se
                 if reached <= done:
                     continue
                 rows = [part[i % len(part)] for i in range(batch_size)]
-                tokens = np.zeros((batch_size, length), np.int32)
-                for r, s in enumerate(rows):
-                    tokens[r, : len(s.prompt)] = s.prompt
-                out = np.asarray(jc.generate(model, tokens, policy, lengths=np.array([len(s.prompt) for s in rows]),
-                                             max_new_tokens=longest, eos_id=tok.eos_token_id))
+                out = generate(model, policy, [s.prompt for s in rows], [s.question_start for s in rows], protocol,
+                               width=length, question_width=question_width, max_new_tokens=longest,
+                               eos_id=tok.eos_token_id)
                 for s, ids in zip(part, out):
                     ids = ids[: TASKS[s.task].tokens_to_generate]
                     text = tok.decode(ids[ids >= 0], skip_special_tokens=True)

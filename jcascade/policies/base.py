@@ -1,7 +1,7 @@
 """The cache-policy protocol: the hooks a policy implements and the generic code calls.
 
 A policy is a frozen dataclass (hashable, hence static under `jit`) subclassing `Policy`, validated in
-`__post_init__`, with a `stride` field (tokens per chunk of the strided prefill, DESIGN §9). The generic
+`__post_init__`, with a `stride` field (tokens per chunk of the strided prefill, docs/semantics.md §9). The generic
 entry points call only these hooks:
 
   jc.init_cache  -> cache_slots(max_tokens)                  slots of a fresh cache
@@ -103,7 +103,7 @@ class Policy(abc.ABC):
         return None
 
     def key_positions(self, state: CacheState) -> tuple[jax.Array, jax.Array]:
-        """RoPE positions (DESIGN §4): of the held keys, int32 [B, 1 or Hkv, capacity] (-1 for empty slots),
+        """RoPE positions (docs/semantics.md §4): of the held keys, int32 [B, 1 or Hkv, capacity] (-1 for empty slots),
         and of the chunk's first token, int32 [B]. "original": the token indices; "cache": the rank among
         the row's held tokens by position (each head counting its own)."""
         if self.positions != "cache":

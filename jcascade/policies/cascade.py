@@ -1,4 +1,8 @@
-"""The Cascading KV Cache (papers/000): sinks + cascading rings of EMA-scored tokens (DESIGN §3)."""
+"""The Cascading KV Cache: sinks + cascading rings of EMA-scored tokens (docs/semantics.md §3).
+
+Willette et al., "Training-Free Exponential Context Extension via Cascading KV Cache", ICLR 2025
+(arXiv 2406.17808).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from jcascade.policies.ring import RingPolicy
 
 @dataclasses.dataclass(frozen=True)
 class Cascade(RingPolicy):
-    """Cascading KV cache (papers/000): `sinks` + `num_cascades` rings of cache_size/num_cascades slots.
+    """Cascading KV cache (arXiv 2406.17808): `sinks` + `num_cascades` rings of cache_size/num_cascades slots.
 
     Tokens carry an EMA attention score with decay `gamma`; scores of the query heads sharing a KV head
     are reduced by `head_reduction` ("max", as in the paper, or "mean"). Defaults are the paper's:
@@ -65,7 +69,7 @@ class Cascade(RingPolicy):
         )
 
     def query_weights(self, lengths: jax.Array, chunk_len: int) -> jax.Array:
-        """w_q = (1 - gamma) * gamma**(n - 1 - q) for q < n (DESIGN §3), 0 for padding queries, so that a chunk
+        """w_q = (1 - gamma) * gamma**(n - 1 - q) for q < n, 0 for padding queries, so that a chunk
         of n tokens moves the EMA exactly as n single-token steps would."""
         q = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]
         age = (lengths[:, None] - 1 - q).astype(jnp.float32)

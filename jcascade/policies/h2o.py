@@ -16,9 +16,9 @@ from jcascade.slots import compact, take
 
 @dataclasses.dataclass(frozen=True)
 class H2O(RingPolicy):
-    """Heavy-Hitter Oracle (papers/004's baseline, Zhang et al. 2023): the `recent` newest tokens plus the
-    `heavy` tokens with the largest accumulated attention (the plain sum over every query since the token
-    arrived, not an EMA), reduced over the query heads of a KV head by `head_reduction`.
+    """Heavy-Hitter Oracle (Zhang et al. 2023; a baseline of the PyramidKV paper, arXiv 2406.02069): the `recent`
+    newest tokens plus the `heavy` tokens with the largest accumulated attention (the plain sum over every
+    query since the token arrived, not an EMA), reduced over the query heads of a KV head by `head_reduction`.
 
     Evicts during strided prefill and decode. Within a chunk, scores are those `attend` returned for it;
     the heavy set keeps the top `heavy` of its residents and the tokens the recent window pushes out,

@@ -1,4 +1,4 @@
-"""Recycled Attention (papers/002): the full cache is kept; most decode steps attend to a small set.
+"""Recycled Attention (Xu et al., arXiv 2411.05787): the full cache is kept; most decode steps attend to a small set.
 
 One state holds three regions: [full cache (max_tokens slots, slot = position) | top_k recycled copies |
 tokens fed since the last full step]. Its steps are told apart by the state alone: a row is due for a
@@ -24,14 +24,14 @@ from jcascade.slots import CacheState, Scores
 
 @dataclasses.dataclass(frozen=True)
 class Recycled(Policy):
-    """Recycled Attention (papers/002): the full cache is kept; most decode steps attend to a small set.
+    """Recycled Attention (arXiv 2411.05787): the full cache is kept; most decode steps attend to a small set.
 
     A full-attention step (every chunk of more than one token, and every `refresh_every`-th decode
     step after it) attends to the whole cache and re-selects, per KV head, the `top_k` tokens its last
     query attended most (max over the query heads of the group, as the paper; pooled over positions
     with `kernel` as SnapKV when kernel > 1, max pooling). The decode steps in between attend only to
     that set plus the tokens fed since the full step (the paper's fixed-size variant instead drops the
-    lowest-scored recycled token; we follow DESIGN §5). So with refresh_every=S, after a prompt the
+    lowest-scored recycled token; see docs/semantics.md §5). So with refresh_every=S, after a prompt the
     first token comes from the prompt's full attention, decode steps 1..S-1 are recycled, step S is
     full, and so on.
 

@@ -26,7 +26,7 @@ class RingPolicy(Policy):
 
     def accumulate(self, score: jax.Array, increments: jax.Array, live: jax.Array, n: jax.Array,
                    layout: RingLayout) -> jax.Array:
-        """DESIGN §3 step 1 for policies that keep scores: the residents' scores f32 [B, H, cap] after a
+        """docs/semantics.md §3 step 1 for policies that keep scores: the residents' scores f32 [B, H, cap] after a
         chunk, from their scores before, the chunk's increments f32 [B, H, cap] (attend's Scores.cache),
         live bool [B, H, cap] (held slots of rows with tokens in the chunk) and n int32 [B]."""
         raise NotImplementedError(f"{type(self).__name__} keeps scores but does not define accumulate")
@@ -49,7 +49,7 @@ class RingPolicy(Policy):
         return layout
 
     def key_positions(self, state: CacheState) -> tuple[jax.Array, jax.Array]:
-        """As `Policy.key_positions`, from the closed-form slot order (DESIGN §4) where there is one."""
+        """As `Policy.key_positions`, from the closed-form slot order (docs/semantics.md §4) where there is one."""
         layout = self.layout_for(state)
         if self.positions != "cache":  # heads place tokens alike unless scores or a compression (KNorm) tell
             alike = not self.keeps_scores and not self.observation_window  # them apart: then one row serves all

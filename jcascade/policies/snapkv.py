@@ -1,5 +1,5 @@
 """SnapKV and PyramidKV: full attention over the prompt, then one compression chosen by the attention of
-an observation window (DESIGN §5).
+an observation window (docs/semantics.md §5).
 
 Both keep an append cache (slot j holds the j-th held token) whose scores are the attention that the
 last `window` queries of the newest chunk gave each token (summed over those queries, reduced over the
@@ -154,7 +154,8 @@ class _Selection(AppendPolicy):
 
 @dataclasses.dataclass(frozen=True)
 class SnapKV(_Selection):
-    """SnapKV (Li et al. 2024; papers/004's baseline): full attention over the prompt, then one compression.
+    """SnapKV (Li et al. 2024; a baseline of the PyramidKV paper, arXiv 2406.02069): full attention over the prompt,
+    then one compression.
 
     After the prompt, each KV head keeps the top (budget - window) prompt tokens ranked by the attention
     the last `window` prompt queries give them (summed over those queries, reduced over the query heads
@@ -195,7 +196,7 @@ class SnapKV(_Selection):
 
 @dataclasses.dataclass(frozen=True)
 class PyramidKV(_Selection):
-    """PyramidKV (papers/004): SnapKV's selection with per-layer budgets falling linearly with depth.
+    """PyramidKV (Cai et al., arXiv 2406.02069): SnapKV's selection with per-layer budgets falling linearly with depth.
 
     With C = budget and w = window, layer l of L keeps (prefix_l + w) tokens, where, as in the reference
     code (KVCache-Factory `PyramidKVCluster`) for a prompt of q tokens: q < C keeps the whole prompt;

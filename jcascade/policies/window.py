@@ -37,7 +37,7 @@ class Full(AppendPolicy):
 
 @dataclasses.dataclass(frozen=True)
 class SlidingWindow(RingPolicy):
-    """The `window` most recent tokens (no sinks). `positions`: see DESIGN §4."""
+    """The `window` most recent tokens (no sinks). `positions`: see docs/semantics.md §4."""
 
     window: int
     positions: Literal["cache", "original"] = "cache"

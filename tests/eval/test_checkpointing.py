@@ -182,8 +182,8 @@ def test_a_checkpoint_of_other_units_is_refused(tmp_path):
     identity that does not say so) is refused before any model time is spent."""
     tokenizer = tiny.tokenizer()
     theirs = passkey.PasskeyResult("Sink", 256, 0, 0, "12345", 0.5, 250, "12345", 1.0, 2, None)
-    checkpointing.Checkpointing(tmp_path, 1, {"run": 1, "batch_size": 5}).save(None, {"results": [
-        dataclasses.asdict(theirs)]})
+    saved = {"run": 1, "batch_size": 5, "protocol": "query-aware"}  # the identity the sweep adds to {"run": 1}
+    checkpointing.Checkpointing(tmp_path, 1, saved).save(None, {"results": [dataclasses.asdict(theirs)]})
     policy = jc.Sink(window=32, sinks=4, stride=32)
     with pytest.raises(ValueError, match=r"progress.json: its results are not the first units of this run: result "
                                          r"0 is \('Sink', 256, 0, 0\), the run's unit 0 is \('Sink', 128, 0, 0\)"):

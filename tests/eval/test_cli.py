@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import jcascade as jc
 from jcascade import cli
-from jcascade.eval import main_job, passkey, report, runner, stats
+from jcascade.eval import main_job, passkey, report, ruler, runner, stats
 from jcascade.policies import parse_policy, policy_classes
 
 SINK = "sink:window=32,sinks=4,stride=32"
@@ -72,6 +72,7 @@ def test_passkey_and_compare(model_dir, tmp_path, capsys):
     result = json.loads((tmp_path / "passkey" / "passkey.json").read_text())
     assert len(result["results"]) == 2 * 2 * 5 and set(result["accuracy"]) == {"Sink 32", "Cascade 32x4"}
     assert result["policies"]["Sink 32"] == repr(parse_policy(SINK))  # full specs in the JSON
+    assert result["protocol"] == "query-aware"  # the default
     assert result["baseline"] == "Sink 32" and set(result["differences"]["Cascade 32x4"]) == {"128", "256", "all"}
     assert result["prompts"] == {"128": 5, "256": 5} and result["verdicts"]["Cascade 32x4"] in stats.VERDICTS
     cell = result["accuracy"]["Cascade 32x4"]["128"]
@@ -140,11 +141,58 @@ def test_ruler(model_dir, tmp_path, capsys):
     assert summary["average"]["Full"]["1024"]["n"] == 10 and set(summary["scores"]["Full"]) == {"niah_single_1", "vt"}
     result = json.loads((tmp_path / "ruler.json").read_text())
     assert len(result["results"]) == 2 * 2 * 5 and png(tmp_path / "ruler.png")
+    assert result["protocol"] == summary["protocol"] == "query-aware"  # the default
     assert result["policies"]["Cascade 25%"]["1024"].startswith("Cascade(cache_size=192, sinks=64, num_cascades=4")
+
+
+def test_ruler_and_passkey_query_agnostic(model_dir, tmp_path, monkeypatch, capsys):
+    """--protocol reaches every generate call of the sweep and is named in the printed heading and the JSON (the
+    sweeps' tests check what it does)."""
+    called = []
+
+    def recorded(generate):
+        def call(*args, **kwargs):
+            called.append(args[4])  # the protocol
+            return generate(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(ruler, "generate", recorded(ruler.generate))
+    monkeypatch.setattr(passkey, "generate", recorded(passkey.generate))
+    cli.main(["ruler", "--model", model_dir, "--protocol", "query-agnostic", "--tasks", "niah_single_1", "--policy",
+              "full", "--min-length", "512", "--max-length", "512", "--samples", "2", "--batch-size", "2", "--out",
+              str(tmp_path)])
+    cli.main(["passkey", "--model", model_dir, "--protocol", "query-agnostic", "--policy", "full:stride=64",
+              "--min-length", "128", "--max-length", "128", "--samples", "1", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert printed.count(", query-agnostic, ") == 2 and called == ["query-agnostic"] * 2, (printed, called)
+    for name, count in (("ruler", 2), ("passkey", 5)):
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert result["protocol"] == "query-agnostic" and len(result["results"]) == count
+
+
+def test_query_agnostic_refusals_come_before_any_model_time(model_dir, tmp_path, monkeypatch, capsys):
+    import tiny
+
+    gemma = tmp_path / "gemma"
+    jc.save_converted(tiny.model(64, architecture="gemma3", qk_norm=True, num_layers=2, sliding_window=24,
+                                 layer_types=("sliding", "global"), rope_local_theta=10000.0), gemma)
+    monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    for argv, message in [
+            (["ruler", "--model", str(gemma)], "--protocol: protocol query-agnostic is not supported yet for models "
+                                               "with sliding layers"),
+            (["passkey", "--model", model_dir, "--retention"],
+             "--retention: recorded under --protocol query-aware only"),
+            (["passkey", "--model", model_dir, "--policy", "recycled:top_k=16,refresh_every=4"],
+             "--protocol: protocol query-agnostic does not support Recycled")]:
+        with pytest.raises(SystemExit):
+            cli.main([*argv, "--protocol", "query-agnostic", "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert f"jcascade {argv[0]}: error: {message}" in err, err
 
 
 @pytest.mark.parametrize("argv,message", [
     (["passkey", "--policy", "nope"], "unknown policy 'nope'"),
+    (["ruler", "--protocol", "agnostic"], "argument --protocol: invalid choice: 'agnostic'"),
     (["passkey", "--policy", "cascade:cache_size=32,sinks=4", "--min-length", "16"],
      "context_length=16 is too short: the passkey prompt without filler takes"),
     (["passkey", "--min-length", "4K", "--max-length", "1K"],

@@ -107,6 +107,22 @@ def test_sweep_is_deterministic_and_complete(tok, model):
         passkey.sweep(model, tok, policies, [128], samples=0)
 
 
+def test_query_agnostic_passkey_compresses_the_context_before_the_question(tok, model):
+    """Under Full the question read after the context's cache answers as the whole prompt does; under a Sink
+    cache the question is no longer in the cache's window (it streams into a cache of its own), so answers
+    change; retention (read inside one prompt) and Recycled (no frozen context) are refused before model time."""
+    policies = {"Full": jc.Full(stride=32), "sink": SINK}
+    aware = passkey.sweep(model, tok, policies, [128], samples=1, seed=3)
+    agnostic = passkey.sweep(model, tok, policies, [128], samples=1, seed=3, protocol="query-agnostic")
+    assert [(r.policy, r.key, r.answer) for r in agnostic[:5]] == [(r.policy, r.key, r.answer) for r in aware[:5]]
+    assert [r.answer for r in agnostic[5:]] != [r.answer for r in aware[5:]]
+    with pytest.raises(ValueError, match="retention is recorded under the query-aware protocol only"):
+        passkey.sweep(model, tok, policies, [128], samples=1, retention=True, protocol="query-agnostic")
+    with pytest.raises(ValueError, match="protocol query-agnostic does not support Recycled"):
+        passkey.sweep(None, tok, {"recycled": jc.Recycled(top_k=16, refresh_every=4, stride=32)}, [128],
+                      protocol="query-agnostic")
+
+
 def test_passkey_lengths_are_distinct_and_checked_before_any_model_time(tok):
     """model=None: a sweep that reached the model would fail otherwise than with these ValueErrors."""
     for lengths, match in [([128, 256, 128], "context_lengths: 128 is given twice"),

@@ -159,8 +159,8 @@ def test_outputs_cut_to_the_tasks_length_equal_generating_that_many(generator):
 
 
 def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
-    """A checkpoint holds the batches recorded before the stop, a resume with another batch size is refused, and the
-    resumed sweep ends with the same results as one never interrupted."""
+    """A checkpoint holds the batches recorded before the stop, a resume with another batch size or protocol is
+    refused, and the resumed sweep ends with the same results as one never interrupted."""
     import jcascade as jc
     from jcascade.eval.checkpointing import Checkpointing, load_stream
 
@@ -183,6 +183,8 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
     with pytest.raises(ValueError, match=r"differs in \(saved, now\): batch_size \(2, 3\)\. Resume with"):
         ruler.sweep(model, generator, ["vt"], [1024], policies, samples=6, batch_size=3,
                     checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
+    with pytest.raises(ValueError, match=r"differs in \(saved, now\): protocol \(.query-aware., .query-agnostic.\)"):
+        sweep(checkpointing=Checkpointing(tmp_path, 1, {"run": 1}), protocol="query-agnostic")
     resumed = sweep(checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
     assert resumed == whole
 
@@ -315,5 +317,91 @@ def test_the_prompt_search_is_bounded_and_finds_the_largest_prompt(generators, l
         units = next(u for u, text, _ in built if text == s.text)
         assert units + 1 in [u for u, *_ in built] or units == most
         if units == most:  # the haystack ran out: the prompt is within a unit (on average) of the context
-            smallest = len(generator._prompt(*built[0][1:]))
+            smallest = len(generator._prompt(*built[0][1:])[0])
             assert budget - len(s.prompt) < (len(s.prompt) - smallest) / max(most - 1, 1)
+
+
+# ---- the protocols: the question apart from its context ----------------------------------------------------
+
+
+@pytest.mark.parametrize("task", list(ruler.TASKS))
+@pytest.mark.parametrize("chat", [True, False])
+def test_the_question_starts_where_the_text_asks_it(generator, task, chat):
+    """question_start splits the prompt, whose ids are the templated text's, where RULER's final question
+    begins ("What is/are ...", "Question: ..."): one token earlier the question would start with the haystack's
+    end, one later inside its first word."""
+    if not chat:
+        generator = ruler.Generator(tiny.tokenizer(chat=False), PROSE)
+    tok, s = generator.tokenizer, generator.sample(task, 2048, 1)
+    head = tok.apply_chat_template([{"role": "user", "content": s.text}], add_generation_prompt=True,
+                                   tokenize=False) if chat else s.text
+    assert s.prompt.tolist() == tok(head + s.answer_prefix, add_special_tokens=not chat)["input_ids"]
+    context, question = tok.decode(s.prompt[: s.question_start]), tok.decode(s.prompt[s.question_start:])
+    assert context + question == tok.decode(s.prompt) and 0 < s.question_start < len(s.prompt)
+    assert question.startswith("Question: " if ruler.TASKS[task].family != "niah" else ("What is ", "What are "))
+    assert question.endswith(s.answer_prefix) and context.endswith("\n")
+
+
+def test_a_slow_tokenizer_is_refused():
+    from transformers import PreTrainedTokenizer
+
+    slow = mock.create_autospec(PreTrainedTokenizer, instance=True, is_fast=False)
+    with pytest.raises(ValueError, match="only a fast"):
+        ruler.Generator(slow)
+
+
+@pytest.fixture(scope="module")
+def sweeps(generator):
+    """Both protocols' sweeps of 2 tasks x 2 prompts at 512 tokens under Full and SnapKV keeping 128 slots."""
+    import jcascade as jc
+
+    model = tiny.model(len(generator.tokenizer))
+    full, snapkv = jc.Full(stride=128), jc.SnapKV(budget=128, window=8, stride=128)
+    policies = lambda n: {"Full": full, "SnapKV": snapkv}  # noqa: E731
+    return {protocol: ruler.sweep(model, generator, ["niah_single_1", "niah_multikey_2"], [512], policies, samples=2,
+                                  batch_size=4, protocol=protocol) for protocol in ("query-aware", "query-agnostic")}
+
+
+def test_the_protocols_agree_when_every_token_is_kept(sweeps):
+    """Under Full the context's cache holds every token, so the question read after it equals the whole
+    prompt (the same ids, split): the same greedy answers."""
+    aware, agnostic = ([r for r in sweeps[p] if r.policy == "Full"] for p in ("query-aware", "query-agnostic"))
+    assert len(aware) == 4 and [r.output for r in agnostic] == [r.output for r in aware]
+    assert [r.prompt_tokens for r in agnostic] == [r.prompt_tokens for r in aware]
+
+
+def test_the_protocols_differ_when_the_question_is_compressed_or_not(sweeps):
+    """SnapKV keeping 128 of ~380 tokens: its observation window holds the question's end under query-aware,
+    the context's end under query-agnostic, so the answers differ."""
+    aware, agnostic = ([r.output for r in sweeps[p] if r.policy == "SnapKV"] for p in ("query-aware", "query-agnostic"))
+    assert aware != agnostic
+
+
+def test_query_agnostic_refuses_what_cannot_be_a_frozen_context_before_any_model_time(generator):
+    """model=None: a sweep that reached the model would fail otherwise."""
+    import jcascade as jc
+
+    recycled = lambda n: {"Recycled": jc.Recycled(top_k=64, refresh_every=8, stride=32)}  # noqa: E731
+    with pytest.raises(ValueError, match="protocol query-agnostic does not support Recycled"):
+        ruler.sweep(None, generator, ["niah_single_1"], [512], recycled, samples=1, protocol="query-agnostic")
+    from jcascade.eval import protocol
+
+    for starts, width in (([0], 8), ([5], 8), ([2], 2)):  # an empty context or question, a question over its width
+        with pytest.raises(ValueError, match="question_starts must split each prompt into a context and a question"):
+            protocol.generate(None, jc.Full(), [np.arange(5)], starts, "query-agnostic", width=8, question_width=width,
+                              max_new_tokens=1, eos_id=None)
+    with pytest.raises(ValueError, match="protocol must be one of query-aware, query-agnostic"):
+        ruler.sweep(None, generator, ["niah_single_1"], [512], recycled, samples=1, protocol="agnostic")
+    gemma = tiny.model(len(generator.tokenizer), architecture="gemma3", qk_norm=True, num_layers=2, sliding_window=24,
+                       layer_types=("sliding", "global"), rope_local_theta=10000.0)
+    with pytest.raises(ValueError, match="not supported yet for models with sliding layers"):
+        ruler.sweep(gemma, generator, ["niah_single_1"], [512], lambda n: {"Full": jc.Full()}, samples=1,
+                    protocol="query-agnostic")
+
+
+def test_kvpress_compression_ratios_are_kept_fractions_labelled_apart():
+    """kvpress's ratios 0.25 / 0.5 / 0.75 / 0.875 keep 1 - ratio: --budget 0.75,0.5,0.25,0.125."""
+    budgets = ruler.budget_list("0.75,0.5,0.25,0.125")
+    policies = {k: v for b in budgets for k, v in ruler.policies_at(["snapkv"], b, 4096).items()}
+    assert {k: v.budget for k, v in policies.items()} == {"SnapKV 75%": 3072, "SnapKV 50%": 2048, "SnapKV 25%": 1024,
+                                                          "SnapKV 12.5%": 512}

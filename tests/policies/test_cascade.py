@@ -1,4 +1,4 @@
-"""Cascade's cache update against the token-by-token oracle of DESIGN §3, and its consequences."""
+"""Cascade's cache update against the token-by-token oracle of docs/semantics.md §3, and its consequences."""
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +105,7 @@ def test_long_stream_with_eight_cascades_and_chunks_longer_than_rings(tied):
 
 
 def test_chunk_equals_single_token_updates():
-    """DESIGN §3: a T-token chunk equals T single-token updates given the same scores.
+    """docs/semantics.md §3: a T-token chunk equals T single-token updates given the same scores.
 
     With cache increments 0, single-token updates see chunk token j's score decayed by the n-1-j
     tokens after it, which is what attend's query weights build into a chunk's scores.
@@ -124,7 +124,7 @@ def test_chunk_equals_single_token_updates():
             single = UPDATE(policy, single, k[:, j : j + 1], v[:, j : j + 1], jc.Scores(zeros, jnp.asarray(raw[..., j : j + 1])))
     np.testing.assert_array_equal(chunked.pos, single.pos)
     np.testing.assert_array_equal(chunked.k, single.k)
-    # Sink scores are never decayed nor used (DESIGN §3): compare the rings'.
+    # Sink scores are never decayed nor used (docs/semantics.md §3): compare the rings'.
     np.testing.assert_allclose(chunked.score[..., 2:], single.score[..., 2:], rtol=1e-5)
 
 
