@@ -2,8 +2,8 @@
 
 Prompts are right-padded: row b's tokens are tokens[b, :lengths[b]], the rest is padding. Prefill is a
 `lax.scan` over `policy.stride`-token chunks (the last one padded and masked through lengths; a prompt narrower
-than the stride is one chunk cut to its width: `chunk_size`); decode is a `lax.while_loop` over single tokens. Everything is jit-able, compiles once per shape and nests
-inside a user's `jit`.
+than the stride is one chunk cut to its width: `chunk_size`); decode is a `lax.while_loop` over single tokens.
+Everything is jit-able, compiles once per shape and nests inside a user's `jit`.
 
 Entry points: `generate` (greedy or sampled continuations; `num_samples=`: several continuations of one prompt
 whose cache is shared), `score` (per-token log-likelihoods; `prefix=`: a prompt, then teacher forcing), `prefill`
@@ -246,7 +246,7 @@ def _after_context(model: CausalLM, policy, context: jax.Array, context_lengths:
     of each row's tokens, `prefill`'s log-probs of targets or None, the context's last hidden states [B, hidden])."""
     prefix, context_last = _shared_prompt(model, policy, context, context_lengths, implementation)
     B, T = tokens.shape
-    own = Full(stride=policy.stride)  # a short question is one chunk cut to its width (`chunk_size`), not a padded stride
+    own = Full(stride=policy.stride)  # a short question: one chunk cut to its width (`chunk_size`)
     state = model.init_cache(own, B, max_tokens=T + room)
     state, last, logps = _prefill(model, own, state, tokens, lengths, implementation, targets, (prefix,))
     return (prefix,), state, last, logps, jnp.broadcast_to(context_last, (B, context_last.shape[-1]))

@@ -124,7 +124,8 @@ def status(name: str, running: str, delay: float = 3.0, file=None):
 
     file = sys.stderr if file is None else file
     compiled, finished, start = threading.Event(), threading.Event(), time.perf_counter()
-    on_compile = lambda event, *_, **__: event == "/jax/core/compile/backend_compile_duration" and compiled.set()  # noqa: E731
+    compile_event = "/jax/core/compile/backend_compile_duration"
+    on_compile = lambda event, *_, **__: event == compile_event and compiled.set()  # noqa: E731
     redraw = file.isatty()
 
     def show():

@@ -48,7 +48,8 @@ def test_a_cascade_holds_every_token_until_its_slots_are_full():
 
 
 def test_whole_context_warns_for_the_policies_that_compare_as_full():
-    policies = {"Full": jc.Full(), "Sink 60": jc.Sink(window=60, sinks=4), "Cascade 32x4": jc.Cascade(cache_size=32, sinks=4)}
+    policies = {"Full": jc.Full(), "Sink 60": jc.Sink(window=60, sinks=4),
+                "Cascade 32x4": jc.Cascade(cache_size=32, sinks=4)}
     with pytest.warns(UserWarning, match=r"^at 64 tokens the cache of Sink 60 holds the whole context") as caught:
         runner.warn_whole_context({64: policies, 128: policies})
     assert len(caught) == 1
