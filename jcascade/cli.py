@@ -19,8 +19,10 @@ import pathlib
 import re
 import shlex
 import sys
+import warnings
 
 import jax
+from tqdm import tqdm
 
 from jcascade.eval import attention_map, main_job, passkey, perplexity, plots, protocol, report, ruler, runner, texts
 from jcascade.models import read_config, sharding
@@ -66,6 +68,14 @@ def _evaluate(args, name: str, total: int, identity: dict, work, tokenizer, mesh
     command = shlex.join(["jcascade", *args.argv] + ([] if args.resume else ["--resume"]))
     return runner.run(name, total, work, pathlib.Path(args.out) / f"checkpoint-{name}", args.checkpoint_every,
                       args.resume, run, command, unit)
+
+
+def _batch_size(args, prompts: int, mesh, most: int) -> int:
+    """--batch-size, or what a run of `prompts` prompts per (policy, length) needs: the fewest batches of at most
+    `most` x D rows, as equal as possible (`passkey.equal_batches`), rounded up to a multiple of the mesh's data
+    axis D (1 without a mesh)."""
+    data = 1 if mesh is None else mesh.shape["data"]
+    return args.batch_size or -(-passkey.equal_batches(prompts, most * data) // data) * data
 
 
 def _sha256(text: str) -> str:
@@ -161,18 +171,20 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
     with _option("--words-file"):
         words = texts.word_list(args.words_file, log=_log) if args.filler == "words" else None
     model, tokenizer, name, mesh = _load(args, batched=True)
-    data, per_length = 1 if mesh is None else mesh.shape["data"], args.buckets * args.samples
+    per_length = args.buckets * args.samples
+    batch = _batch_size(args, per_length, mesh, 32)
+    runner.warn_whole_context({n: policies for n in lengths})
     _log(f"{title}\nmodel {name}; filler {args.filler}; context lengths {lengths}; {args.buckets} depth buckets x "
          f"{args.samples} samples = {per_length} prompts per length; policies:\n"
          + "\n".join(f"  {k}: {v!r}" for k, v in policies.items()))
     results, seconds, checkpointing = _evaluate(
         args, "passkey", len(policies) * per_length * sum(lengths),
-        {"policies": {k: repr(v) for k, v in policies.items()}, "words": words and _sha256("\n".join(words))},
+        {"policies": {k: repr(v) for k, v in policies.items()}, "words": words and _sha256("\n".join(words)),
+         "batch_size": batch},
         lambda progress, checkpointing: passkey.sweep(
             model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler, words=words, seed=args.seed,
             num_buckets=args.buckets, retention=retention, progress=progress, checkpointing=checkpointing,
-            protocol=args.protocol,
-            batch_size=args.batch_size or -(-passkey.equal_batches(per_length, 32 * data) // data) * data),
+            protocol=args.protocol, batch_size=batch),
         tokenizer, mesh)
     rep = report.passkey(results, policies, baseline=args.baseline, run={
         "title": title, "model": name, "protocol": args.protocol, "filler": args.filler, "seed": args.seed,
@@ -219,13 +231,14 @@ def cmd_ruler(args) -> None:
         specs = {k: {str(n): repr(at(n)[k]) for n in lengths} for k in at(lengths[0])}
     with _option("--baseline"):
         report.baseline_label(specs, args.baseline)
-    batch = args.batch_size or 8 * (1 if mesh is None else mesh.shape["data"])
+    batch = _batch_size(args, len(tasks) * args.samples, mesh, 8)
+    runner.warn_whole_context({n: at(n) for n in lengths})
     with _option("--book"):
         prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
     generator = ruler.Generator(tokenizer, prose)
     results, seconds, checkpointing = _evaluate(
         args, "ruler", len(specs) * len(tasks) * args.samples * len(lengths),
-        {"policies": specs, "prose": prose and _sha256(prose)},
+        {"policies": specs, "prose": prose and _sha256(prose), "batch_size": batch},
         lambda progress, checkpointing: ruler.sweep(model, generator, tasks, lengths, at, samples=args.samples,
                                                     seed=args.seed, batch_size=batch, progress=progress,
                                                     checkpointing=checkpointing, protocol=args.protocol),
@@ -360,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_argument(ruler.budget_list), default="0.25,0.5", help="KV slots kept, sinks "
                    "and windows included: fractions of the context (<1) or token counts, comma-separated")
     p.add_argument("--batch-size", type=_positive, help="prompts per generate call, a multiple of the mesh's data "
-                   "axis D (default: 8 x D)")
+                   "axis D (default: tasks x samples in equal batches of at most 8 x D)")
     p.add_argument("--book", default="paradise_lost", help="the prose haystack (RULER's essays are not offline)")
     protocol_option(p)
     sweep(p, 4096, 8192, 50, "task")
@@ -455,9 +468,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Runs a command line; every expected error (bad input, paths, memory) exits with the command's usage and
-    the message (SystemExit 2), never a traceback."""
+    the message (SystemExit 2), never a traceback. Warnings print as one line each, `warning: <message>` (above
+    a progress bar)."""
     args = parse(argv)
     try:
-        args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = lambda message, *_, **__: tqdm.write(f"warning: {message}", sys.stderr)  # above a bar
+            args.run(args)
     except (ValueError, TypeError, OSError, OverflowError, MemoryError, jax.errors.JaxRuntimeError) as e:
         args.parser.error(_message(e))

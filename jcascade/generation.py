@@ -1,9 +1,9 @@
 """Strided prefill, scoring and generation around a model and a cache policy (docs/semantics.md §9).
 
 Prompts are right-padded: row b's tokens are tokens[b, :lengths[b]], the rest is padding. Prefill is a
-`lax.scan` over `policy.stride`-token chunks (the last one padded and masked through lengths); decode
-is a `lax.while_loop` over single tokens. Everything is jit-able, compiles once per shape and nests
-inside a user's `jit`.
+`lax.scan` over `policy.stride`-token chunks (the last one padded and masked through lengths; a prompt narrower
+than the stride is one chunk cut to its width: `chunk_size`); decode is a `lax.while_loop` over single tokens.
+Everything is jit-able, compiles once per shape and nests inside a user's `jit`.
 
 Entry points: `generate` (greedy or sampled continuations; `num_samples=`: several continuations of one prompt
 whose cache is shared), `score` (per-token log-likelihoods; `prefix=`: a prompt, then teacher forcing), `prefill`
@@ -139,6 +139,17 @@ def _check_positions(model: CausalLM, policy, total: int) -> None:
                       "Cascade stays within them)", stacklevel=3)
 
 
+SMALLEST_CHUNK = 16
+
+
+def chunk_size(policy, width: int) -> int:
+    """Tokens per prefill chunk for a prompt `width` tokens wide (padded width, static): the policy's stride,
+    cut for a narrower prompt to the next power of two >= width (at least SMALLEST_CHUNK, so that few widths
+    compile). The stride bounds it: a prompt wider than the stride is fed in stride chunks as before, and one
+    narrower fits one chunk either way (its padding masked), so the cut changes no result, only the padding."""
+    return min(policy.stride, max(SMALLEST_CHUNK, 1 << (max(width, 1) - 1).bit_length()))
+
+
 def _chunks(tokens: jax.Array, lengths: jax.Array, stride: int):
     """[n, B, stride] chunks of right-padded tokens and their [n, B] valid lengths."""
     B, S = tokens.shape
@@ -177,8 +188,9 @@ def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array
     """`prefill` once checked; prefixes: shared-prefix levels that every row's history begins with (the rows'
     own tokens then go to `state`, which must keep no scores: `jcascade.attend_shared`)."""
     B, S = tokens.shape
-    chunks, chunk_lengths = _chunks(tokens, lengths, policy.stride)
-    target_chunks = None if targets is None else _chunks(targets, lengths, policy.stride)[0]
+    chunk = chunk_size(policy, S)
+    chunks, chunk_lengths = _chunks(tokens, lengths, chunk)
+    target_chunks = None if targets is None else _chunks(targets, lengths, chunk)[0]
 
     def step(carry, inputs):
         state, last = carry
@@ -234,7 +246,7 @@ def _after_context(model: CausalLM, policy, context: jax.Array, context_lengths:
     of each row's tokens, `prefill`'s log-probs of targets or None, the context's last hidden states [B, hidden])."""
     prefix, context_last = _shared_prompt(model, policy, context, context_lengths, implementation)
     B, T = tokens.shape
-    own = Full(stride=min(policy.stride, T))  # a short question is one chunk of its own length, not a padded stride
+    own = Full(stride=policy.stride)  # a short question: one chunk cut to its width (`chunk_size`)
     state = model.init_cache(own, B, max_tokens=T + room)
     state, last, logps = _prefill(model, own, state, tokens, lengths, implementation, targets, (prefix,))
     return (prefix,), state, last, logps, jnp.broadcast_to(context_last, (B, context_last.shape[-1]))

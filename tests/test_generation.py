@@ -2,15 +2,20 @@
 equals Full while the sequence fits, score(prefix=) replays generate, strides, ragged rows, eos, sampling,
 nesting in a user's jit, input checks."""
 
+import dataclasses
 import warnings
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import jcascade as jc
 import tiny
+from jcascade import generation
 
 VOCAB = 97
 
@@ -161,3 +166,48 @@ def test_bad_inputs_raise_clear_errors(model):
         warnings.simplefilter("error")
         jc.generate(model, np.ones((2, 500), np.int32), jc.Full(stride=256), max_new_tokens=20,
                     lengths=np.array([490, 300]))
+
+
+@given(stride=st.integers(1, 5000), width=st.integers(1, 9000))
+def test_the_prefill_chunk_is_cut_to_the_prompt_within_the_stride(stride, width):
+    """chunk_size: at most the stride; a prompt within the stride is one chunk (the chunking is the stride's),
+    one wider is fed in stride chunks; a cut chunk is a power of two >= 16 (few compiled widths)."""
+    chunk = generation.chunk_size(jc.Sink(window=8, stride=stride), width)
+    assert chunk <= stride
+    assert width <= chunk < 2 * max(width, generation.SMALLEST_CHUNK) if width <= stride else chunk == stride
+    if chunk < stride:
+        assert chunk >= generation.SMALLEST_CHUNK and chunk & (chunk - 1) == 0
+
+
+@pytest.mark.parametrize("policy", [jc.Sink(window=16, sinks=4), jc.KVzip(budget=16, instruction=(5, 6, 7))],
+                         ids=lambda p: type(p).__name__)
+def test_a_short_prompt_under_the_default_stride_compiles_a_short_chunk(model, policy):
+    """A 37-token prompt under a stride-4096 policy: no array of the generate program is 2048 or more wide (the
+    prompt was padded to a whole stride chunk before the cut, and KVzip's reconstruction rows to its 2048-token
+    chunk)."""
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (1, 37))
+    jaxpr = jax.make_jaxpr(lambda t: jc.generate(model, t, policy, max_new_tokens=2))(tokens)
+    widths = {d for eqn in _equations(jaxpr.jaxpr) for v in eqn.outvars for d in getattr(v.aval, "shape", ())}
+    assert 64 in widths and max(widths) < 2048, sorted(widths)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those of its sub-jaxprs (scan, while, pjit bodies) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
+@pytest.mark.parametrize("policy", [jc.Cascade(cache_size=16, sinks=4, num_cascades=2), jc.Sink(window=16, sinks=4),
+                                    jc.H2O(heavy=8, recent=8), jc.SnapKV(budget=16, window=4),
+                                    jc.KVzip(budget=16, instruction=(5, 6, 7), continuation=(8, 9), turn=(10,),
+                                             chunk=24, overlap=4)], ids=lambda p: type(p).__name__)
+def test_the_cut_chunk_changes_no_result(model, policy):
+    """Under the default stride (4096: a chunk cut to 64, 27 of it padding) the log-probs of a 37-token prompt
+    then 6 tokens fed one by one (as generate feeds them) are those of a stride of exactly the prompt's width
+    (one unpadded chunk), bit for bit."""
+    tokens = np.random.default_rng(4).integers(0, VOCAB, (2, 43))
+    lengths, exact = np.array([43, 30]), dataclasses.replace(policy, stride=37)
+    np.testing.assert_array_equal(jc.score(model, tokens, policy, lengths=lengths, prefix=37),
+                                  jc.score(model, tokens, exact, lengths=lengths, prefix=37))

@@ -25,7 +25,7 @@ import jcascade as jc
 from jcascade import compilation
 from jcascade.eval import stats
 from jcascade.eval.checkpointing import Checkpointing, complete, finished
-from jcascade.generation import token_log_probs, warn_nonfinite
+from jcascade.generation import chunk_size, token_log_probs, warn_nonfinite
 
 
 def cache_capacity(policy) -> int | None:
@@ -53,7 +53,7 @@ StreamPoint = tuple[jc.CacheState, np.ndarray, int]  # (cache, log-probs so far 
 def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState, int], None] | None = None,
            progress: Callable[[int], None] | None = None, start: StreamPoint | None = None,
            after_chunk: Callable[[StreamPoint], None] | None = None) -> np.ndarray:
-    """Streams one token sequence [S] through `model` under `policy` in `policy.stride` chunks.
+    """Streams one token sequence [S] through `model` under `policy` in `policy.stride` chunks (cut to `chunk_size`).
 
     Returns float32 [S - 1], entry t = log p(tokens[t + 1] | tokens[:t + 1]).
     watch(state, first) is called before each chunk with the cache its queries see (leading layer axis,
@@ -66,7 +66,7 @@ def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState,
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size < 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be an int array of shape [S] with S >= 2, got {tokens.dtype}{list(tokens.shape)}")
-    S, T = tokens.size, policy.stride
+    S, T = tokens.size, chunk_size(policy, tokens.size)
     if S > jc.slots.CLOCK_LIMIT:
         raise ValueError(f"tokens: a stream of {S} tokens is longer than the int32 token clock allows "
                          f"({jc.slots.CLOCK_LIMIT}); split it")

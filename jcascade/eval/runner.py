@@ -5,14 +5,17 @@ and the results written as JSON and figures (`write`). The evaluations themselve
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import pathlib
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 
 import jcascade as jc
 from jcascade.eval.checkpointing import Checkpointing, open_run
@@ -103,12 +106,68 @@ def generate(model, tokenizer, prompt: str, policy, *, raw: bool = False, max_ne
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_dict=False) if chat else tokenizer(prompt)["input_ids"]
     start = time.perf_counter()
-    out = np.asarray(jc.generate(model, np.array([ids]), policy, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_p=top_p, eos_id=tokenizer.eos_token_id,
-                                 rng=jax.random.key(seed) if temperature > 0 else None))[0]
+    with status("generate", f"prefill and decode ({len(ids)} prompt tokens, up to {max_new_tokens} new)"):
+        out = np.asarray(jc.generate(model, np.array([ids]), policy, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, top_p=top_p, eos_id=tokenizer.eos_token_id,
+                                     rng=jax.random.key(seed) if temperature > 0 else None))[0]
     return {"policy": repr(policy), "prompt": prompt, "prompt_tokens": len(ids),
             "output": tokenizer.decode(out[out >= 0], skip_special_tokens=True), "output_ids": out.tolist(),
             "seconds": time.perf_counter() - start}
+
+
+@contextlib.contextmanager
+def status(name: str, running: str, delay: float = 3.0, file=None):
+    """A status line on `file` (default stderr) while the block runs past `delay` seconds: `name`, the stage
+    ("compiling" until XLA has compiled a program, then `running`) and the seconds so far. On a terminal the
+    line is redrawn every half second and ends when the block does; elsewhere one line per stage."""
+    import jax
+
+    file = sys.stderr if file is None else file
+    compiled, finished, start = threading.Event(), threading.Event(), time.perf_counter()
+    compile_event = "/jax/core/compile/backend_compile_duration"
+    on_compile = lambda event, *_, **__: event == compile_event and compiled.set()  # noqa: E731
+    redraw = file.isatty()
+
+    def show():
+        shown = None
+        while not finished.wait(0.5 if shown else delay):
+            stage = running if compiled.is_set() else "compiling"
+            if redraw or stage != shown:
+                print(f"{'\r' if redraw else ''}{name}: {stage}, {time.perf_counter() - start:.0f} s", end="" if redraw
+                      else "\n", file=file, flush=True)
+            shown = stage
+        if shown and redraw:
+            print(file=file, flush=True)
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    thread = threading.Thread(target=show, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        thread.join()
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+
+
+def warn_whole_context(policies: Mapping[int, Mapping[str, object]]) -> None:
+    """Warns (UserWarning) before a run, for each context length (tokens -> {label: policy}), about the policies
+    other than Full whose cache keeps every token of a context that long (`keeps_whole`): they compare as Full."""
+    for tokens, at in policies.items():
+        whole = [label for label, p in at.items() if not isinstance(p, jc.Full) and keeps_whole(p, tokens)]
+        if whole:
+            warnings.warn(f"at {tokens} tokens the cache of {', '.join(whole)} holds the whole context: nothing is "
+                          "evicted, so it compares as Full; use longer contexts or smaller caches", stacklevel=2)
+
+
+def keeps_whole(policy, tokens: int) -> bool:
+    """Whether `policy` keeps every token of a `tokens`-token prompt (False where unsure): a bounded policy with
+    at least `tokens` slots (its rings take every token until all are full), or one that compresses after the
+    prompt to a `budget` per KV head (an AdaKV's scorer's) of at least `tokens`."""
+    if policy.bounded:
+        return policy.cache_slots(None) >= tokens
+    budget = getattr(policy, "budget", getattr(getattr(policy, "scorer", None), "budget", None))
+    return budget is not None and budget >= tokens
 
 
 def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | None = None, every: int | None = None,

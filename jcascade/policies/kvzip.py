@@ -121,7 +121,7 @@ class KVzip(AppendPolicy):
         B, S = tokens.shape
         overlap = min(self.overlap, S)
         head_width = max(len(self.instruction), len(self.continuation) + overlap)
-        width = head_width + len(self.turn) + self.chunk
+        width = head_width + len(self.turn) + min(self.chunk, S - self.skip)  # a chunk re-reads at most S - skip
         first = self.skip + c * self.chunk
         previous = jax.lax.dynamic_slice_in_dim(tokens, jnp.clip(first - overlap, 0, S - overlap), overlap, axis=1)
         pad = lambda x: jnp.pad(x, ((0, 0), (0, head_width - x.shape[1])))  # noqa: E731
