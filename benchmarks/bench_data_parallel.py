@@ -3,7 +3,8 @@
 prompt's output is identical.
 
 Each device count runs the sweep twice on the same prompts: the first run compiles (every policy at the length) and
-is not timed; the time the sweep spends building its prompts (measured apart, `ruler.plan`) is subtracted. One device takes `--rows` rows per call, D devices
+is not timed; the time the sweep spends building its prompts (measured apart, `ruler.plan`) is subtracted. One
+device takes `--rows` rows per call, D devices
 D x `--rows`, so each device computes the same [rows, length] batches either way.
 
     python benchmarks/bench_data_parallel.py --devices 2 --length 4K --samples 16 --out results/data-parallel.json

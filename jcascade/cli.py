@@ -439,9 +439,9 @@ def _check(args) -> None:
         with _option("--model"):
             config = None if args.model is None else read_config(args.model)
         with _option("--protocol"):
-            given = {"passkey": args.policy or [],  # ruler: the specs among its names
-                     "ruler": [p for group in args.policy or [] for p in group if not isinstance(p, str)]}
-            protocol.check(args.protocol, given.get(args.command, []), config)
+            given = ([p for group in args.policy or [] for p in group if not isinstance(p, str)]  # specs among names
+                     if args.command == "ruler" else args.policy or [] if args.command == "passkey" else [])
+            protocol.check(args.protocol, given, config)
     if args.out is not None:
         _check_out(pathlib.Path(args.out), [RESULTS.get(args.command, args.command) + ".json"])
 

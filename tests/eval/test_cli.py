@@ -187,6 +187,8 @@ def test_query_agnostic_refusals_come_before_any_model_time(model_dir, tmp_path,
             (["passkey", "--model", model_dir, "--retention"],
              "--retention: recorded under --protocol query-aware only"),
             (["passkey", "--model", model_dir, "--policy", "recycled:top_k=16,refresh_every=4"],
+             "--protocol: protocol query-agnostic does not support Recycled"),
+            (["ruler", "--model", model_dir, "--policy", "full", "--policy", "recycled:top_k=16,refresh_every=4"],
              "--protocol: protocol query-agnostic does not support Recycled")]:
         with pytest.raises(SystemExit):
             cli.main([*argv, "--protocol", "query-agnostic", "--out", str(tmp_path / "out")])

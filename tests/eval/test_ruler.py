@@ -153,8 +153,8 @@ def test_outputs_cut_to_the_tasks_length_equal_generating_that_many(generator):
 
     model = tiny.model(len(generator.tokenizer))
     policies = lambda n: {"Sink": jc.Sink(window=96, sinks=4, stride=128)}  # noqa: E731
-    both = ruler.sweep(model, generator.tokenizer, policies, [1024], tasks=["vt", "niah_single_1"], prose=PROSE, samples=2,
-                       batch_size=4)
+    both = ruler.sweep(model, generator.tokenizer, policies, [1024], tasks=["vt", "niah_single_1"], prose=PROSE,
+                       samples=2, batch_size=4)
     alone = ruler.sweep(model, generator.tokenizer, policies, [1024], tasks=["vt"], samples=2, batch_size=4)
     assert [r.output for r in both if r.task == "vt"] == [r.output for r in alone]
     assert len(both) == 4 and all(0 <= r.score <= 1 for r in both)
@@ -169,7 +169,8 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
     tokenizer = tiny.tokenizer()
     model = tiny.model(len(tokenizer))
     policies = {"Sink": jc.Sink(window=96, sinks=4, stride=128)}
-    sweep = lambda **kw: ruler.sweep(model, tokenizer, policies, [1024], tasks=["vt"], samples=6, batch_size=2, **kw)  # noqa: E731
+    sweep = lambda **kw: ruler.sweep(model, tokenizer, policies, [1024], tasks=["vt"], samples=6,  # noqa: E731
+                                     batch_size=2, **kw)
     whole = sweep()
     done = []
 
@@ -361,8 +362,9 @@ def sweeps(generator):
     model = tiny.model(len(generator.tokenizer))
     full, snapkv = jc.Full(stride=128), jc.SnapKV(budget=128, window=8, stride=128)
     policies = lambda n: {"Full": full, "SnapKV": snapkv}  # noqa: E731
-    return {protocol: ruler.sweep(model, generator.tokenizer, policies, [512], tasks=["niah_single_1", "niah_multikey_2"],
-                                  samples=2, batch_size=4, protocol=protocol) for protocol in ("query-aware", "query-agnostic")}
+    return {protocol: ruler.sweep(model, generator.tokenizer, policies, [512], samples=2, batch_size=4,
+                                  tasks=["niah_single_1", "niah_multikey_2"], protocol=protocol)
+            for protocol in ("query-aware", "query-agnostic")}
 
 
 def test_the_protocols_agree_when_every_token_is_kept(sweeps):
@@ -386,7 +388,8 @@ def test_query_agnostic_refuses_what_cannot_be_a_frozen_context_before_any_model
 
     recycled = lambda n: {"Recycled": jc.Recycled(top_k=64, refresh_every=8, stride=32)}  # noqa: E731
     with pytest.raises(ValueError, match="protocol query-agnostic does not support Recycled"):
-        ruler.sweep(None, generator.tokenizer, recycled, [512], tasks=["niah_single_1"], samples=1, protocol="query-agnostic")
+        ruler.sweep(None, generator.tokenizer, recycled, [512], tasks=["niah_single_1"], samples=1,
+                    protocol="query-agnostic")
     from jcascade.eval import protocol
 
     for starts, width in (([0], 8), ([5], 8), ([2], 2)):  # an empty context or question, a question over its width
