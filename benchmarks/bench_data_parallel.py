@@ -3,7 +3,8 @@
 prompt's output is identical.
 
 Each device count runs the sweep twice on the same prompts: the first run compiles (every policy at the length) and
-is not timed; the prompts are built once, before any timing. One device takes `--rows` rows per call, D devices
+is not timed; the time the sweep spends building its prompts (measured apart, `ruler.plan`) is subtracted. One
+device takes `--rows` rows per call, D devices
 D x `--rows`, so each device computes the same [rows, length] batches either way.
 
     python benchmarks/bench_data_parallel.py --devices 2 --length 4K --samples 16 --out results/data-parallel.json
@@ -13,7 +14,6 @@ D x `--rows`, so each device computes the same [rows, length] batches either way
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import time
@@ -26,19 +26,12 @@ from jcascade.eval import ruler, texts
 from jcascade.models import sharding
 
 
-class PromptCache:
-    """A `ruler.Generator` whose samples are built once: timed sweeps measure the model, not prompt building."""
-
-    def __init__(self, generator: ruler.Generator):
-        self.tokenizer = generator.tokenizer
-        self.samples = functools.cache(generator.samples)
-
-
-def sweep(model, prompts, tasks, length, names, budget, samples, rows) -> tuple[list, float]:
+def sweep(model, tokenizer, prose, tasks, length, names, budget, samples, rows, build_s) -> tuple[list, float]:
+    """The sweep's results and seconds, less `build_s` (its prompt building)."""
     t0 = time.perf_counter()
-    out = ruler.sweep(model, prompts, tasks, [length], lambda n: ruler.policies_at(names, budget, n),
+    out = ruler.sweep(model, tokenizer, ruler.policy_grid(names, [budget]), [length], tasks=tasks, prose=prose,
                       samples=samples, batch_size=rows)
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0 - build_s
 
 
 def main():
@@ -68,18 +61,17 @@ def main():
                                        rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                        qkv_bias=False, o_bias=False, max_position_embeddings=4096)
     prose = texts.load_book(a.book) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
-    prompts = PromptCache(ruler.Generator(tokenizer, prose))
     t0 = time.perf_counter()
-    for task in tasks:
-        prompts.samples(task, a.length, a.samples, 0)
+    ruler.plan(ruler.Generator(tokenizer, prose), tasks, [a.length], a.samples)
     build_s = time.perf_counter() - t0
     runs = {}
     for devices in (1, a.devices):
         mesh = sharding.device_mesh((devices, 1), batched=True)
         model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny
                  else jc.load_pretrained(path, mesh=mesh))
-        _, compile_s = sweep(model, prompts, tasks, a.length, names, a.budget, a.samples, a.rows * devices)
-        results, seconds = sweep(model, prompts, tasks, a.length, names, a.budget, a.samples, a.rows * devices)
+        run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, a.rows * devices, build_s)
+        _, compile_s = sweep(*run)
+        results, seconds = sweep(*run)
         runs[devices] = dict(seconds=seconds, first_run_s=compile_s, prompts=len(results),
                              prompts_per_s=len(results) / seconds, results=[r.output for r in results])
         print(f"{devices} device(s): {len(results)} prompts in {seconds:.1f} s ({len(results) / seconds:.1f} prompts/s; "

@@ -260,7 +260,7 @@ def main():
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  shape=a.shape, implementation=a.implementation, mesh=dict(zip(("data", "model"), a.mesh)), policy=repr(policy),
+                  shape=a.shape, implementation=a.implementation, mesh=dict(zip(("data", "model"), a.mesh)), policy=jc.policies.spec(policy),
                   matmul_tflops=peak / 1e12, copy_gb_s=copy / 1e9, read_gb_s=read / 1e9)
     bandwidth = max(copy, read)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")

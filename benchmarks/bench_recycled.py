@@ -73,7 +73,7 @@ def bench_decode(model, policy, prompt_state, first, batch: int, steps: int, rep
     cache_bytes = 2 * state.k.nbytes
     del state
     first_steps, last_step = (statistics.median(t[i] for t in times[1:]) for i in (0, 1))
-    return dict(spec=repr(policy), batch=batch, compile_s=compile_s, period_s=times[1:],
+    return dict(spec=jc.policies.spec(policy), batch=batch, compile_s=compile_s, period_s=times[1:],
                 ms_per_step=1e3 * first_steps / (steps - 1), last_step_ms=1e3 * last_step,
                 mean_ms_per_step=1e3 * (first_steps + last_step) / steps, cache_gb=cache_bytes / 1e9)
 

@@ -59,7 +59,7 @@ def time_update(policy, args, rng) -> dict:
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times[args.warmup :]) * 1e3
     return dict(
-        policy=repr(policy), ms_per_call=ms, tokens_per_s=B * T / ms * 1e3, compile_s=compile_s,
+        policy=jc.policies.spec(policy), ms_per_call=ms, tokens_per_s=B * T / ms * 1e3, compile_s=compile_s,
         kv_bytes=2 * state.k.nbytes,
     )
 

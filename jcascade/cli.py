@@ -59,7 +59,7 @@ def _message(error: Exception) -> str:
 
 def _evaluate(args, name: str, total: int, identity: dict, work, tokenizer, mesh, unit: str = "tok"):
     """`runner.run` (progress in `unit`s) with the checkpoints of --checkpoint-every / --resume in
-    --out/checkpoint-<name>. The run's identity: every argument (the policies by repr, the model by its content),
+    --out/checkpoint-<name>. The run's identity: every argument (the policies by spec, the model by its content),
     `identity`, and with checkpoints the model's and tokenizer's hashes and the devices (`runner.identity`)."""
     skip = ("run", "parser", "argv", "resume", "checkpoint_every", "out", "json", "policy", "model", "mesh")
     run = {k: v for k, v in vars(args).items() if k not in skip} | identity
@@ -176,10 +176,10 @@ def run_passkey(args, policies: dict, title: str, retention: bool) -> None:
     runner.warn_whole_context({n: policies for n in lengths})
     _log(f"{title}\nmodel {name}; filler {args.filler}; context lengths {lengths}; {args.buckets} depth buckets x "
          f"{args.samples} samples = {per_length} prompts per length; policies:\n"
-         + "\n".join(f"  {k}: {v!r}" for k, v in policies.items()))
+         + "\n".join(f"  {k}: {v}" for k, v in report.policy_specs(policies).items()))
     results, seconds, checkpointing = _evaluate(
         args, "passkey", len(policies) * per_length * sum(lengths),
-        {"policies": {k: repr(v) for k, v in policies.items()}, "words": words and _sha256("\n".join(words)),
+        {"policies": report.policy_specs(policies), "words": words and _sha256("\n".join(words)),
          "batch_size": batch},
         lambda progress, checkpointing: passkey.sweep(
             model, tokenizer, policies, lengths, samples=args.samples, filler=args.filler, words=words, seed=args.seed,
@@ -211,7 +211,7 @@ def cmd_perplexity(args) -> None:
     longest = max([c for c in map(perplexity.cache_capacity, policies.values()) if c is not None], default=1)
     (results, skipped), seconds, checkpointing = _evaluate(
         args, "perplexity", len(policies) * sum(len(t) for t in books.values() if len(t) > longest),
-        {"policies": {k: repr(v) for k, v in policies.items()},
+        {"policies": report.policy_specs(policies),
          "books": {b: [len(t), hashlib.sha256(t.tobytes()).hexdigest()] for b, t in books.items()}},
         lambda progress, checkpointing: perplexity.perplexity(model, books, policies, bucket=args.bucket,
                                                               block=args.block, progress=progress,
@@ -226,24 +226,26 @@ def cmd_perplexity(args) -> None:
 def cmd_ruler(args) -> None:
     lengths, tasks = passkey.context_lengths(args.min_length, args.max_length), args.tasks
     model, tokenizer, name, mesh = _load(args, batched=True)  # KVzip's policies need the tokenizer
-    at = lambda n: {k: v for b in args.budget for k, v in ruler.policies_at(args.policy, b, n, tokenizer).items()}  # noqa: E731
+    with _option("--policy"):
+        at = ruler.policy_grid([p for group in args.policy or [ruler.DEFAULT_POLICIES] for p in group], args.budget,
+                               tokenizer)
     with _option("--budget"):  # a budget's slots grow with n
-        specs = {k: {str(n): repr(at(n)[k]) for n in lengths} for k in at(lengths[0])}
+        specs = report.policy_specs(at, lengths)
     with _option("--baseline"):
         report.baseline_label(specs, args.baseline)
     batch = _batch_size(args, len(tasks) * args.samples, mesh, 8)
     runner.warn_whole_context({n: at(n) for n in lengths})
     with _option("--book"):
         prose = texts.load_book(args.book, _log) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
-    generator = ruler.Generator(tokenizer, prose)
     results, seconds, checkpointing = _evaluate(
         args, "ruler", len(specs) * len(tasks) * args.samples * len(lengths),
         {"policies": specs, "prose": prose and _sha256(prose), "batch_size": batch},
-        lambda progress, checkpointing: ruler.sweep(model, generator, tasks, lengths, at, samples=args.samples,
-                                                    seed=args.seed, batch_size=batch, progress=progress,
-                                                    checkpointing=checkpointing, protocol=args.protocol),
+        lambda progress, checkpointing: ruler.sweep(model, tokenizer, at, lengths, tasks=tasks, prose=prose,
+                                                    samples=args.samples, seed=args.seed, batch_size=batch,
+                                                    progress=progress, checkpointing=checkpointing,
+                                                    protocol=args.protocol),
         tokenizer, mesh, unit="prompt")
-    rep = report.ruler(results, specs, baseline=args.baseline, run={
+    rep = report.ruler(results, at, baseline=args.baseline, run={
         "model": name, "protocol": args.protocol, "tasks": tasks, "budgets": args.budget, "samples": args.samples,
         "seconds": seconds})
     _finish(args, "ruler", rep, f"\nRULER, {name}, {args.protocol}, {seconds:.0f} s\n" + report.ruler_text(rep),
@@ -368,8 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("ruler", "RULER's synthetic tasks under every policy at a KV budget", cmd_ruler, True, policies=False)
     p.add_argument("--tasks", type=_argument(ruler.task_list), default="all", help="comma-separated, or all: "
                    + ", ".join(ruler.TASKS))
-    p.add_argument("--policy", type=_argument(ruler.policy_list), default=",".join(ruler.DEFAULT_POLICIES),
-                   help="comma-separated policy names, each at every --budget, among " + ", ".join(ruler.POLICIES))
+    p.add_argument("--policy", action="append", type=_argument(ruler.policy_list), metavar="NAMES|SPEC",
+                   help="comma-separated policy names, each at every --budget and length, among "
+                   + ", ".join(ruler.POLICIES) + "; or NAME:FIELD=VALUE,... used as given; repeatable (default: "
+                   + ",".join(ruler.DEFAULT_POLICIES) + ")")
     p.add_argument("--budget", type=_argument(ruler.budget_list), default="0.25,0.5", help="KV slots kept, sinks "
                    "and windows included: fractions of the context (<1) or token counts, comma-separated")
     p.add_argument("--batch-size", type=_positive, help="prompts per generate call, a multiple of the mesh's data "
@@ -448,7 +452,9 @@ def _check(args) -> None:
         with _option("--model"):
             config = None if args.model is None else read_config(args.model)
         with _option("--protocol"):
-            protocol.check(args.protocol, (args.policy or ()) if args.command == "passkey" else (), config)
+            given = ([p for group in args.policy or [] for p in group if not isinstance(p, str)]  # specs among names
+                     if args.command == "ruler" else args.policy or [] if args.command == "passkey" else [])
+            protocol.check(args.protocol, given, config)
     if args.out is not None:
         _check_out(pathlib.Path(args.out), [RESULTS.get(args.command, args.command) + ".json"])
 

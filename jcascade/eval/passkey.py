@@ -14,7 +14,9 @@ generator, so prompts do not depend on which policies or lengths are swept with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -166,6 +168,37 @@ def check_context_lengths(lengths: Sequence[int]) -> list[int]:
     return [int(n) for n in distinct("context_lengths", lengths)]
 
 
+def policies_by_length(policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
+                       context_lengths: Sequence[int]) -> Callable[[int], dict[str, object]]:
+    """A sweep's `policies` as a function of the context length. `policies`: {label: policy}, the same at every
+    length, or a function context_length -> {label: policy} for policies scaled with the length (e.g.
+    `ruler.policy_grid`), whose labels must be the same at every length. Raises ValueError for anything
+    else, no policy, or labels that change with the length."""
+    if not (callable(policies) or isinstance(policies, Mapping)):
+        raise ValueError(f"policies must be {{label: policy}} or a function of the context length returning one, "
+                         f"got {policies!r}")
+    at = policies if callable(policies) else lambda n: policies
+    labels = [list(at(n)) for n in context_lengths]
+    if not labels[0]:
+        raise ValueError("policies must name at least one policy")
+    if any(other != labels[0] for other in labels):
+        raise ValueError(f"policies: the labels must be the same at every context length, got {labels}")
+    return lambda n: dict(at(n))
+
+
+@contextlib.contextmanager
+def progress_bar(progress: Callable[[int], None] | None, total: int, name: str, unit: str):
+    """Yields `progress`, or when it is None the update of a tqdm bar (stderr) of `total` `unit`s."""
+    if progress is not None:
+        yield progress
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=name, unit=unit, unit_scale=True, dynamic_ncols=True, mininterval=0.5,
+              file=sys.stderr) as bar:
+        yield bar.update
+
+
 def plan(builder: PromptBuilder, context_lengths: Sequence[int], samples: int, seed: int,
          num_buckets: int = 5) -> dict[int, list[PasskeyPrompt]]:
     """{context_length: `prompts`} of a sweep, all built (and so checked: a length too short for its prompts
@@ -269,12 +302,14 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
     return np.asarray(out), np.asarray(visible) / counts[:, None, None]
 
 
-def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Sequence[int], *,
+def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
+          context_lengths: Sequence[int], *,
           samples: int = 1, filler: str = "repeat", words: Sequence[str] | None = None, seed: int = 0,
           num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8, retention: bool = False,
           progress: Callable[[int], None] | None = None, checkpointing: Checkpointing | None = None,
           protocol: str = QUERY_AWARE) -> list[PasskeyResult]:
-    """Passkey retrieval over context lengths x depth buckets x samples x policies (label -> policy). The
+    """Passkey retrieval over context lengths x depth buckets x samples x policies ({label: policy}, or a function
+    of the context length returning it: `policies_by_length`). The
     prompts of every length are built and checked first (`plan`: distinct lengths, each long enough), and with
     them the `protocol` (`jcascade.eval.protocol`): "query-aware" compresses each prompt whole, "query-agnostic"
     the context before the question (" What is the pass key?", at `question_start`) alone; `retention` is
@@ -284,7 +319,8 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
     lengths per row), so each (policy, context length) compiles once. `retention` also records which key
     tokens each layer and KV head still holds when the question is fed. `progress(n)` is called after each
     batch with its prompts times the context length (padding rows excluded), so the calls add up to
-    len(policies) x num_buckets x samples x sum(context_lengths). `checkpointing` saves the
+    len(policies) x num_buckets x samples x sum(context_lengths); None: a tqdm bar of those tokens on stderr
+    (`progress_bar`). `checkpointing` saves the
     results so far every `checkpointing.every` prompt tokens and continues from its last checkpoint, if
     any: its batch size and protocol must be the same (part of the run's identity), its trials must be this
     sweep's first ones (`checkpointing.finished`), and they are not run again, so the results equal an
@@ -295,43 +331,41 @@ def sweep(model, tokenizer, policies: Mapping[str, object], context_lengths: Seq
                                ("max_new_tokens", max_new_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    if not policies:
-        raise ValueError("policies must name at least one policy")
     planned = plan(PromptBuilder(tokenizer, filler, words), context_lengths, samples, seed, num_buckets)
-    check(protocol, policies.values(), getattr(model, "config", None))
-    units = [(label, length, b, i) for length in planned for label in policies for b in range(num_buckets)
+    at = policies_by_length(policies, list(planned))
+    check(protocol, [p for n in planned for p in at(n).values()], getattr(model, "config", None))
+    units = [(label, length, b, i) for length in planned for label in at(length) for b in range(num_buckets)
              for i in range(samples)]
     key = lambda r: (r.policy, r.context_length, r.bucket, r.sample)  # noqa: E731
-    results = []
-    found = checkpointing.resume(batch_size=batch_size, protocol=protocol) if checkpointing is not None else None
-    if found is not None:
-        results = finished(found[1], units, PasskeyResult, key)
-        if progress is not None:
+    with progress_bar(progress, sum(u[1] for u in units), "passkey", "tok") as progress:
+        results = []
+        found = checkpointing.resume(batch_size=batch_size, protocol=protocol) if checkpointing is not None else None
+        if found is not None:
+            results = finished(found[1], units, PasskeyResult, key)
             progress(sum(r.context_length for r in results))
-    done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
-    for length, batch in planned.items():
-        for label, policy in policies.items():
-            for first in range(0, len(batch), batch_size):
-                part = batch[first: first + batch_size]
-                rows = [part[i % len(part)] for i in range(batch_size)]
-                tokens, lengths = padded([p.tokens for p in rows], length)
-                fed = len(part) * length  # context tokens of this batch's prompts (padding rows excluded)
-                reached += len(part)
-                if reached <= done:
-                    continue
-                out, held = answer(model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
-                                   eos_id=tokenizer.eos_token_id, retention=retention, protocol=protocol)
-                for i, p in enumerate(part):
-                    text = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
-                    results.append(PasskeyResult(label, length, p.bucket, (first + i) % samples, p.key, p.depth,
-                                                 len(p.tokens), text, digit_accuracy(text, p.key),
-                                                 len(p.key_positions), None if held is None else held[i].tolist()))
-                if progress is not None:
+        done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
+        for length, batch in planned.items():
+            for label, policy in at(length).items():
+                for first in range(0, len(batch), batch_size):
+                    part = batch[first: first + batch_size]
+                    rows = [part[i % len(part)] for i in range(batch_size)]
+                    tokens, lengths = padded([p.tokens for p in rows], length)
+                    fed = len(part) * length  # context tokens of this batch's prompts (padding rows excluded)
+                    reached += len(part)
+                    if reached <= done:
+                        continue
+                    out, held = answer(model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
+                                       eos_id=tokenizer.eos_token_id, retention=retention, protocol=protocol)
+                    for i, p in enumerate(part):
+                        text = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
+                        results.append(PasskeyResult(label, length, p.bucket, (first + i) % samples, p.key, p.depth,
+                                                     len(p.tokens), text, digit_accuracy(text, p.key),
+                                                     len(p.key_positions), None if held is None else held[i].tolist()))
                     progress(fed)
-                if checkpointing is not None and checkpointing.due(fed):
-                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
-    complete(results, units, key, "passkey sweep")
-    return results
+                    if checkpointing is not None and checkpointing.due(fed):
+                        checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
+        complete(results, units, key, "passkey sweep")
+        return results
 
 
 def accuracy_table(results: Sequence[PasskeyResult]) -> dict[str, dict[int, dict[int, float]]]:

@@ -32,6 +32,7 @@ import numpy as np
 from jcascade.eval import passkey as passkey_eval
 from jcascade.eval import perplexity as perplexity_eval
 from jcascade.eval import stats
+from jcascade.policies import spec
 
 
 def labelled(policies: Sequence) -> dict[str, object]:
@@ -44,6 +45,24 @@ def labelled(policies: Sequence) -> dict[str, object]:
             label = f"{policy.label} #{k}"
         out[label] = policy
     return out
+
+
+def policy_specs(policies, context_lengths: Sequence[int] = ()) -> dict:
+    """The JSON form of a sweep's `policies` ({label: policy}, or a function of the context length returning it,
+    as `passkey.sweep` and `ruler.sweep` take): {label: spec}, or {label: {str(length): spec}} for a function,
+    at each of `context_lengths`. Specs are `jcascade.policies.spec`'s (parse_policy reads each back, so a run
+    can be replayed from its JSON); a value that is already a str (a spec read from a report) is kept."""
+    write = lambda policy: policy if isinstance(policy, str) else spec(policy)  # noqa: E731
+    if not callable(policies):
+        return {label: write(policy) for label, policy in policies.items()}
+    if not context_lengths:
+        raise ValueError("policy_specs: policies given as a function of the context length need the context lengths")
+    at = {n: policies(n) for n in context_lengths}
+    return {label: {str(n): write(at[n][label]) for n in context_lengths} for label in at[context_lengths[0]]}
+
+
+def _lengths(results: Sequence) -> list[int]:
+    return sorted({r.context_length for r in results})
 
 
 def _estimates(table: Mapping) -> dict:
@@ -90,22 +109,23 @@ def baseline_label(policies: Mapping, baseline: str | None) -> str:
     return baseline
 
 
-def passkey(results: Sequence[passkey_eval.PasskeyResult], policies: Mapping[str, object], *,
-            baseline: str | None = None, run: Mapping | None = None) -> dict:
-    """The report of a passkey sweep (`passkey.sweep`; policies: label -> policy, as swept): accuracy per
+def passkey(results: Sequence[passkey_eval.PasskeyResult], policies, *, baseline: str | None = None,
+            run: Mapping | None = None) -> dict:
+    """The report of a passkey sweep (`passkey.sweep`; policies as swept, written by `policy_specs`): accuracy per
     policy and context length, per depth bucket, paired differences to `baseline` (default: the first
     policy) per length and over all, a verdict per policy, retention when recorded, every trial. run: what
     else the payload should hold (model, filler, seconds, ...)."""
+    policies = policy_specs(policies, _lengths(results))
     baseline = baseline_label(policies, baseline)
     retained = any(r.retention is not None for r in results)
     differences = passkey_eval.paired_differences(results, baseline) if len(policies) > 1 else {}
     by_bucket = passkey_eval.accuracy_table(results)
     return {
         **dict(run or {}),
-        "policies": {label: repr(p) for label, p in policies.items()},
+        "policies": policies,
         "baseline": baseline,
         "prompts": {str(n): sum(1 for r in results if r.policy == baseline and r.context_length == n)
-                    for n in sorted({r.context_length for r in results})},
+                    for n in _lengths(results)},
         "accuracy": _estimates(passkey_eval.estimates(results)),
         "accuracy_by_bucket": {label: {str(n): {str(b): a for b, a in t.items()} for n, t in v.items()}
                                for label, v in by_bucket.items()},
@@ -171,7 +191,7 @@ def perplexity(results: Sequence[perplexity_eval.BookPerplexity], policies: Mapp
     differences = perplexity_eval.paired_differences(list(results), baseline) if len(policies) > 1 else {}
     return {
         **dict(run or {}),
-        "policies": {label: repr(p) for label, p in policies.items()},
+        "policies": policy_specs(policies),
         "capacities": {label: perplexity_eval.cache_capacity(p) for label, p in policies.items()},
         "baseline": baseline,
         "skipped": list(skipped),
@@ -202,17 +222,17 @@ def perplexity_text(report: Mapping) -> str:
     return "\n".join(lines + difference_lines(report, "perplexity"))
 
 
-def ruler(results: Sequence, policies: Mapping[str, str | Mapping], *, baseline: str | None = None,
-          run: Mapping | None = None) -> dict:
-    """The report of a RULER sweep (`ruler.sweep`; policies: label -> spec, or -> {length: spec}): RULER's
+def ruler(results: Sequence, policies, *, baseline: str | None = None, run: Mapping | None = None) -> dict:
+    """The report of a RULER sweep (`ruler.sweep`; policies as swept, written by `policy_specs`): RULER's
     score (string_match_all, in [0, 1]) per policy, task and length, the average over tasks per length (a
     bootstrap over samples, stratified by task), paired differences to `baseline` (default: the first policy) on
     the same prompts per length and over all lengths, and a verdict per policy."""
+    lengths = _lengths(results)
+    policies = policy_specs(policies, lengths)
     baseline = baseline_label(policies, baseline)
     cells: dict[tuple, list] = {}
     for r in results:
         cells.setdefault((r.policy, r.task, r.context_length), []).append(r)
-    lengths = sorted({r.context_length for r in results})
     scores: dict = {}
     for (label, task, n), mine in cells.items():
         scores.setdefault(label, {}).setdefault(task, {})[n] = stats.mean([r.score for r in mine], bounds=(0, 1))
@@ -232,7 +252,7 @@ def ruler(results: Sequence, policies: Mapping[str, str | Mapping], *, baseline:
                     strata=[k[:2] if n == "all" else k[0] for k in shared])
     return {
         **dict(run or {}),
-        "policies": dict(policies),
+        "policies": policies,
         "baseline": baseline,
         "prompts": {str(n): sum(1 for r in results if r.policy == baseline and r.context_length == n) for n in lengths},
         "scores": {label: {task: {str(n): e.as_dict() for n, e in t.items()} for task, t in v.items()}
@@ -264,7 +284,7 @@ def attention_map(maps: Mapping, policies: Mapping[str, object], *, run: Mapping
     """The report of `attention_map.record` per policy (label -> AttentionMap): what each cache holds."""
     from jcascade.eval import attention_map as amap
 
-    return {**dict(run or {}), "policies": {label: repr(p) for label, p in policies.items()},
+    return {**dict(run or {}), "policies": policy_specs(policies),
             "maps": {label: amap.summary(m, getattr(policies[label], "sinks", 0)) for label, m in maps.items()}}
 
 

@@ -40,7 +40,7 @@ import math
 import re
 import string
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -390,9 +390,42 @@ def task_list(text: str) -> list[str]:
     return list(TASKS) if text.strip() == "all" else _names(text, TASKS, "tasks")
 
 
-def policy_list(text: str) -> list[str]:
-    """"full,cascade" -> the policy names of `policies_at`, each once."""
-    return _names(text, POLICIES, "policies")
+def policy_list(text: str) -> list:
+    """The command's --policy: "full,cascade" -> the policy names of `policies_at` (scaled at each budget and
+    length by `policy_grid`), each once; a spec with fields, "NAME:FIELD=VALUE,..." -> [that policy]
+    (`jcascade.policies.parse_policy`), used as given."""
+    from jcascade.policies import parse_policy
+
+    if ":" in text:
+        return [parse_policy(text)]
+    try:
+        return _names(text, POLICIES, "policies")
+    except ValueError as e:
+        raise ValueError(f"{e}, or a spec NAME:FIELD=VALUE,...") from None
+
+
+def policy_grid(policies: Sequence, budgets: Sequence[float], tokenizer=None) -> Callable[[int], dict[str, object]]:
+    """A sweep's policies as a function of the context length (`sweep`'s `policies`), in the order given: each
+    name of `POLICIES` at every budget (`policies_at`: scaled with the budget and the length), each policy
+    object as it is at every length (labelled by `Policy.label`, as `report.labelled`). Raises ValueError for
+    a name or budget given twice, or two policies of one label."""
+    from jcascade.eval.report import labelled
+
+    distinct("policies", [p for p in policies if isinstance(p, str)])
+    distinct("budgets", budgets)
+    given = list(labelled([p for p in policies if not isinstance(p, str)]).items())
+
+    def at(context_length: int) -> dict[str, object]:
+        fixed, grid = iter(given), {}
+        for entry in policies:
+            mine = (dict([next(fixed)]) if not isinstance(entry, str) else
+                    {k: v for b in budgets for k, v in policies_at([entry], b, context_length, tokenizer).items()})
+            if set(mine) & set(grid):
+                raise ValueError(f"policies: two policies are labelled {sorted(set(mine) & set(grid))[0]!r}; "
+                                 "each label names one policy")
+            grid |= mine
+        return grid
+    return at
 
 
 def budget_list(text: str) -> list[float]:
@@ -476,60 +509,66 @@ class RulerResult:
     score: float  # string_match_all(output, answers)
 
 
-def sweep(model, generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int],
-          policies: Callable[[int], dict], *, samples: int = 50, seed: int = 0, batch_size: int = 8,
-          progress: Callable[[int], None] | None = None, checkpointing=None,
+def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
+          context_lengths: Sequence[int], *, tasks: Sequence[str], prose: str | None = None, samples: int = 50,
+          seed: int = 0, batch_size: int = 8, progress: Callable[[int], None] | None = None, checkpointing=None,
           protocol: str = QUERY_AWARE) -> list[RulerResult]:
-    """Every task x context length x policy on the same `samples` prompts per task, greedy as RULER decodes.
-    The prompts are built and checked first (`plan`: distinct tasks and lengths, prompts that fill them), and
-    with them the `protocol` (`jcascade.eval.protocol`): "query-aware" compresses each prompt whole,
-    "query-agnostic" its context alone (prompt[:question_start]), the question read after it.
+    """Every task x context length x policy on the same `samples` prompts per task (`Generator(tokenizer,
+    prose)`: prose, the text of the prose haystack, for the tasks that need it), greedy as RULER decodes; the
+    arguments as `passkey.sweep`'s. The prompts are built and checked first (`plan`: distinct tasks and
+    lengths, prompts that fill them), and with them the `protocol` (`jcascade.eval.protocol`): "query-aware"
+    compresses each prompt whole, "query-agnostic" its context alone (prompt[:question_start]), the question
+    read after it.
 
-    policies(context_length) -> {label: policy} (e.g. `policies_at` at a budget; labels must not depend on
-    the length). The prompts of all tasks at a length are right-padded to [batch_size, context_length] (rows
-    repeated) and continued by the most tokens any of the tasks generates; each output is then cut to its
-    task's `tokens_to_generate` (greedy decoding: the same tokens as generating that many), so each (policy,
-    length) compiles once. progress(n) after each batch with its number of prompts. checkpointing
-    (`checkpointing.Checkpointing`): results saved every `every` tokens (prompts times the context length),
-    and a run continues from its last checkpoint (same batch size and protocol, its units this sweep's first
-    ones: `checkpointing.finished`), the units it holds not run again. Raises a RuntimeError unless the
-    results hold every planned unit once (`checkpointing.complete`).
+    policies: {label: policy}, or a function of the context length returning it (`passkey.policies_by_length`;
+    e.g. `policy_grid`, policies at a budget). The prompts of all tasks at a length are right-padded to
+    [batch_size, context_length] (rows repeated) and continued by the most tokens any of the tasks generates;
+    each output is then cut to its task's `tokens_to_generate` (greedy decoding: the same tokens as generating
+    that many), so each (policy, length) compiles once. progress(n) after each batch with its number of
+    prompts (None: a tqdm bar of the prompts on stderr). checkpointing (`checkpointing.Checkpointing`):
+    results saved every `every` tokens (prompts times the context length), and a run continues from its last
+    checkpoint (same batch size and protocol, its units this sweep's first ones: `checkpointing.finished`),
+    the units it holds not run again. Raises a RuntimeError unless the results hold every planned unit once
+    (`checkpointing.complete`).
     """
+    from jcascade.eval.passkey import policies_by_length, progress_bar
+
     for name, value in (("samples", samples), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    generator = Generator(tokenizer, prose)
     planned = plan(generator, tasks, context_lengths, samples, seed)
-    check(protocol, [p for n in planned for p in policies(n).values()], getattr(model, "config", None))
-    units = [(label, task, n, i) for n in planned for label in policies(n) for task in tasks for i in range(samples)]
+    at = policies_by_length(policies, list(planned))
+    check(protocol, [p for n in planned for p in at(n).values()], getattr(model, "config", None))
+    units = [(label, task, n, i) for n in planned for label in at(n) for task in tasks for i in range(samples)]
     key = lambda r: (r.policy, r.task, r.context_length, r.index)  # noqa: E731
-    results = []
-    found = checkpointing.resume(batch_size=batch_size, protocol=protocol) if checkpointing is not None else None
-    if found is not None:
-        results = finished(found[1], units, RulerResult, key)
-        if progress is not None:
+    with progress_bar(progress, len(units), "RULER", "prompt") as progress:
+        results = []
+        found = checkpointing.resume(batch_size=batch_size, protocol=protocol) if checkpointing is not None else None
+        if found is not None:
+            results = finished(found[1], units, RulerResult, key)
             progress(len(results))
-    done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
-    tok, longest = generator.tokenizer, max(TASKS[t].tokens_to_generate for t in tasks)
-    for length, prompts in planned.items():
-        question_width = max(len(s.prompt) - s.question_start for s in prompts)
-        for label, policy in policies(length).items():
-            for first in range(0, len(prompts), batch_size):
-                part = prompts[first: first + batch_size]
-                reached += len(part)
-                if reached <= done:
-                    continue
-                rows = [part[i % len(part)] for i in range(batch_size)]
-                out = generate(model, policy, [s.prompt for s in rows], [s.question_start for s in rows], protocol,
-                               width=length, question_width=question_width, max_new_tokens=longest,
-                               eos_id=tok.eos_token_id)
-                for s, ids in zip(part, out):
-                    ids = ids[: TASKS[s.task].tokens_to_generate]
-                    text = tok.decode(ids[ids >= 0], skip_special_tokens=True)
-                    results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
-                                               string_match_all(text, s.answers)))
-                if progress is not None:
+        done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
+        longest = max(TASKS[t].tokens_to_generate for t in tasks)
+        for length, prompts in planned.items():
+            question_width = max(len(s.prompt) - s.question_start for s in prompts)
+            for label, policy in at(length).items():
+                for first in range(0, len(prompts), batch_size):
+                    part = prompts[first: first + batch_size]
+                    reached += len(part)
+                    if reached <= done:
+                        continue
+                    rows = [part[i % len(part)] for i in range(batch_size)]
+                    out = generate(model, policy, [s.prompt for s in rows], [s.question_start for s in rows],
+                                   protocol, width=length, question_width=question_width, max_new_tokens=longest,
+                                   eos_id=tokenizer.eos_token_id)
+                    for s, ids in zip(part, out):
+                        ids = ids[: TASKS[s.task].tokens_to_generate]
+                        text = tokenizer.decode(ids[ids >= 0], skip_special_tokens=True)
+                        results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
+                                                   string_match_all(text, s.answers)))
                     progress(len(part))
-                if checkpointing is not None and checkpointing.due(len(part) * length):
-                    checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
-    complete(results, units, key, "RULER sweep")
-    return results
+                    if checkpointing is not None and checkpointing.due(len(part) * length):
+                        checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
+        complete(results, units, key, "RULER sweep")
+        return results

@@ -10,8 +10,8 @@ import hashlib
 import importlib.metadata
 import json
 import pathlib
-import sys
 import tempfile
+import sys
 import threading
 import time
 import warnings
@@ -19,8 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jcascade as jc
 from jcascade.eval.checkpointing import Checkpointing, open_run
+from jcascade.eval.passkey import progress_bar
 from jcascade.eval.report import json_text
 from jcascade.models.loading import CONVERTED_CONFIG
+from jcascade.policies import spec
 
 
 def model_path(model: str | None = None, log=print) -> pathlib.Path:
@@ -98,7 +100,8 @@ def identity(model: str | None, tokenizer, mesh, log=print) -> dict:
 def generate(model, tokenizer, prompt: str, policy, *, raw: bool = False, max_new_tokens: int = 64,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> dict:
     """Continues `prompt` (the user message of the tokenizer's chat template, or raw text with `raw` or
-    without a template) under `policy`; returns the prompt, output text, output ids and seconds taken."""
+    without a template) under `policy`; returns the policy's spec (`jcascade.policies.spec`), the prompt, output
+    text, output ids and seconds taken."""
     import jax
     import numpy as np
 
@@ -110,7 +113,7 @@ def generate(model, tokenizer, prompt: str, policy, *, raw: bool = False, max_ne
         out = np.asarray(jc.generate(model, np.array([ids]), policy, max_new_tokens=max_new_tokens,
                                      temperature=temperature, top_p=top_p, eos_id=tokenizer.eos_token_id,
                                      rng=jax.random.key(seed) if temperature > 0 else None))[0]
-    return {"policy": repr(policy), "prompt": prompt, "prompt_tokens": len(ids),
+    return {"policy": spec(policy), "prompt": prompt, "prompt_tokens": len(ids),
             "output": tokenizer.decode(out[out >= 0], skip_special_tokens=True), "output_ids": out.tolist(),
             "seconds": time.perf_counter() - start}
 
@@ -178,13 +181,10 @@ def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | No
     `resume`, else refused naming `command`); `identity` is the run's (its arguments | `identity(...)`: a
     checkpoint of another is refused). Returns (results, seconds across resumes, the Checkpointing or
     None)."""
-    from tqdm import tqdm
-
     checkpointing = open_run(checkpoint_dir, every, resume, identity or {}, command) if checkpoint_dir else None
     start = time.perf_counter()
-    with tqdm(total=total, desc=name, unit=unit, unit_scale=True, dynamic_ncols=True, mininterval=0.5,
-              file=sys.stderr) as bar:
-        results = work(bar.update, checkpointing)
+    with progress_bar(None, total, name, unit) as update:
+        results = work(update, checkpointing)
     return results, checkpointing.seconds() if checkpointing else time.perf_counter() - start, checkpointing
 
 

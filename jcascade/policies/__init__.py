@@ -19,7 +19,7 @@ from jcascade.policies.ring import RingPolicy
 from jcascade.policies.snapkv import PyramidKV, SnapKV
 from jcascade.policies.tova import TOVA
 from jcascade.policies.window import Full, Sink, SlidingWindow
-from jcascade.policies.spec import parse_policy, policy_classes
+from jcascade.policies.spec import parse_policy, policy_classes, spec
 
 __all__ = ["AdaKV", "Cascade", "ExpectedAttention", "Full", "H2O", "KNorm", "KVzip", "Policy", "PyramidKV", "Recycled", "RingLayout", "RingPolicy", "Sink",
-           "SlidingWindow", "SnapKV", "TOVA", "check_policy", "parse_policy", "policy_classes"]
+           "SlidingWindow", "SnapKV", "TOVA", "check_policy", "parse_policy", "policy_classes", "spec"]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import jcascade as jc
 from jcascade import cli
 from jcascade.eval import main_job, passkey, report, ruler, runner, stats
-from jcascade.policies import parse_policy, policy_classes
+from jcascade.policies import parse_policy, policy_classes, spec
 
 SINK = "sink:window=32,sinks=4,stride=32"
 CASCADE = "cascade:cache_size=32,sinks=4,stride=32"
@@ -71,7 +71,8 @@ def test_passkey_and_compare(model_dir, tmp_path, capsys):
     assert "passkey: 100%" in captured.err  # the progress bar ends full
     result = json.loads((tmp_path / "passkey" / "passkey.json").read_text())
     assert len(result["results"]) == 2 * 2 * 5 and set(result["accuracy"]) == {"Sink 32", "Cascade 32x4"}
-    assert result["policies"]["Sink 32"] == repr(parse_policy(SINK))  # full specs in the JSON
+    assert {k: parse_policy(v) for k, v in result["policies"].items()} == {  # specs: the run replays from its JSON
+        "Sink 32": parse_policy(SINK), "Cascade 32x4": parse_policy(CASCADE)}
     assert result["protocol"] == "query-aware"  # the default
     assert result["baseline"] == "Sink 32" and set(result["differences"]["Cascade 32x4"]) == {"128", "256", "all"}
     assert result["prompts"] == {"128": 5, "256": 5} and result["verdicts"]["Cascade 32x4"] in stats.VERDICTS
@@ -142,7 +143,9 @@ def test_ruler(model_dir, tmp_path, capsys):
     result = json.loads((tmp_path / "ruler.json").read_text())
     assert len(result["results"]) == 2 * 2 * 5 and png(tmp_path / "ruler.png")
     assert result["protocol"] == summary["protocol"] == "query-aware"  # the default
-    assert result["policies"]["Cascade 25%"]["1024"].startswith("Cascade(cache_size=192, sinks=64, num_cascades=4")
+    grid = ruler.policy_grid(["full", "cascade"], [0.25])(1024)  # specs: the run replays from its JSON
+    assert {k: parse_policy(v["1024"]) for k, v in result["policies"].items()} == grid
+    assert result["policies"]["Cascade 25%"]["1024"].startswith("cascade:cache_size=192,sinks=64,num_cascades=4")
 
 
 def test_ruler_and_passkey_query_agnostic(model_dir, tmp_path, monkeypatch, capsys):
@@ -159,15 +162,16 @@ def test_ruler_and_passkey_query_agnostic(model_dir, tmp_path, monkeypatch, caps
     monkeypatch.setattr(ruler, "generate", recorded(ruler.generate))
     monkeypatch.setattr(passkey, "generate", recorded(passkey.generate))
     cli.main(["ruler", "--model", model_dir, "--protocol", "query-agnostic", "--tasks", "niah_single_1", "--policy",
-              "full", "--min-length", "512", "--max-length", "512", "--samples", "2", "--batch-size", "2", "--out",
-              str(tmp_path)])
+              "full", "--policy", SINK, "--min-length", "512", "--max-length", "512", "--samples", "2",
+              "--batch-size", "2", "--out", str(tmp_path)])  # a spec with fields is used as given
     cli.main(["passkey", "--model", model_dir, "--protocol", "query-agnostic", "--policy", "full:stride=64",
               "--min-length", "128", "--max-length", "128", "--samples", "1", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert printed.count(", query-agnostic, ") == 2 and called == ["query-agnostic"] * 2, (printed, called)
-    for name, count in (("ruler", 2), ("passkey", 5)):
+    assert printed.count(", query-agnostic, ") == 2 and called == ["query-agnostic"] * 3, (printed, called)
+    for name, count in (("ruler", 4), ("passkey", 5)):
         result = json.loads((tmp_path / f"{name}.json").read_text())
         assert result["protocol"] == "query-agnostic" and len(result["results"]) == count
+    assert json.loads((tmp_path / "ruler.json").read_text())["policies"]["Sink 32"] == {"512": spec(parse_policy(SINK))}
 
 
 def test_query_agnostic_refusals_come_before_any_model_time(model_dir, tmp_path, monkeypatch, capsys):
@@ -183,6 +187,8 @@ def test_query_agnostic_refusals_come_before_any_model_time(model_dir, tmp_path,
             (["passkey", "--model", model_dir, "--retention"],
              "--retention: recorded under --protocol query-aware only"),
             (["passkey", "--model", model_dir, "--policy", "recycled:top_k=16,refresh_every=4"],
+             "--protocol: protocol query-agnostic does not support Recycled"),
+            (["ruler", "--model", model_dir, "--policy", "full", "--policy", "recycled:top_k=16,refresh_every=4"],
              "--protocol: protocol query-agnostic does not support Recycled")]:
         with pytest.raises(SystemExit):
             cli.main([*argv, "--protocol", "query-agnostic", "--out", str(tmp_path / "out")])

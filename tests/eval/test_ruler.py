@@ -2,6 +2,7 @@
 needles where the generator says, prompt lengths, and the scorer on hand-written outputs."""
 
 import collections
+import json
 import contextlib
 import math
 import re
@@ -152,8 +153,9 @@ def test_outputs_cut_to_the_tasks_length_equal_generating_that_many(generator):
 
     model = tiny.model(len(generator.tokenizer))
     policies = lambda n: {"Sink": jc.Sink(window=96, sinks=4, stride=128)}  # noqa: E731
-    both = ruler.sweep(model, generator, ["vt", "niah_single_1"], [1024], policies, samples=2, batch_size=4)
-    alone = ruler.sweep(model, generator, ["vt"], [1024], policies, samples=2, batch_size=4)
+    both = ruler.sweep(model, generator.tokenizer, policies, [1024], tasks=["vt", "niah_single_1"], prose=PROSE,
+                       samples=2, batch_size=4)
+    alone = ruler.sweep(model, generator.tokenizer, policies, [1024], tasks=["vt"], samples=2, batch_size=4)
     assert [r.output for r in both if r.task == "vt"] == [r.output for r in alone]
     assert len(both) == 4 and all(0 <= r.score <= 1 for r in both)
 
@@ -164,10 +166,11 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
     import jcascade as jc
     from jcascade.eval.checkpointing import Checkpointing, load_stream
 
-    generator = ruler.Generator(tiny.tokenizer())
-    model = tiny.model(len(generator.tokenizer))
-    policies = lambda n: {"Sink": jc.Sink(window=96, sinks=4, stride=128)}  # noqa: E731
-    sweep = lambda **kw: ruler.sweep(model, generator, ["vt"], [1024], policies, samples=6, batch_size=2, **kw)  # noqa: E731
+    tokenizer = tiny.tokenizer()
+    model = tiny.model(len(tokenizer))
+    policies = {"Sink": jc.Sink(window=96, sinks=4, stride=128)}
+    sweep = lambda **kw: ruler.sweep(model, tokenizer, policies, [1024], tasks=["vt"], samples=6,  # noqa: E731
+                                     batch_size=2, **kw)
     whole = sweep()
     done = []
 
@@ -181,7 +184,7 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
     saved = load_stream(tmp_path)[1]
     assert len(saved["results"]) == 2  # stopped while recording the second batch
     with pytest.raises(ValueError, match=r"differs in \(saved, now\): batch_size \(2, 3\)\. Resume with"):
-        ruler.sweep(model, generator, ["vt"], [1024], policies, samples=6, batch_size=3,
+        ruler.sweep(model, tokenizer, policies, [1024], tasks=["vt"], samples=6, batch_size=3,
                     checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
     with pytest.raises(ValueError, match=r"differs in \(saved, now\): protocol \(.query-aware., .query-agnostic.\)"):
         sweep(checkpointing=Checkpointing(tmp_path, 1, {"run": 1}), protocol="query-agnostic")
@@ -211,7 +214,7 @@ def test_a_sweep_refuses_repeated_tasks_and_lengths_before_any_model_time(genera
                                   (["vt"], [1024, 2048, 1024], "context_lengths: 1024 is given twice"),
                                   (["vt"], [1024, 0], "context_lengths must be a non-empty list of ints >= 1")]:
         with pytest.raises(ValueError, match=match):
-            ruler.sweep(None, generator, tasks, lengths, policies, samples=1)
+            ruler.sweep(None, generator.tokenizer, policies, lengths, tasks=tasks, samples=1)
 
 
 def test_a_haystack_that_cannot_fill_the_context_is_refused_with_the_numbers():
@@ -222,7 +225,8 @@ def test_a_haystack_that_cannot_fill_the_context_is_refused_with_the_numbers():
         short.sample("niah_single_2", 2048, 0)
     # all lengths are checked before the first generate call (model=None would fail otherwise)
     with pytest.raises(ValueError, match="short of the 2048 asked"):
-        ruler.sweep(None, short, ["niah_single_1", "niah_single_2"], [512, 2048], lambda n: {"Full": None}, samples=1)
+        ruler.sweep(None, short.tokenizer, {"Full": None}, [512, 2048], tasks=["niah_single_1", "niah_single_2"],
+                    prose=PROSE[:2000], samples=1)
     few_words = ruler.Generator(tiny.tokenizer())
     few_words.lists["cwe"] = few_words.lists["cwe"][:40]
     with pytest.raises(ValueError, match=r"cwe at context_length=2048: all 40 words of cwe's list make a prompt"):
@@ -358,8 +362,9 @@ def sweeps(generator):
     model = tiny.model(len(generator.tokenizer))
     full, snapkv = jc.Full(stride=128), jc.SnapKV(budget=128, window=8, stride=128)
     policies = lambda n: {"Full": full, "SnapKV": snapkv}  # noqa: E731
-    return {protocol: ruler.sweep(model, generator, ["niah_single_1", "niah_multikey_2"], [512], policies, samples=2,
-                                  batch_size=4, protocol=protocol) for protocol in ("query-aware", "query-agnostic")}
+    return {protocol: ruler.sweep(model, generator.tokenizer, policies, [512], samples=2, batch_size=4,
+                                  tasks=["niah_single_1", "niah_multikey_2"], protocol=protocol)
+            for protocol in ("query-aware", "query-agnostic")}
 
 
 def test_the_protocols_agree_when_every_token_is_kept(sweeps):
@@ -383,7 +388,8 @@ def test_query_agnostic_refuses_what_cannot_be_a_frozen_context_before_any_model
 
     recycled = lambda n: {"Recycled": jc.Recycled(top_k=64, refresh_every=8, stride=32)}  # noqa: E731
     with pytest.raises(ValueError, match="protocol query-agnostic does not support Recycled"):
-        ruler.sweep(None, generator, ["niah_single_1"], [512], recycled, samples=1, protocol="query-agnostic")
+        ruler.sweep(None, generator.tokenizer, recycled, [512], tasks=["niah_single_1"], samples=1,
+                    protocol="query-agnostic")
     from jcascade.eval import protocol
 
     for starts, width in (([0], 8), ([5], 8), ([2], 2)):  # an empty context or question, a question over its width
@@ -391,11 +397,11 @@ def test_query_agnostic_refuses_what_cannot_be_a_frozen_context_before_any_model
             protocol.generate(None, jc.Full(), [np.arange(5)], starts, "query-agnostic", width=8, question_width=width,
                               max_new_tokens=1, eos_id=None)
     with pytest.raises(ValueError, match="protocol must be one of query-aware, query-agnostic"):
-        ruler.sweep(None, generator, ["niah_single_1"], [512], recycled, samples=1, protocol="agnostic")
+        ruler.sweep(None, generator.tokenizer, recycled, [512], tasks=["niah_single_1"], samples=1, protocol="agnostic")
     gemma = tiny.model(len(generator.tokenizer), architecture="gemma3", qk_norm=True, num_layers=2, sliding_window=24,
                        layer_types=("sliding", "global"), rope_local_theta=10000.0)
     with pytest.raises(ValueError, match="not supported yet for models with sliding layers"):
-        ruler.sweep(gemma, generator, ["niah_single_1"], [512], lambda n: {"Full": jc.Full()}, samples=1,
+        ruler.sweep(gemma, generator.tokenizer, {"Full": jc.Full()}, [512], tasks=["niah_single_1"], samples=1,
                     protocol="query-agnostic")
 
 
@@ -405,3 +411,56 @@ def test_kvpress_compression_ratios_are_kept_fractions_labelled_apart():
     policies = {k: v for b in budgets for k, v in ruler.policies_at(["snapkv"], b, 4096).items()}
     assert {k: v.budget for k, v in policies.items()} == {"SnapKV 75%": 3072, "SnapKV 50%": 2048, "SnapKV 25%": 1024,
                                                           "SnapKV 12.5%": 512}
+
+
+# ---- one way to name and pass policies: specs or budget-scaled names, the same sweep API as passkey's -----------
+
+
+def test_policy_option_takes_names_scaled_at_each_budget_and_specs_used_as_given():
+    import jcascade as jc
+
+    assert ruler.policy_list("full, snapkv") == ["full", "snapkv"]
+    assert ruler.policy_list("sink:window=1000,sinks=4") == [jc.Sink(window=1000, sinks=4)]  # commas inside a spec
+    with pytest.raises(ValueError, match="or a spec NAME:FIELD=VALUE"):
+        ruler.policy_list("slidingwindow")
+    grid = ruler.policy_grid(["sink", jc.SnapKV(budget=300), "full"], [0.25, 0.5])
+    assert list(grid(4096)) == ["Sink 25%", "Sink 50%", "SnapKV 300", "Full"]  # in the order given
+    assert grid(4096)["Sink 25%"].cache_slots(None) == 1024 and grid(8192)["Sink 25%"].cache_slots(None) == 2048
+    assert grid(4096)["SnapKV 300"] == grid(8192)["SnapKV 300"] == jc.SnapKV(budget=300)
+    for policies, match in [(["full", jc.Full(stride=64)], "two policies are labelled 'Full'"),
+                            (["sink", "sink"], "policies: 'sink' is given twice")]:
+        with pytest.raises(ValueError, match=match):
+            ruler.policy_grid(policies, [0.25])(4096)
+
+
+def test_sweeps_take_policies_as_a_mapping_or_a_function_of_the_length_with_fixed_labels(generator):
+    """model=None: the checks come before any model time."""
+    import jcascade as jc
+    from jcascade.eval import passkey
+
+    moving = lambda n: {f"Sink {n}": jc.Sink(window=n // 4)}  # noqa: E731
+    for sweep in (lambda p: ruler.sweep(None, generator.tokenizer, p, [1024, 2048], tasks=["vt"], samples=1),
+                  lambda p: passkey.sweep(None, generator.tokenizer, p, [512, 1024])):
+        with pytest.raises(ValueError, match="the labels must be the same at every context length"):
+            sweep(moving)
+        with pytest.raises(ValueError, match=r"policies must be \{label: policy\} or a function"):
+            sweep([jc.Full()])
+        with pytest.raises(ValueError, match="policies must name at least one policy"):
+            sweep({})
+
+
+def test_the_report_of_a_sweep_holds_specs_that_read_back():
+    """report.ruler takes the policies as swept ({label: policy} or a function of the length) and writes specs."""
+    import jcascade as jc
+    from jcascade.eval import report
+    from jcascade.policies import parse_policy
+
+    results = [ruler.RulerResult(label, "vt", n, i, n - 10, "", 1.0) for label in ("Full", "Sink 25%")
+               for n in (512, 1024) for i in range(5)]
+    grid = ruler.policy_grid(["full", "sink"], [0.25])
+    rep = report.ruler(results, grid)
+    assert {k: {int(n): parse_policy(v) for n, v in by_length.items()} for k, by_length in rep["policies"].items()} == \
+        {k: {n: grid(n)[k] for n in (512, 1024)} for k in ("Full", "Sink 25%")}
+    fixed = {"Full": jc.Full(), "Sink 25%": jc.Sink(window=64)}
+    rep = report.ruler(results, fixed)
+    assert {k: parse_policy(v) for k, v in json.loads(report.json_text(rep))["policies"].items()} == fixed
