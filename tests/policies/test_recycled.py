@@ -148,7 +148,7 @@ def test_invalid_parameters_raise_clear_errors():
         jc.Recycled(top_k=0, refresh_every=50)
     with pytest.raises(ValueError, match="Recycled.refresh_every must be an int"):
         jc.Recycled(top_k=8, refresh_every=2.5)
-    with pytest.raises(ValueError, match="pass prefix=<prompt length> to score"):
+    with pytest.raises(ValueError, match=r"pass prefix=<prompt length> \(or context=\) to score"):
         jc.score(tiny.model(97), np.zeros((1, 8), int), jc.Recycled(top_k=8, refresh_every=4))
     state = jc.init_cache(jc.Recycled(top_k=4, refresh_every=2), 1, 2, 8, max_tokens=3)
     k = jnp.zeros((1, 4, 2, 8))
