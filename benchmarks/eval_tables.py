@@ -3,6 +3,7 @@ write.
 
     python benchmarks/eval_tables.py benchmarks/results/eval-qwen
     python benchmarks/eval_tables.py ruler benchmarks/results/ruler-qwen benchmarks/results/ruler-qwen-16k-32k
+    python benchmarks/eval_tables.py protocols benchmarks/results/ruler-qwen-protocols/*
 
 The estimates are recomputed from the per-trial (passkey) and per-block (perplexity) records in the JSON
 with today's `jcascade.eval.stats`, so tables of older runs follow its rules too. Passkey: per-digit
@@ -11,7 +12,9 @@ it ran, the paired difference of each Cascade to Sink, and the key tokens the qu
 overall perplexity with its interval and the paired difference to Sink over whole books. RULER: the runs'
 per-prompt records merged (each prompt scored once per policy), then the average over tasks per length and
 policy, the paired differences to Full and, at the same budget, of Cascade to Sink and of AdaKV, Expected
-Attention and KVzip to SnapKV, and each task's score per length.
+Attention and KVzip to SnapKV, and each task's score per length. Protocols: RULER runs of both protocols (each
+run's JSON names its own) merged per protocol, every policy's average under each, the paired difference
+query-agnostic - query-aware on the same prompts, and each policy's difference to Full within its protocol.
 """
 
 from __future__ import annotations
@@ -123,6 +126,47 @@ def ruler_tables(runs: list[pathlib.Path]) -> str:
     return "\n".join(lines)
 
 
+def ruler_results(runs: list[pathlib.Path]) -> dict[str, dict[tuple, ruler.RulerResult]]:
+    """{protocol: {(policy, task, length, index): result}}: the runs' per-prompt records merged per protocol."""
+    merged: dict[str, dict[tuple, ruler.RulerResult]] = {}
+    for run in runs:
+        report_ = json.loads((run / "ruler.json").read_text())
+        for r in report_["results"]:
+            key = (r["policy"], r["task"], r["context_length"], r["index"])
+            merged.setdefault(report_.get("protocol", "query-aware"), {})[key] = ruler.RulerResult(**r)
+    return merged
+
+
+def protocol_table(runs: list[pathlib.Path]) -> str:
+    by_protocol = ruler_results(runs)
+    aware, agnostic = by_protocol.get("query-aware", {}), by_protocol.get("query-agnostic", {})
+    labels = list(dict.fromkeys(key[0] for key in [*aware, *agnostic]))
+    names = list(dict.fromkeys(label.split()[0] for label in labels))
+    labels.sort(key=lambda label: (float(label.split()[-1].rstrip("%")) if "%" in label else 0.0,
+                                   names.index(label.split()[0])))  # Full, then by budget
+
+    def scores(results, label):  # {(task, length, index): score} of one policy
+        return {key[1:]: r.score for key, r in results.items() if key[0] == label}
+
+    def difference(a: dict, b: dict):  # a - b on the prompts both hold, None where they share none
+        same = sorted(a.keys() & b.keys())
+        return same and stats.paired_difference([a[k] for k in same], [b[k] for k in same],
+                                                strata=[k[0] for k in same], bounds=(0, 1))
+
+    def mean(a: dict):
+        return a and stats.mean(list(a.values()), strata=[k[0] for k in a], bounds=(0, 1))
+
+    lines = ["| policy | n | query-aware | query-agnostic | agnostic - aware | aware - Full | agnostic - Full |",
+             "|---|---|---|---|---|---|---|"]
+    for label in labels:
+        mine, theirs = scores(aware, label), scores(agnostic, label)
+        cells = [mean(mine), mean(theirs), difference(theirs, mine)]
+        cells += [None, None] if label == "Full" else [difference(mine, scores(aware, "Full")),
+                                                      difference(theirs, scores(agnostic, "Full"))]
+        lines.append(f"| {label} | {max(len(mine), len(theirs))} | " + " | ".join(cell(c or None) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main(root: str) -> None:
     root = pathlib.Path(root)
     for run in sorted(root.glob("passkey-*")):
@@ -136,5 +180,7 @@ def main(root: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "ruler":
         print(ruler_tables([pathlib.Path(p) for p in sys.argv[2:]]))
+    elif sys.argv[1] == "protocols":
+        print(protocol_table([pathlib.Path(p) for p in sys.argv[2:]]))
     else:
         main(sys.argv[1])
