@@ -20,11 +20,18 @@ query-agnostic - query-aware on the same prompts, and each policy's difference t
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import pathlib
 import sys
 
 from jcascade.eval import passkey, perplexity, report, ruler, stats
+
+
+def load(run: pathlib.Path, name: str) -> dict:
+    """A run's `name`.json, or its gzip-compressed `name`.json.gz (per-prompt records are kept compressed)."""
+    plain = run / f"{name}.json"
+    return json.loads(plain.read_text() if plain.exists() else gzip.decompress((run / f"{name}.json.gz").read_bytes()))
 
 
 def short(label: str) -> str:
@@ -43,7 +50,7 @@ def cell(e) -> str:
 
 def trials(run: pathlib.Path) -> list[passkey.PasskeyResult]:
     """The per-trial records of a passkey run, policies under their short labels."""
-    records = json.loads((run / "passkey.json").read_text())["results"]
+    records = load(run, "passkey")["results"]
     return [passkey.PasskeyResult(**(r | {"policy": short(r["policy"])})) for r in records]
 
 
@@ -71,7 +78,7 @@ def perplexity_table(runs: list[pathlib.Path]) -> str:
     lines = ["| cache | tokens | blocks | Sink | Cascade x4 | Cascade x8 | x4 - Sink | x8 - Sink |", "|---" * 8 + "|"]
     fields = {f.name for f in dataclasses.fields(perplexity.BookPerplexity)}
     for run in runs:
-        books = json.loads((run / "perplexity.json").read_text())["books"]
+        books = load(run, "perplexity")["books"]
         results = [perplexity.BookPerplexity(**({k: v for k, v in b.items() if k in fields} | {"policy": short(b["policy"])}))
                    for b in books]
         summary = perplexity.summary(results)
@@ -90,7 +97,7 @@ RULER_PAIRS = {"Cascade": "Sink", "AdaKV-SnapKV": "SnapKV", "ExpectedAttention":
 def ruler_tables(runs: list[pathlib.Path]) -> str:
     results = {}
     for run in runs:
-        for r in json.loads((run / "ruler.json").read_text())["results"]:
+        for r in load(run, "ruler")["results"]:
             results[(r["policy"], r["task"], r["context_length"], r["index"])] = ruler.RulerResult(**r)
     results = list(results.values())
     labels = list(dict.fromkeys(r.policy for r in results))
@@ -130,7 +137,7 @@ def ruler_results(runs: list[pathlib.Path]) -> dict[str, dict[tuple, ruler.Ruler
     """{protocol: {(policy, task, length, index): result}}: the runs' per-prompt records merged per protocol."""
     merged: dict[str, dict[tuple, ruler.RulerResult]] = {}
     for run in runs:
-        report_ = json.loads((run / "ruler.json").read_text())
+        report_ = load(run, "ruler")
         for r in report_["results"]:
             key = (r["policy"], r["task"], r["context_length"], r["index"])
             merged.setdefault(report_.get("protocol", "query-aware"), {})[key] = ruler.RulerResult(**r)
