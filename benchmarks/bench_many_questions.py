@@ -95,19 +95,13 @@ def build(tokenizer, book: str, context: int, questions: int, answer_tokens: int
     return document, asked, values, [(a + 0.5) / count for a in at]
 
 
-def padded(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    out = np.zeros((len(rows), max(map(len, rows))), np.int32)
-    for r, row in enumerate(rows):
-        out[r, : len(row)] = row
-    return out, np.array([len(r) for r in rows], np.int32)
-
-
 def worker(a) -> dict:
     """Runs one method under one policy; returns its answers, seconds and peak device memory."""
     import jax
 
     import jcascade as jc
     from jcascade.eval import runner
+    from jcascade.eval.protocol import padded
     from jcascade.policies import parse_policy
 
     model, tokenizer, name = runner.load(a.model)
@@ -120,9 +114,10 @@ def worker(a) -> dict:
 
     def answer(batch: list[int]) -> np.ndarray:
         if a.worker_method == "reprefill":
-            tokens, lengths = padded([np.concatenate([document, asked[i]]) for i in batch])
+            prompts = [np.concatenate([document, asked[i]]) for i in batch]
+            tokens, lengths = padded(prompts, max(map(len, prompts)))
             return np.asarray(jc.generate(model, tokens, policy, lengths=lengths, **common))
-        questions, lengths = padded([asked[i] for i in batch])
+        questions, lengths = padded([asked[i] for i in batch], max(len(asked[i]) for i in batch))
         context = document[None] if a.worker_method == "shared" else np.repeat(document[None], len(batch), 0)
         return np.asarray(jc.generate(model, questions, policy, context=context, lengths=lengths, **common))
 
