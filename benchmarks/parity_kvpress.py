@@ -98,8 +98,10 @@ json.dump(result, open(out, "w"))
 '''
 
 
-def kvpress_python(venv: pathlib.Path) -> pathlib.Path:
-    """The venv's python, made on first use: kvpress from PyPI; torch and gguf from this environment."""
+def kvpress_python(venv: pathlib.Path, wheels: pathlib.Path | None = None) -> pathlib.Path:
+    """The venv's python, made on first use: kvpress and its transformers from PyPI, or every wheel in `wheels`
+    (no index, no dependency resolution: the folder holds what this environment lacks); torch, gguf and the rest
+    from this environment."""
     python = venv / "bin" / "python"
     if python.exists():
         return python
@@ -110,7 +112,9 @@ def kvpress_python(venv: pathlib.Path) -> pathlib.Path:
     site = next(venv.glob("lib/python*/site-packages"))
     shared = {pathlib.Path(torch.__file__).parents[1], pathlib.Path(gguf.__file__).parents[1]}
     (site / "jcascade-shared.pth").write_text("".join(f"{p}\n" for p in shared))  # after the venv's own
-    subprocess.run([str(python), "-m", "pip", "install", "-q", KVPRESS, "transformers>=4.56,<5.3"], check=True)
+    install = ["--no-index", "--no-deps", *map(str, sorted(wheels.glob("*.whl")))] if wheels else \
+        [KVPRESS, "transformers>=4.56,<5.3"]
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *install], check=True)
     return python
 
 

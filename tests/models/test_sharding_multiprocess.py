@@ -23,9 +23,10 @@ def inputs():
 
 
 def policies():
+    """One policy: the policies on a mesh are test_sharding.py's; here, the processes."""
     import jcascade as jc
 
-    return [jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8), jc.SnapKV(budget=12, window=4, stride=16)]
+    return [jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8)]
 
 
 def score_and_generate(model, policy, tokens, lengths):
