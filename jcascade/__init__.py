@@ -6,7 +6,7 @@
     out, scores = jc.attend(policy, state, q, k, v, rope=jc.RoPE(500000.0))
     state = jc.update(policy, state, k, v, scores)
 
-A new policy subclasses `jc.Policy` (see `jcascade.policies.base` and the README's "Writing a policy").
+A new policy subclasses `jc.Policy` (see `jcascade.policies.base` and "Writing a policy" in docs/policies.md).
 """
 
 import importlib.util

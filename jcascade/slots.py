@@ -331,7 +331,7 @@ def int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: s
     (where `where` is true, if given) lie in [low, high), `rule` in words. The values are compared in x's own
     dtype, before any narrowing (jnp.asarray would turn an int64 2**32 + 5 into 5 without a word). Traced
     values (inside a user's jit) cannot be checked here: there the check is a `checkify.debug_check`, an error
-    only under `jax.experimental.checkify.checkify` (README, "Reliability")."""
+    only under `jax.experimental.checkify.checkify` (docs/reliability.md)."""
     if not isinstance(x, jax.Array):
         x = np.asarray(x)
     wanted = f"{name} must be an integer array of shape {list(shape)}, got {x.dtype}{list(x.shape)}"

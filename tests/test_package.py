@@ -72,16 +72,42 @@ def test_semantics_sections_cited_exist():
     assert not missing, f"sections cited but not in docs/semantics.md ({sorted(sections, key=int)}): {missing}"
 
 
+def anchors(page: pathlib.Path) -> set[str]:
+    """The anchors GitHub gives a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens,
+    "-1", "-2" after repeats (headings inside code blocks are not headings)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        repeat = slug
+        for k in range(1, len(found) + 2):
+            if repeat not in found:
+                break
+            repeat = f"{slug}-{k}"
+        found.add(repeat)
+    return found
+
+
+def test_anchors_follow_github(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\n## Two GPUs: `bench_model.py --mesh model=2` (Qwen2.5, 4K-32K)\n\n## Notes\n\n"
+                    "```\n# not a heading\n```\n\n## Notes\n")
+    assert anchors(page) == {"a-page", "two-gpus-bench_modelpy---mesh-model2-qwen25-4k-32k", "notes", "notes-1"}
+
+
 def test_relative_markdown_links_point_at_files_that_exist():
     """Every relative link of README.md and docs/*.md ([text](path), images too) names a file or folder of the
-    repository; web links and in-page anchors are not checked."""
+    repository, and its #anchor, if any, a heading of that Markdown page (or of this page: a bare #anchor); web
+    links are not checked."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     broken = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
-            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
                 continue
-            if not (page.parent / target.split("#")[0]).exists():
+            path, _, anchor = target.partition("#")
+            linked = page.parent / path if path else page
+            if not linked.exists() or anchor and linked.suffix == ".md" and anchor not in anchors(linked):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert len(pages) > 1
-    assert not broken, f"links to files that do not exist: {broken}"
+    assert not broken, f"links to files or headings that do not exist: {broken}"

@@ -3,7 +3,7 @@
 Every policy implements the protocol of `jcascade.policies.base.Policy`; one module per family:
 window (Full, SlidingWindow, Sink), cascade, h2o, tova, snapkv (SnapKV, PyramidKV), adakv, knorm,
 expected_attention, kvzip, recycled. "Writing a
-policy" in the README shows a new one in a file of its own.
+policy" in docs/policies.md shows a new one in a file of its own.
 """
 
 from jcascade.pallas_kernels.schedule import RingLayout

@@ -6,7 +6,6 @@ x 4 devices: test_sharding_multiprocess.py."""
 import contextlib
 import io
 import json
-import pathlib
 import re
 import warnings
 
@@ -250,14 +249,6 @@ def test_the_cli_on_a_mesh_answers_as_on_one_device(passkey, option, mesh):
     alone, expected = passkey(["--mesh", "data=1,model=1"])
     assert used == mesh and alone is None
     assert len(expected) == 5 and answers == expected
-
-
-def test_the_readme_snippet_runs_as_written():
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    snippet = readme.split("## Multi-device", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    namespace = {}
-    exec(compile(snippet, "README.md", "exec"), namespace)
-    assert np.asarray(namespace["out"]).shape == (8, 8)
 
 
 def test_ruler_on_a_mesh_answers_as_on_one_device(model_dir, tmp_path):

@@ -71,7 +71,7 @@ def test_two_processes_give_the_one_process_result(tmp_path):
 
 
 def worker(process: int, port: int, checkpoint: str):
-    """One of 2 processes: the README's multi-host recipe on a (2, 4) mesh over both processes' devices."""
+    """One of 2 processes: the multi-host recipe of docs/multi-device.md on a (2, 4) mesh over both processes' devices."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -1,8 +1,6 @@
-"""The README's "Writing a policy" example, executed as written: a policy defined outside the package runs
-through init_cache / attend / update, jc.score and jc.generate, and keeps what it says it keeps."""
-
-import pathlib
-import re
+"""The "Writing a policy" example of docs/policies.md, executed as written (the one test that runs it): a policy
+defined outside the package runs through init_cache / attend / update, jc.score and jc.generate, and keeps what it
+says it keeps."""
 
 import jax
 import jax.numpy as jnp
@@ -11,22 +9,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import doc_blocks
 import jcascade as jc
 import tiny
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
-
-def readme_example() -> type:
-    section = README.read_text().split("## Writing a policy", 1)[1].split("\n## ", 1)[0]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert len(code.splitlines()) < 60
-    namespace = {"__name__": "readme_example"}
-    exec(compile(code, str(README), "exec"), namespace)
+def the_example() -> type:
+    """The class the block of docs/policies.md that names this file defines."""
+    (block,) = [b for b in doc_blocks.python_blocks(doc_blocks.ROOT / "docs/policies.md")
+                if doc_blocks.run_elsewhere(b) == doc_blocks.ROOT / "tests/policies/test_policy_example.py"]
+    assert len(block.code.splitlines()) < 60
+    namespace = {"__name__": "policy_example"}
+    block.run(namespace)
     return namespace["RecentAndEveryNth"]
 
 
-RecentAndEveryNth = readme_example()
+RecentAndEveryNth = the_example()
 
 
 def expected_positions(seen: int, recent: int, landmarks: int, every: int) -> set[int]:
