@@ -29,7 +29,7 @@ method's warm-up prompt). kvpress runs in a virtual environment of its own (`par
 
     python benchmarks/accuracy_kvpress.py [--model qwen.gguf] [--protocol query-agnostic] [--kept 1024,2048]
         [--samples 4] [--methods full,kvzip] [--out ...accuracy-kvpress.json]
-    python benchmarks/accuracy_kvpress.py --table A.json B.json ...    # one markdown table of earlier runs
+    python benchmarks/accuracy_kvpress.py --table A.json B.json.gz ...    # one markdown table of earlier runs
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import subprocess
 import tempfile
 import time
 
+from eval_tables import load
 from parity_kvpress import kvpress_python, policies_for
 
 METHODS = {"full": "full", "streamingllm": "streamingllm", "snapkv": "snapkv", "pyramidkv": "pyramidkv",
@@ -110,7 +111,8 @@ json.dump(result, open(out, "w"))
 '''
 
 
-def jcascade_policies(method: str, kept: int, length: int, tokenizer):
+def jcascade_policy(method: str, kept: int, length: int, tokenizer):
+    """The jcascade policy compared with kvpress's press for `method`, keeping `kept` tokens."""
     import jcascade as jc
 
     if method == "full":
@@ -127,7 +129,8 @@ def table(paths: list[str]) -> None:
     print("| protocol | method | kept | jcascade | kvpress | jcascade - kvpress | identical answers | prompts/s "
           "jcascade / kvpress |\n|---|---|---|---|---|---|---|---|")
     for path in paths:
-        run = json.loads(pathlib.Path(path).read_text())
+        path = pathlib.Path(path)
+        run = load(path.parent, path.name.removesuffix(".gz").removesuffix(".json"))
         for r in run["rows"]:
             fmt = lambda e: Estimate.from_dict(e).format()  # noqa: E731
             speed = r["jcascade_prompts_per_s"], r["kvpress_prompts_per_s"]
@@ -139,7 +142,8 @@ def table(paths: list[str]) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", nargs="+", metavar="JSON", help="print one markdown table of these runs and stop")
+    p.add_argument("--table", nargs="+", metavar="JSON", help="print one markdown table of these runs (.json or "
+                   ".json.gz) and stop")
     p.add_argument("--venv", default="/tmp/kvpress-venv")
     p.add_argument("--wheels", help="a folder of wheels to make the kvpress venv from, without an index")
     p.add_argument("--model", help="a GGUF file read by both sides (default: the packaged SmolLM2-135M-Instruct)")
@@ -190,13 +194,13 @@ def main():
                         str(pathlib.Path(tmp) / "kvpress.json")], check=True)
         theirs = json.loads((pathlib.Path(tmp) / "kvpress.json").read_text())
     batch_size = a.batch_size or math.ceil(len(samples) / 2)
-    runs = [(m, 0 if m == "full" else k) for m in methods for k in ([0] if m == "full" else kept)]
+    runs = [(m, k) for m in methods for k in ([0] if m == "full" else kept)]
     rows, detail, strata = [], {}, [s.task for s in samples]
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for method, n in runs:
         done = []  # (time, prompts) after each batch
-        results = ruler.sweep(model, tokenizer, {method: jcascade_policies(method, n, a.length, tokenizer)},
+        results = ruler.sweep(model, tokenizer, {method: jcascade_policy(method, n, a.length, tokenizer)},
                               [a.length], tasks=tasks, prose=prose, samples=a.samples, batch_size=batch_size,
                               protocol=a.protocol, progress=lambda k: done.append((time.perf_counter(), k)))
         assert [(r.task, r.index) for r in results] == [(s.task, s.index) for s in samples]
