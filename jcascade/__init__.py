@@ -22,7 +22,7 @@ from jcascade.compilation import COMPILER_OPTIONS
 from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
 from jcascade.policies import (H2O, TOVA, AdaKV, Cascade, ExpectedAttention, Full, KNorm, KVzip, Policy, PyramidKV, Recycled,
                                RingPolicy, Sink, SlidingWindow, SnapKV)
-from jcascade.eval.checkpointing import load_stream, save_stream
+from jcascade.checkpoint import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, read_config, save_converted
 from jcascade.rope import Llama3Scaling, RoPE

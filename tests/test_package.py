@@ -1,4 +1,5 @@
-"""The package's import guard (jcascade/__init__.py), and a repository that stands alone (docs/semantics.md)."""
+"""The package's import guard (jcascade/__init__.py), `import jcascade` without the evaluation wing, benchmarks on
+public names only, lean benchmark results, and a repository that stands alone (docs/semantics.md)."""
 
 import pathlib
 import re
@@ -111,3 +112,15 @@ def test_relative_markdown_links_point_at_files_that_exist():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert len(pages) > 1
     assert not broken, f"links to files or headings that do not exist: {broken}"
+
+
+def test_import_jcascade_loads_no_evaluation_code(tmp_path):
+    """`import jcascade` is the library: it imports nothing of the evaluation wing (`jcascade.eval`: the command
+    line's sweeps, statistics, reports and plots); `jc.save_stream` / `jc.load_stream` come from
+    `jcascade.checkpoint`. Run in a fresh interpreter, outside the repository root."""
+    code = ("import sys, jcascade as jc; jc.save_stream, jc.load_stream; "
+            "print([m for m in sys.modules if m.startswith('jcascade.eval')])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"import jcascade loaded evaluation modules: {done.stdout.strip()}"
+

@@ -1,13 +1,5 @@
-"""Resumable long runs: checkpoints committed atomically, and resumes that continue exactly or refuse.
-
-Storage. A checkpoint is a pytree of arrays (a cache, the log-likelihoods so far; saved with orbax) plus
-JSON progress. `save_stream` writes it into a new generation folder of the checkpoint directory and only
-then points the directory's LATEST file at it (`os.replace`, atomic), so a process killed at any moment
-leaves either the previous checkpoint or the new one, never a half-written one that loads. `load_stream`
-reads the generation LATEST names; older generations and unfinished ones are removed by the next save. A
-checkpoint that cannot be read (LATEST naming no generation, a progress.json that is missing, truncated,
-not a JSON object or lacks a key the reader needs, arrays orbax cannot restore) raises a ValueError naming
-the file and the problem.
+"""Resumable runs: a run's checkpoints (`jcascade.checkpoint`: committed atomically, a damaged one an error naming
+its file), and resumes that continue exactly or refuse.
 
 What a resume guarantees. A `Checkpointing` carries the run's identity, everything that determines its
 results: for the command line every argument, the sha256 of the model's weight files and of its
@@ -25,123 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
-import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
 
-LATEST = "LATEST"
-_GENERATION = re.compile(r"generation-\d{8}")
-_REMEDY = "remove that folder to start the run over"
+from jcascade.checkpoint import REMEDY, Progress, load_stream, save_stream, saved_progress
+
 _ABSENT = object()  # an identity key one of two runs lacks
-
-
-class Progress(dict):
-    """A checkpoint's JSON progress (a dict); a key it lacks raises a ValueError naming its file."""
-
-    def __init__(self, values: dict, file: pathlib.Path):
-        super().__init__(values)
-        self.file = file
-
-    def __missing__(self, key):
-        raise ValueError(f"{self.file}: damaged: it has no {key!r} (it holds {', '.join(map(repr, self)) or 'nothing'})"
-                         f"; {_REMEDY}")
-
-
-def _generations(directory: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(p for p in directory.glob("generation-*") if p.is_dir())
-
-
-def save_stream(directory: str | pathlib.Path, arrays, progress: dict) -> pathlib.Path:
-    """Writes a checkpoint of `arrays` (a pytree of arrays, or None) and `progress` (JSON-serialisable) into
-    `directory` (created if needed) and commits it atomically. Returns the generation folder written."""
-    import orbax.checkpoint as ocp
-
-    directory = pathlib.Path(directory).absolute()
-    directory.mkdir(parents=True, exist_ok=True)
-    done = _generations(directory)
-    number = int(done[-1].name.split("-")[1]) + 1 if done else 0
-    target = directory / f"generation-{number:08d}"
-    target.mkdir()
-    if arrays is not None:
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(target / "arrays", arrays)
-        checkpointer.wait_until_finished()
-    _write_synced(target / "progress.json", json.dumps(progress))
-    _write_synced(directory / f".{LATEST}.tmp", target.name)
-    os.replace(directory / f".{LATEST}.tmp", directory / LATEST)
-    for old in done:
-        shutil.rmtree(old, ignore_errors=True)
-    return target
-
-
-def _latest(directory: pathlib.Path) -> pathlib.Path | None:
-    """The generation folder LATEST names in `directory`, or None without LATEST; ValueError if it names none."""
-    latest = directory / LATEST
-    if not latest.is_file():
-        return None
-    try:
-        name = latest.read_text(encoding="utf-8").strip()
-    except UnicodeDecodeError:
-        name = None
-    if name is None or not _GENERATION.fullmatch(name) or not (directory / name).is_dir():
-        found = ", ".join(p.name for p in _generations(directory)) or "none"
-        shown = "bytes that are not text" if name is None else repr(name)
-        raise ValueError(f"{latest}: damaged: it names {shown}, which is not a generation folder of {directory} "
-                         f"(found: {found}); {_REMEDY}")
-    return directory / name
-
-
-def _progress(target: pathlib.Path) -> Progress:
-    """The progress.json of generation folder `target`; ValueError naming it if it is missing or damaged."""
-    file = target / "progress.json"
-    try:
-        progress = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{file}: missing from the checkpoint; {_REMEDY}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{file}: damaged: not UTF-8 text (byte {e.start}); {_REMEDY}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: damaged or truncated: not valid JSON ({e.msg} at line {e.lineno}, column "
-                         f"{e.colno}); {_REMEDY}") from None
-    if not isinstance(progress, dict):
-        raise ValueError(f"{file}: damaged: a JSON {type(progress).__name__}, not an object; {_REMEDY}")
-    return Progress(progress, file)
-
-
-def load_stream(directory: str | pathlib.Path):
-    """The last committed checkpoint in `directory` as (arrays, progress), or None if there is none. arrays
-    comes back as nested dicts of arrays (a dataclass such as `CacheState` saved as a dict of its fields:
-    rebuild it with `CacheState(**arrays[...])`), or None when the checkpoint saved none. progress is a
-    `Progress` (a dict). A damaged checkpoint raises a ValueError naming the file and the problem."""
-    import orbax.checkpoint as ocp
-
-    target = _latest(pathlib.Path(directory).absolute())
-    if target is None:
-        return None
-    progress = _progress(target)
-    if not (target / "arrays").exists():
-        return None, progress
-    try:
-        return ocp.StandardCheckpointer().restore(target / "arrays"), progress
-    except Exception as e:  # orbax wraps tensorstore's error (e.g. a missing or truncated chunk file)
-        cause = str(e.__cause__ or e).split("\n")[0]
-        raise ValueError(f"{target / 'arrays'}: damaged: orbax cannot restore its arrays ({cause}); {_REMEDY}") from e
-
-
-def saved_progress(directory: str | pathlib.Path) -> Progress | None:
-    """The JSON progress of the last committed checkpoint in `directory` (arrays not read), or None."""
-    target = _latest(pathlib.Path(directory).absolute())
-    return None if target is None else _progress(target)
-
-
-def _write_synced(path: pathlib.Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _brief(value) -> str:
@@ -204,7 +87,7 @@ class Checkpointing:
         theirs, seconds = progress["run"], progress["seconds"]
         if not isinstance(theirs, dict):
             raise ValueError(f"{progress.file}: damaged: its 'run' is a {type(theirs).__name__}, not an object; "
-                             f"{_REMEDY}")
+                             f"{REMEDY}")
         pairs = {k: (theirs.get(k, _ABSENT), self.run.get(k, _ABSENT)) for k in sorted(self.run.keys() | theirs.keys())}
         differ = [f"{k} ({_brief(saved)}, {_brief(now)})" for k, (saved, now) in pairs.items() if saved != now]
         if differ:
@@ -228,12 +111,12 @@ def finished(progress: Progress, plan: Sequence[tuple], result: type, key: Calla
         results = [result(**r) for r in progress["results"]]
     except TypeError as e:
         raise ValueError(f"{progress.file}: damaged: its results are not {result.__name__} records ({e}); "
-                         f"{_REMEDY}") from None
+                         f"{REMEDY}") from None
     keys = [key(r) for r in results]
     if keys != list(plan[: len(keys)]):
         at = next(i for i, k in enumerate(keys) if i >= len(plan) or k != plan[i])
         raise ValueError(f"{progress.file}: its results are not the first units of this run: result {at} is "
-                         f"{keys[at]}, the run's unit {at} is {plan[at] if at < len(plan) else 'none'}; {_REMEDY}")
+                         f"{keys[at]}, the run's unit {at} is {plan[at] if at < len(plan) else 'none'}; {REMEDY}")
     return results
 
 

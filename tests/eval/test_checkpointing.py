@@ -54,7 +54,7 @@ def test_a_checkpoint_cut_short_never_loads(tmp_path, monkeypatch):
         raise KeyboardInterrupt("killed before the commit")
 
     with monkeypatch.context() as m:
-        m.setattr(checkpointing.os, "replace", killed)
+        m.setattr(os, "replace", killed)
         with pytest.raises(KeyboardInterrupt):
             checkpointing.save_stream(tmp_path, {"x": np.zeros(3)}, {"n": 2})
     (tmp_path / "generation-00000009").mkdir()  # a folder left half-written by a killed process
