@@ -21,7 +21,7 @@ import time
 import jax
 
 import jcascade as jc
-from jcascade.cli import _positive as count
+from jcascade.cli import count
 from jcascade.eval import ruler, texts
 from jcascade.models import sharding
 

@@ -49,8 +49,8 @@ def decode_block(policy, steps: int):
 
 def prompt_cache(model, policy, prompt, room: int):
     """The cache after `prompt` [1, S] with room for `room` more tokens, and the first new token [1]."""
-    run = jax.jit(lambda model, tokens: generation._prompt(model, policy, tokens, jnp.array([tokens.shape[1]]),
-                                                           room, None)[:2], compiler_options=jc.COMPILER_OPTIONS)
+    run = jax.jit(lambda model, tokens: generation.prompt_cache(model, policy, tokens, room=room),
+                  compiler_options=jc.COMPILER_OPTIONS)
     state, hidden = run(model, prompt)
     return state, jnp.argmax(model.logits(hidden), axis=-1).astype(jnp.int32)
 

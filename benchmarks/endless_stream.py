@@ -50,13 +50,13 @@ def run(num_tokens: int, policy, samples: int = 20, warmup: float = 0.1, seed: i
             live.append(len(jax.live_arrays()))
         done[0] += 1
 
-    compiled = perplexity._step.top_level._cache_size()
+    compiled = perplexity.step_compilations()
     start = time.perf_counter()
     logps = perplexity.stream(model, policy, tokens, progress=progress)
     seconds = time.perf_counter() - start
     return {"tokens": num_tokens, "policy": jc.policies.spec(policy), "seconds": seconds,
             "tokens_per_s": num_tokens / seconds,
-            "compilations": perplexity._step.top_level._cache_size() - compiled, "non_finite": int((~np.isfinite(logps)).sum()),
+            "compilations": perplexity.step_compilations() - compiled, "non_finite": int((~np.isfinite(logps)).sum()),
             "rss_mib": rss, "rss_growth": float(np.median(rss[-len(rss) // 3:]) / np.median(rss[: len(rss) // 3]) - 1),
             "live_arrays": live, "jax": jax.__version__}
 

@@ -126,7 +126,7 @@ def jcascade_kept(model, policy, ids) -> list[list[list[int]]]:
     import jcascade as jc
     from jcascade import generation
 
-    state, _, _ = generation._prompt(model, policy, jnp.asarray([ids]), jnp.asarray([len(ids)]), 0, "xla")
+    state, _ = generation.prompt_cache(model, policy, jnp.asarray([ids]), implementation="xla")
     pos = np.asarray(jc.cached_positions(state))[:, 0]  # [L, H, slots]
     return [[sorted(p[p >= 0].tolist()) for p in layer] for layer in pos]
 

@@ -108,10 +108,12 @@ def _integer(least: int = 1, most: int = LARGEST, k: bool = True):
             raise argparse.ArgumentTypeError(f"must be {'positive' if least == 1 else f'>= {least}'} and at most "
                                              f"{most}, got {text!r}")
         return value
+    parse.__doc__ = (f"An argparse type: an int from {least} to {most}{', 4K / 4k for 4096' if k else ''}; "
+                     "anything else is an ArgumentTypeError naming the value.")
     return parse
 
 
-_positive = _integer()
+count = _integer()  # counts and lengths (tokens, prompts, devices); public: the benchmarks' options parse with it
 
 
 def _real(low: float, high: float = math.inf, low_open: bool = False):
@@ -258,10 +260,10 @@ def cmd_attention_map(args) -> None:
     with _option("--book"):
         tokens = perplexity.book_tokens(tokenizer, texts.load_book(args.book, _log), args.tokens)
     layer = model.config.num_layers // 2 if args.layer is None else args.layer
-    for option, value, count in (("--layer", layer, model.config.num_layers),
+    for option, value, bound in (("--layer", layer, model.config.num_layers),
                                  ("--kv-head", args.kv_head, model.config.num_kv_heads)):
-        if value >= count:
-            raise ValueError(f"{option}: must be < {count} (the model's {option[2:].replace('-', ' ')}s), got {value}")
+        if value >= bound:
+            raise ValueError(f"{option}: must be < {bound} (the model's {option[2:].replace('-', ' ')}s), got {value}")
     maps, _, _ = runner.run("attention map", len(policies) * len(tokens), lambda progress, _: {
         k: attention_map.record(model, p, tokens, layer, args.kv_head, progress=progress) for k, p in policies.items()})
     heading, images = f"{name}, layer {layer}, KV head {args.kv_head}", {k: attention_map.render(m, args.pixels)
@@ -308,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     def evaluation(p):
         p.add_argument("--baseline", metavar="LABEL", help="the policy the others are compared with on the same "
                        "prompts, by its printed label (default: the first)")
-        p.add_argument("--checkpoint-every", type=_positive, metavar="TOKENS",
+        p.add_argument("--checkpoint-every", type=count, metavar="TOKENS",
                        help="save progress to --out/checkpoint-<command> every this many tokens")
         p.add_argument("--resume", action="store_true", help="continue the run saved by --checkpoint-every (same "
                        "arguments); the results equal an uninterrupted run's")
@@ -317,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--policy", type=policy, default="cascade:cache_size=1024,sinks=64,stride=512", metavar="SPEC",
                    help="NAME[:FIELD=VALUE,...]")
-    p.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens to generate at most")
+    p.add_argument("--max-new-tokens", type=count, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=_real(0.0), default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=_real(0.0, 1.0, low_open=True), default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=_integer(0, SEEDS - 1, k=False), default=0, help="sampling seed")
@@ -328,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, default, help in (("--min-length", shortest, "shortest context (tokens; 1K = 1024)"),
                                     ("--max-length", longest, "longest context; lengths double"),
                                     ("--samples", samples, f"prompts per {per} and length")):
-            p.add_argument(flag, type=_positive, default=default, help=help)
+            p.add_argument(flag, type=count, default=default, help=help)
         p.add_argument("--seed", type=_integer(0, SEEDS - 1, k=False), default=0, help="seed of the prompts")
         evaluation(p)
 
@@ -337,19 +339,19 @@ def build_parser() -> argparse.ArgumentParser:
         sweep(p, *((None, None, None) if machine else (1024, 2048, 10)), "depth bucket")
         p.add_argument("--filler", choices=("repeat", "words"), default=None if machine else "repeat",
                        help="repeated sentences or random dictionary words")
-        p.add_argument("--buckets", type=_positive, default=5, help="depth buckets")
+        p.add_argument("--buckets", type=count, default=5, help="depth buckets")
         p.add_argument("--words-file", help="word list for --filler words (default: Debian's wamerican)")
-        p.add_argument("--batch-size", type=_positive, help="prompts per generate call, a multiple of the mesh's "
+        p.add_argument("--batch-size", type=count, help="prompts per generate call, a multiple of the mesh's "
                        "data axis D (default: buckets x samples in equal batches of at most 32 x D)")
 
     p = command("compare", "the main job: passkey retrieval under Sink vs Cascade caches of the same size. Unset "
                 "options take this machine's defaults, " + main_job.describe(), cmd_compare, True, policies=False)
     passkey_options(p, machine=True)
     p.set_defaults(protocol=protocol.QUERY_AWARE)  # it records retention, read inside one prompt
-    p.add_argument("--cache-size", type=_positive, help="non-sink tokens of each cache")
+    p.add_argument("--cache-size", type=count, help="non-sink tokens of each cache")
     p.add_argument("--sinks", type=_integer(0), help="sink tokens of each cache")
-    p.add_argument("--cascades", type=_positive, help="Cascade's sub-caches")
-    p.add_argument("--stride", type=_positive, help="prefill chunk (tokens)")
+    p.add_argument("--cascades", type=count, help="Cascade's sub-caches")
+    p.add_argument("--stride", type=count, help="prefill chunk (tokens)")
 
     p = command("passkey", "passkey retrieval over context lengths x key depths x policies",
                 lambda args: run_passkey(args, _policies(args), "Passkey retrieval", args.retention), True)
@@ -362,9 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "paper, arXiv 2406.17808)", cmd_perplexity, False)
     p.add_argument("--book", action="append", metavar="NAME|FILE", help="a packaged book (e.g. paradise_lost), "
                    "'all', or a text file; repeatable (default: paradise_lost)")
-    p.add_argument("--max-tokens", type=_positive, help="stream at most this many tokens of each book (default: all)")
-    p.add_argument("--bucket", type=_positive, default=256, help="positions per point of the curve")
-    p.add_argument("--block", type=_positive, default=perplexity.BLOCK, help="tokens per block, the unit of the bootstrap")
+    p.add_argument("--max-tokens", type=count, help="stream at most this many tokens of each book (default: all)")
+    p.add_argument("--bucket", type=count, default=256, help="positions per point of the curve")
+    p.add_argument("--block", type=count, default=perplexity.BLOCK, help="tokens per block, the unit of the bootstrap")
     evaluation(p)
 
     p = command("ruler", "RULER's synthetic tasks under every policy at a KV budget", cmd_ruler, True, policies=False)
@@ -376,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                    + ",".join(ruler.DEFAULT_POLICIES) + ")")
     p.add_argument("--budget", type=_argument(ruler.budget_list), default="0.25,0.5", help="KV slots kept, sinks "
                    "and windows included: fractions of the context (<1) or token counts, comma-separated")
-    p.add_argument("--batch-size", type=_positive, help="prompts per generate call, a multiple of the mesh's data "
+    p.add_argument("--batch-size", type=count, help="prompts per generate call, a multiple of the mesh's data "
                    "axis D (default: tasks x samples in equal batches of at most 8 x D)")
     p.add_argument("--book", default="paradise_lost", help="the prose haystack (RULER's essays are not offline)")
     protocol_option(p)
@@ -385,10 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("attention-map", "which positions each query sees while a book streams through a cache",
                 cmd_attention_map, False)
     p.add_argument("--book", default="paradise_lost", metavar="NAME|FILE", help="a packaged book or a text file")
-    p.add_argument("--tokens", type=_positive, default=4096, help="stream the first N tokens")
+    p.add_argument("--tokens", type=count, default=4096, help="stream the first N tokens")
     p.add_argument("--layer", type=_integer(0, k=False), help="layer to show (default: the middle one)")
     p.add_argument("--kv-head", type=_integer(0, k=False), default=0, help="KV head to show")
-    p.add_argument("--pixels", type=_positive, default=512, help="image side")
+    p.add_argument("--pixels", type=count, default=512, help="image side")
     return parser
 
 

@@ -183,6 +183,19 @@ def prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array,
     return _prefill(model, policy, state, tokens, lengths, implementation, targets)
 
 
+def prompt_cache(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array | None = None, room: int = 0,
+                 implementation: str | None = None, *, config: ModelConfig | None = None):
+    """The cache `generate` decodes from: a fresh cache through right-padded prompts tokens [B, S] (`lengths` [B]
+    valid tokens per row, default all S), compressed as `policy` does after a prompt (SnapKV's observation
+    window, KVzip's pass, ...), with room for `room` more tokens. Returns (state, the final hidden state at each
+    row's last prompt token [B, hidden]). model: as `as_model` takes it; tokens checked as `generate` checks them."""
+    check_policy(policy)
+    room = _number("room", room, numbers.Integral, "an int >= 0", lambda r: r >= 0)
+    model = as_model(model, config)
+    tokens, lengths, _ = _check_tokens(model, tokens, lengths)
+    return _prompt(model, policy, tokens, lengths, room, implementation)[:2]
+
+
 def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
              implementation: str | None = None, targets: jax.Array | None = None, prefixes: tuple = ()):
     """`prefill` once checked; prefixes: shared-prefix levels that every row's history begins with (the rows'

@@ -211,3 +211,17 @@ def test_the_cut_chunk_changes_no_result(model, policy):
     lengths, exact = np.array([43, 30]), dataclasses.replace(policy, stride=37)
     np.testing.assert_array_equal(jc.score(model, tokens, policy, lengths=lengths, prefix=37),
                                   jc.score(model, tokens, exact, lengths=lengths, prefix=37))
+
+
+def test_prompt_cache_is_the_cache_generate_decodes_from(model):
+    """`generation.prompt_cache` (how the benchmarks reach the cache after a prompt): SnapKV's cache compressed
+    to its budget, from which the decode loop continues exactly as generate does; a negative room is refused."""
+    policy = jc.SnapKV(budget=24, window=8, stride=16)
+    tokens, lengths = np.random.default_rng(7).integers(0, VOCAB, (2, 60)), np.array([60, 45])
+    state, last = jax.jit(lambda t: generation.prompt_cache(model, policy, t, lengths, room=6))(tokens)
+    assert int((np.asarray(jc.cached_positions(state)) >= 0).sum(-1).max()) == 24
+    run = jax.jit(lambda s, h: generation.decode(model, policy, s, h, jax.random.key(0), max_new_tokens=6,
+                                                 temperature=0.0, top_p=1.0, eos_id=None))
+    np.testing.assert_array_equal(run(state, last), jc.generate(model, tokens, policy, max_new_tokens=6, lengths=lengths))
+    with pytest.raises(ValueError, match="room must be an int >= 0, got -1"):
+        generation.prompt_cache(model, policy, tokens, room=-1)

@@ -1,6 +1,7 @@
 """The package's import guard (jcascade/__init__.py), `import jcascade` without the evaluation wing, benchmarks on
 public names only, lean benchmark results, and a repository that stands alone (docs/semantics.md)."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -123,4 +124,52 @@ def test_import_jcascade_loads_no_evaluation_code(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"import jcascade loaded evaluation modules: {done.stdout.strip()}"
+
+
+def private_jcascade_names(source: str) -> list[str]:
+    """The private names of jcascade (a leading underscore, dunders aside) that Python `source` uses: imported
+    from a jcascade module (`from jcascade.cli import _positive`), or read as an attribute of a name bound by an
+    import from jcascade, directly or through public attributes (`generation._prompt`,
+    `jc.eval.perplexity._step`). Objects reached otherwise (a local variable holding a model) are not followed."""
+    private = lambda name: name.startswith("_") and not (name.startswith("__") and name.endswith("__"))  # noqa: E731
+    tree = ast.parse(source)
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in (a for a in node.names if a.name.split(".")[0] == "jcascade"):
+                bound.add(alias.asname or "jcascade")
+                if any(map(private, alias.name.split("."))):
+                    found.append(f"line {node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] == "jcascade":
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if private(alias.name) or any(map(private, node.module.split("."))):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute) and not private(root.attr):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in bound:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_names_are_found():
+    source = ("import jcascade as jc\nfrom jcascade.cli import _positive, count\nfrom jcascade import generation\n"
+              "import numpy as np\ngeneration._prompt(1)\njc.eval.perplexity._step.top_level._cache_size()\n"
+              "np._private\ngeneration.prompt_cache(1)._x\njc.__version__\n")
+    assert private_jcascade_names(source) == ["line 2: from jcascade.cli import _positive",
+                                              "line 5: generation._prompt", "line 6: jc.eval.perplexity._step"]
+
+
+def test_benchmarks_use_public_names_of_jcascade_only():
+    """The benchmarks are users of the library: they reach jcascade through its public names only (what they
+    need is exposed where it belongs, e.g. `generation.prompt_cache`, `perplexity.step_compilations`,
+    `cli.count`), so that they keep running, unchanged, while the library's insides change."""
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    found = [f"{path.relative_to(ROOT)}: {use}" for path in scripts
+             for use in private_jcascade_names(path.read_text(encoding="utf-8"))]
+    assert len(scripts) > 10
+    assert not found, "benchmarks using private names of jcascade:\n" + "\n".join(found)
 

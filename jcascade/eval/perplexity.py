@@ -47,6 +47,12 @@ def _step(model, policy, state, chunk, targets, n):
     return state, token_log_probs(model, hidden, targets)
 
 
+def step_compilations() -> int:
+    """Programs compiled so far for `stream`'s chunk step in this process (one per model structure, policy and
+    chunk shape): a stream of any length adds at most one, and a stream that recompiled would show here."""
+    return _step.top_level._cache_size()
+
+
 StreamPoint = tuple[jc.CacheState, np.ndarray, int]  # (cache, log-probs so far [S - 1], next position)
 
 
