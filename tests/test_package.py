@@ -173,3 +173,21 @@ def test_benchmarks_use_public_names_of_jcascade_only():
     assert len(scripts) > 10
     assert not found, "benchmarks using private names of jcascade:\n" + "\n".join(found)
 
+
+RESULTS_MOST_BYTES = 5_000_000
+PLAIN_JSON_MOST_BYTES = 16 * 1024
+
+
+def test_benchmark_results_stay_lean():
+    """benchmarks/results/ (its files in git, or to be added) holds at most 5 MB, and no plain JSON over 16 KiB.
+    The threshold: the JSON of timing runs, read by people, is at most 13 KB, while the per-prompt, per-trial and
+    per-block records that tables are recomputed from run from 19 KB to 3 MB a file and shrink 5-50x under
+    gzip; those are kept as NAME.json.gz, which eval_tables.load reads as it reads NAME.json."""
+    results = ROOT / "benchmarks" / "results"
+    files = [path for path in repository_files() if path.is_relative_to(results)]
+    total = sum(path.stat().st_size for path in files)
+    assert len(files) > 100
+    assert total <= RESULTS_MOST_BYTES, f"benchmarks/results/ holds {total:,} bytes, more than {RESULTS_MOST_BYTES:,}"
+    plain = [f"{path.relative_to(ROOT)} ({path.stat().st_size:,} bytes)" for path in files
+             if path.suffix == ".json" and path.stat().st_size > PLAIN_JSON_MOST_BYTES]
+    assert not plain, f"JSON over {PLAIN_JSON_MOST_BYTES:,} bytes, to keep gzip-compressed as NAME.json.gz: {plain}"
