@@ -156,6 +156,8 @@ class Policy(abc.ABC):
     observation_window = 0
 
     def __post_init__(self):
+        """Checks every field against its declared type (`check_field`); a policy with a rule across fields
+        extends this, calling it first."""
         for name, hint in field_types(type(self)).items():
             check_field(self, name, hint)
 
