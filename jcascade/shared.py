@@ -18,7 +18,7 @@ import numpy as np
 
 from jcascade import pallas_kernels, slots
 from jcascade.pallas_kernels.states import merge
-from jcascade.policies import Policy, check_policy
+from jcascade.policies import Policy, check_policy, policy_names
 from jcascade.rope import rotate_chunk
 
 
@@ -131,16 +131,16 @@ def attend_shared(
 ) -> jax.Array:
     """`attend` for requests whose history begins with shared prefixes, then continues in `state`.
 
-    state: the requests' own caches [B, ...] under `policy`, which must keep no scores (Full,
-    SlidingWindow, Sink: score increments would need the merged normaliser); q [B, T, Hq, D], k, v
+    state: the requests' own caches [B, ...] under `policy`, which must keep no scores (not `keeps_scores`:
+    score increments would need the merged normaliser); q [B, T, Hq, D], k, v
     [B, T, Hkv, D] un-rotated, lengths as for `attend`. prefixes: a list of levels, outermost first (each made by
     `share_prefix` with the offset of the levels before it), with the requests' num_kv_heads and head_dim.
     Returns out [B, T, Hq, D] (q.dtype).
     """
     check_policy(policy)
     if policy.keeps_scores:
-        raise ValueError(f"the per-request cache under a shared prefix must keep no scores (Full, SlidingWindow, "
-                         f"Sink), got {type(policy).__name__}")
+        raise ValueError(f"the per-request cache under a shared prefix must keep no scores "
+                         f"({', '.join(policy_names(keeps_scores=False))}), got {type(policy).__name__}")
     B, T = slots.check_chunk(state, q, k, v)
     slots.check_rope(rope)
     D = k.shape[3]

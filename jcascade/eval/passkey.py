@@ -270,8 +270,8 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
     the fraction of each prompt's key tokens the question sees, float [B, L, Hkv].
 
     For bounded caches the retention is read from the cache at the question's chunk (the answers are still
-    generate's, see `_answer_and_retention`); policies that keep every prompt token (Full, SnapKV,
-    PyramidKV, Recycled: they compress or recycle only after the prompt) see all of them by construction.
+    generate's, see `_answer_and_retention`); policies that are not `bounded` hold every prompt token until the
+    prompt ends (they compress or recycle only after it), so they see all of them by construction.
     Under the query-agnostic `protocol` (`jcascade.eval.protocol.generate`) the context before each prompt's
     `question_start` is compressed alone; retention is then refused (it is read inside one prompt).
     """

@@ -34,11 +34,11 @@ def cache_capacity(policy) -> int | None:
 
 
 def check_streaming(policy) -> None:
-    """Raises ValueError for policies that act only after a prompt (`needs_prompt`: SnapKV, PyramidKV, Recycled)."""
+    """Raises ValueError for policies that act only after a prompt (`needs_prompt`), naming the others."""
     jc.policies.check_policy(policy)
     if policy.needs_prompt:
         raise ValueError(f"{type(policy).__name__} compresses or recycles after a prompt; streaming a book "
-                         "needs a streaming policy (Full, Sink, Cascade, SlidingWindow, H2O)")
+                         f"needs a streaming policy ({', '.join(jc.policies.policy_names(needs_prompt=False))})")
 
 
 @compilation.jit(static_argnames="policy")

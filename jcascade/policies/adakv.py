@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 
-from jcascade.policies.snapkv import PyramidKV, SnapKV, _Selection, top_per_head, window_slots
+from jcascade.policies.base import Reals
+from jcascade.policies.selection import WindowSelection, top_per_head, window_slots
+from jcascade.policies.snapkv import PyramidKV, SnapKV
 from jcascade.slots import CacheState
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaKV(_Selection):
+class AdaKV(WindowSelection):
     """Head-adaptive budgets over a scoring policy (`scorer`: a `jc.SnapKV` or `jc.PyramidKV`).
 
     The scorer gives each layer a prompt budget of P tokens per KV head before its observation window (its
@@ -27,16 +30,13 @@ class AdaKV(_Selection):
     """
 
     scorer: SnapKV | PyramidKV
-    floor: float = 0.2
+    floor: Annotated[float, Reals(0, 1)] = 0.2
 
     def __post_init__(self):
-        if not isinstance(self.scorer, (SnapKV, PyramidKV)):
-            raise ValueError(f"AdaKV.scorer must be a jc.SnapKV or jc.PyramidKV, got {self.scorer!r}")
+        super().__post_init__()
         if self.scorer.positions != "original":
             raise ValueError("AdaKV.scorer must keep positions=\"original\": its heads hold different counts, so "
                              f"slot ranks are no positions; got {self.scorer.positions!r}")
-        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 <= self.floor <= 1:
-            raise ValueError(f"AdaKV.floor must be a number in [0, 1], got {self.floor!r}")
 
     # the scorer's settings
     window = property(lambda self: self.scorer.window)

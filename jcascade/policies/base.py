@@ -1,7 +1,7 @@
 """The cache-policy protocol: the hooks a policy implements and the generic code calls.
 
-A policy is a frozen dataclass (hashable, hence static under `jit`) subclassing `Policy`, validated in
-`__post_init__`, with a `stride` field (tokens per chunk of the strided prefill, docs/semantics.md §9). The generic
+A policy is a frozen dataclass (hashable, hence static under `jit`) subclassing `Policy`, validated at
+construction, with a `stride` (tokens per chunk of the strided prefill, docs/semantics.md §9). The generic
 entry points call only these hooks:
 
   jc.init_cache  -> cache_slots(max_tokens)                  slots of a fresh cache
@@ -17,12 +17,24 @@ entry points call only these hooks:
 and read four class attributes: `bounded`, `keeps_scores`, `needs_prompt`, `shareable`.
 `jcascade.policies.ring.RingPolicy` implements attend/update for ring-layout caches (sinks + rings), which
 most policies are; a policy with another storage rule subclasses `Policy` and writes `update` itself.
+
+Fields. `Policy.__post_init__` checks every field against its declared type (`check_field`: a `Literal`'s values,
+bools, token ids, policies, ints and floats within the `Ints` or `Reals` rule an `Annotated` type adds, e.g.
+`Positive`); a policy with a rule across fields extends it. The fields that policies share are declared once,
+keyword-only, by the base a policy subclasses: `Strided` (stride: every policy but AdaKV, whose stride is its
+scorer's), `Positioned` (+ positions), `HeadReduced` (+ head_reduction). A policy whose default differs says so
+with `dataclasses.field(default=..., kw_only=True)`.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+import dataclasses
+import functools
+import math
+import types
+import typing
+from typing import Annotated, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,24 +43,86 @@ from jcascade import pallas_kernels
 from jcascade.rope import rotate_chunk
 from jcascade.slots import CLOCK_LIMIT, CacheState, Scores, rank_by_position
 
-HEAD_REDUCTIONS = ("max", "mean")
-POSITION_MODES = ("cache", "original")
+
+@dataclasses.dataclass(frozen=True)
+class Ints:
+    """The rule of an int field (`Annotated[int, Ints(...)]`): low <= value <= high (token counts and slots are int32),
+    and odd when `odd`."""
+
+    low: int
+    high: int = CLOCK_LIMIT
+    odd: bool = False
+
+    def problem(self, value: int) -> str | None:
+        """None when `value` keeps the rule, else what it must be."""
+        if not self.low <= value <= self.high:
+            return f">= {self.low} (and at most {self.high})"
+        return "odd" if self.odd and value % 2 == 0 else None
 
 
-def check_int(policy: object, name: str, value: object, minimum: int) -> None:
-    """Raises ValueError naming `Policy.name` unless value is an int in [minimum, 2**31 - 1] (token counts and
-    slots are int32)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{type(policy).__name__}.{name} must be an int, got {value!r}")
-    if not minimum <= value <= CLOCK_LIMIT:
-        raise ValueError(f"{type(policy).__name__}.{name} must be >= {minimum} (and at most {CLOCK_LIMIT}), "
-                         f"got {value}")
+@dataclasses.dataclass(frozen=True)
+class Reals:
+    """The rule of a float field (`Annotated[float, Reals(...)]`): a number in [low, high], or in (low, high) when
+    `open`."""
+
+    low: float
+    high: float = math.inf
+    open: bool = False
+
+    def problem(self, value: float | None) -> str | None:
+        """None when `value` keeps the rule, else what it must be (value None: a value of another type)."""
+        if value is not None and (self.low < value < self.high if self.open else self.low <= value <= self.high):
+            return None
+        if self.high == math.inf:
+            return f"a number {'>' if self.open else '>='} {self.low:g}"
+        return f"a number in {'(' if self.open else '['}{self.low:g}, {self.high:g}{')' if self.open else ']'}"
 
 
-def check_choice(policy: object, name: str, value: object, choices: tuple[str, ...]) -> None:
-    """Raises ValueError naming `Policy.name` unless value is one of choices."""
-    if value not in choices:
-        raise ValueError(f"{type(policy).__name__}.{name} must be one of {choices}, got {value!r}")
+Positive = Annotated[int, Ints(1)]
+NonNegative = Annotated[int, Ints(0)]
+OddPositive = Annotated[int, Ints(1, odd=True)]  # a pooling kernel: pooling keeps the length
+Positions = Literal["cache", "original"]
+HeadReduction = Literal["max", "mean"]
+TokenIds = tuple[int, ...]
+
+
+def check_field(policy: object, name: str, hint) -> None:
+    """Raises ValueError naming `Policy.name` and what it must be unless the field's value is of its declared type
+    `hint`: one of a `Literal`'s values; True or False (bool); a tuple of token ids, ints >= 0 (`TokenIds`); an
+    instance of the policy classes named (a class or a union); an int (not a bool) for int, an int or float for float,
+    within the rules an `Annotated` type adds (`Ints`, `Reals`). Other types are not checked."""
+    value = getattr(policy, name)
+    hint, *rules = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint,)
+    rules = [rule for rule in rules if isinstance(rule, (Ints, Reals))]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    classes = args if origin in (typing.Union, types.UnionType) else (hint,)
+    if origin is Literal:
+        problem = None if value in args else f"one of {args}"
+    elif hint is bool:
+        problem = None if isinstance(value, bool) else "True or False"
+    elif origin is tuple:
+        ids = isinstance(value, tuple) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        problem = None if ids else "a tuple of token ids (ints >= 0)"
+    elif hint in (int, float):
+        if isinstance(value, bool) or not isinstance(value, int if hint is int else (int, float)):
+            problems = ["an int"] if hint is int else [rule.problem(None) for rule in rules] + ["a number"]
+        else:
+            problems = [rule.problem(value) for rule in rules]
+        problem = next((p for p in problems if p), None)
+    elif all(isinstance(c, type) and issubclass(c, Policy) for c in classes):
+        names = " or ".join(("jc." if c.__module__.startswith("jcascade.") else "") + c.__name__ for c in classes)
+        problem = None if isinstance(value, classes) else f"a {names}"
+    else:
+        problem = None
+    if problem:
+        raise ValueError(f"{type(policy).__name__}.{name} must be {problem}, got {value!r}")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, object]:
+    """The declared type of each dataclass field of a policy class, `Annotated` rules kept."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def last_queries(lengths: jax.Array, chunk_len: int, count: int) -> jax.Array:
@@ -58,7 +132,7 @@ def last_queries(lengths: jax.Array, chunk_len: int, count: int) -> jax.Array:
 
 
 class Policy(abc.ABC):
-    """A KV-cache policy. Subclasses are frozen dataclasses with a `stride` field.
+    """A KV-cache policy. Subclasses are frozen dataclasses with a `stride` (most of them through `Strided`).
 
     Class attributes (override them as plain class attributes, not dataclass fields, where they differ):
       bounded       the cache has a fixed number of slots; False: init_cache needs max_tokens and the
@@ -77,9 +151,15 @@ class Policy(abc.ABC):
     needs_prompt: ClassVar[bool] = False
     shareable: ClassVar[bool] = True
     stride: int
-    positions: str = "original"
-    head_reduction: str = "max"
-    observation_window: int = 0
+    positions = "original"
+    head_reduction = "max"
+    observation_window = 0
+
+    def __post_init__(self):
+        """Checks every field against its declared type (`check_field`); a policy with a rule across fields
+        extends this, calling it first."""
+        for name, hint in field_types(type(self)).items():
+            check_field(self, name, hint)
 
     @property
     def label(self) -> str:
@@ -145,8 +225,31 @@ class Policy(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has an observation window but does not define compress")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strided(Policy):
+    """A policy with `stride`, the tokens per chunk of its strided prefill (docs/semantics.md §9)."""
+
+    stride: Positive = 4096
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Positioned(Strided):
+    """+ `positions`, the RoPE positions of the held keys (`key_positions`; docs/semantics.md §4)."""
+
+    positions: Positions = "original"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadReduced(Positioned):
+    """+ `head_reduction`, how a token's scores from the query heads of its KV head are reduced."""
+
+    head_reduction: HeadReduction = "mean"
+
+
 def check_policy(policy: object) -> None:
     """Raises TypeError unless `policy` is a `Policy`."""
     if not isinstance(policy, Policy):
-        raise TypeError(f"policy must be one of jcascade's policies (jc.Cascade, jc.Sink, ...) or another "
-                        f"jcascade.Policy subclass, got {type(policy).__name__}")
+        from jcascade.policies.spec import policy_names
+
+        raise TypeError(f"policy must be one of jcascade's policies ({', '.join('jc.' + n for n in policy_names())}) "
+                        f"or another jcascade.Policy subclass, got {type(policy).__name__}")

@@ -7,18 +7,18 @@ Willette et al., "Training-Free Exponential Context Extension via Cascading KV C
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 
 from jcascade.pallas_kernels.schedule import RingLayout
-from jcascade.policies.base import HEAD_REDUCTIONS, POSITION_MODES, check_choice, check_int
+from jcascade.policies.base import HeadReduced, HeadReduction, Ints, NonNegative, Positions, Positive, Reals
 from jcascade.policies.ring import RingPolicy
 
 
 @dataclasses.dataclass(frozen=True)
-class Cascade(RingPolicy):
+class Cascade(RingPolicy, HeadReduced):
     """Cascading KV cache (arXiv 2406.17808): `sinks` + `num_cascades` rings of cache_size/num_cascades slots.
 
     Tokens carry an EMA attention score with decay `gamma`; scores of the query heads sharing a KV head
@@ -27,39 +27,24 @@ class Cascade(RingPolicy):
     """
 
     keeps_scores = True
-    cache_size: int
-    sinks: int = 64
-    num_cascades: int = 4
-    gamma: float = 0.9999
-    head_reduction: Literal["max", "mean"] = "max"
-    positions: Literal["cache", "original"] = "cache"
-    stride: int = 4096
+    cache_size: Positive
+    sinks: NonNegative = 64
+    num_cascades: Annotated[int, Ints(1, 30)] = 4  # ring i accepts every 2**i tokens of an int32 clock
+    gamma: Annotated[float, Reals(0, 1, open=True)] = 0.9999
+    head_reduction: HeadReduction = dataclasses.field(default="max", kw_only=True)
+    positions: Positions = dataclasses.field(default="cache", kw_only=True)
 
     @property
     def label(self) -> str:
         return f"Cascade {self.cache_size}x{self.num_cascades}"
 
     def __post_init__(self):
-        check_int(self, "cache_size", self.cache_size, 1)
-        check_int(self, "sinks", self.sinks, 0)
-        check_int(self, "num_cascades", self.num_cascades, 1)
+        super().__post_init__()
         if self.cache_size % self.num_cascades:
             raise ValueError(
                 f"Cascade.cache_size ({self.cache_size}) must be divisible by "
                 f"Cascade.num_cascades ({self.num_cascades})"
             )
-        if self.num_cascades > 30:
-            raise ValueError(
-                f"Cascade.num_cascades must be <= 30 (ring i accepts every 2**i tokens of an int32 "
-                f"clock), got {self.num_cascades}"
-            )
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)):
-            raise ValueError(f"Cascade.gamma must be a float in (0, 1), got {self.gamma!r}")
-        if not 0.0 < self.gamma < 1.0:
-            raise ValueError(f"Cascade.gamma must be in (0, 1), got {self.gamma}")
-        check_choice(self, "head_reduction", self.head_reduction, HEAD_REDUCTIONS)
-        check_choice(self, "positions", self.positions, POSITION_MODES)
-        check_int(self, "stride", self.stride, 1)
 
     def layout(self, capacity: int | None = None) -> RingLayout:
         return RingLayout(

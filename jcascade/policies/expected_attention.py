@@ -4,19 +4,19 @@ are expected to attend to, from the statistics of the prompt's last queries rota
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 
-from jcascade.policies.base import check_int, last_queries
-from jcascade.policies.ring import AppendPolicy
-from jcascade.policies.snapkv import compress_by_ranking
+from jcascade.policies.base import NonNegative, Positive, Reals, last_queries
+from jcascade.policies.selection import ScorerPolicy
 from jcascade.rope import RoPE
 from jcascade.slots import CacheState, Scores, cached_kv
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpectedAttention(AppendPolicy):
+class ExpectedAttention(ScorerPolicy):
     """Full attention over the prompt, then each KV head keeps the `budget` prompt tokens with the largest
     expected attention (the first `sinks` always among them); decoding appends.
 
@@ -31,34 +31,17 @@ class ExpectedAttention(AppendPolicy):
     """
 
     keeps_scores = True
-    bounded = False
-    needs_prompt = True
-    budget: int
-    window: int = 64
-    future: int = 512
-    sinks: int = 4
+    window: Positive = 64
+    future: Positive = 512
+    sinks: NonNegative = 4
     covariance: bool = True
     value_norm: bool = True
-    epsilon: float = 0.0
-    stride: int = 4096
-
-    @property
-    def label(self) -> str:
-        return f"ExpectedAttention {self.budget}"
+    epsilon: Annotated[float, Reals(0)] = 0.0
 
     def __post_init__(self):
-        check_int(self, "budget", self.budget, 1)
-        check_int(self, "window", self.window, 1)
-        check_int(self, "future", self.future, 1)
-        check_int(self, "sinks", self.sinks, 0)
+        super().__post_init__()
         if self.sinks >= self.budget:
             raise ValueError(f"ExpectedAttention.sinks ({self.sinks}) must be < budget ({self.budget})")
-        for name in ("covariance", "value_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ExpectedAttention.{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or not self.epsilon >= 0:
-            raise ValueError(f"ExpectedAttention.epsilon must be a number >= 0, got {self.epsilon!r}")
-        check_int(self, "stride", self.stride, 1)
 
     @property
     def observation_window(self) -> int:
@@ -120,7 +103,6 @@ class ExpectedAttention(AppendPolicy):
         expected = jnp.where((positions >= 0) & ~scored, jnp.inf, expected)  # sinks stay
         return out, Scores(cache=expected[..., :cap], chunk=expected[..., cap:])
 
-    def compress(self, state: CacheState, room: int) -> CacheState:
-        """A cache of `budget + room` slots per (row, KV head): the kept tokens in position order, then empty
-        slots. state: one layer, or layers stacked on a leading axis."""
-        return compress_by_ranking(state, lambda layer: layer.score, self.budget, room)
+    def score(self, state: CacheState) -> jax.Array:
+        """The expected attention `attend` left for each token (sinks: inf)."""
+        return state.score

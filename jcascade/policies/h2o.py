@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from jcascade.pallas_kernels.schedule import RingLayout
-from jcascade.policies.base import HEAD_REDUCTIONS, POSITION_MODES, check_choice, check_int
+from jcascade.policies.base import HeadReduced, Positions, Positive
 from jcascade.policies.ring import RingPolicy
 from jcascade.slots import compact, take
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O(RingPolicy):
+class H2O(RingPolicy, HeadReduced):
     """Heavy-Hitter Oracle (Zhang et al. 2023; a baseline of the PyramidKV paper, arXiv 2406.02069): the `recent`
     newest tokens plus the `heavy` tokens with the largest accumulated attention (the plain sum over every
     query since the token arrived, not an EMA), reduced over the query heads of a KV head by `head_reduction`.
@@ -27,25 +26,16 @@ class H2O(RingPolicy):
     """
 
     keeps_scores = True
-    heavy: int
-    recent: int
-    head_reduction: Literal["max", "mean"] = "mean"
-    positions: Literal["cache", "original"] = "cache"
-    stride: int = 4096
+    heavy: Positive
+    recent: Positive
+    positions: Positions = dataclasses.field(default="cache", kw_only=True)
+
+    def layout(self, capacity: int | None = None) -> RingLayout:
+        return RingLayout(sinks=0, ring_size=self.recent, num_rings=1, heavy=self.heavy)
 
     @property
     def label(self) -> str:
         return f"H2O {self.heavy}+{self.recent}"
-
-    def __post_init__(self):
-        check_int(self, "heavy", self.heavy, 1)
-        check_int(self, "recent", self.recent, 1)
-        check_choice(self, "head_reduction", self.head_reduction, HEAD_REDUCTIONS)
-        check_choice(self, "positions", self.positions, POSITION_MODES)
-        check_int(self, "stride", self.stride, 1)
-
-    def layout(self, capacity: int | None = None) -> RingLayout:
-        return RingLayout(sinks=0, ring_size=self.recent, num_rings=1, heavy=self.heavy)
 
     def query_weights(self, lengths: jax.Array, chunk_len: int) -> jax.Array:
         """Accumulated attention: every valid query counts once."""

@@ -9,9 +9,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade.policies.base import Policy, check_choice, check_int
-from jcascade.policies.ring import AppendPolicy
-from jcascade.policies.snapkv import compress_by_ranking, keep_in_position_order, top_per_head
+from jcascade.policies.base import NonNegative, Positive, Strided, TokenIds
+from jcascade.policies.selection import ScorerPolicy, keep_in_position_order, top_per_head
 from jcascade.slots import CacheState, Scores, cached_kv
 
 MARKED = -2.0  # the score of the held slots the current reconstruction chunk re-reads, until it scores them
@@ -20,13 +19,8 @@ INSTRUCTION = "\n\nRepeat the previous context exactly."
 CONTINUATION = "\n\nRepeat the part of the previous context exactly, starting with"
 
 
-def _ids(values, name: str) -> None:
-    if not isinstance(values, tuple) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in values):
-        raise ValueError(f"KVzip.{name} must be a tuple of token ids (ints >= 0), got {values!r}")
-
-
 @dataclasses.dataclass(frozen=True)
-class KVzip(AppendPolicy):
+class KVzip(ScorerPolicy):
     """Full attention over the prompt; then a reconstruction pass scores it and each KV head keeps the `budget`
     prompt tokens with the highest scores (the first `sinks` always), in position order; decoding appends.
 
@@ -50,19 +44,14 @@ class KVzip(AppendPolicy):
     (Gemma 3) are refused, as kvpress refuses them.
     """
 
-    bounded = False
-    needs_prompt = True
-    observation_window = 1  # the prompt's last token, a chunk of its own
-    budget: int
-    instruction: tuple[int, ...] = dataclasses.field(default=(), repr=False)
-    continuation: tuple[int, ...] = dataclasses.field(default=(), repr=False)
-    turn: tuple[int, ...] = dataclasses.field(default=(), repr=False)
-    chunk: int = 2048
-    overlap: int = 8
-    sinks: int = 4
-    skip: int = 0
+    instruction: TokenIds = dataclasses.field(default=(), repr=False)
+    continuation: TokenIds = dataclasses.field(default=(), repr=False)
+    turn: TokenIds = dataclasses.field(default=(), repr=False)
+    chunk: Positive = 2048
+    overlap: NonNegative = 8
+    sinks: NonNegative = 4
+    skip: NonNegative = 0
     allocation: Literal["head", "global"] = "head"
-    stride: int = 4096
 
     @classmethod
     def for_tokenizer(cls, tokenizer, budget: int, **fields) -> KVzip:
@@ -79,20 +68,12 @@ class KVzip(AppendPolicy):
 
     @property
     def label(self) -> str:
-        return f"KVzip {self.budget}" + (" global" if self.allocation == "global" else "")
+        return super().label + (" global" if self.allocation == "global" else "")
 
     def __post_init__(self):
-        check_int(self, "budget", self.budget, 1)
-        for name in ("instruction", "continuation", "turn"):
-            _ids(getattr(self, name), name)
-        check_int(self, "chunk", self.chunk, 1)
-        check_int(self, "overlap", self.overlap, 0)
+        super().__post_init__()
         if self.overlap > self.chunk:
             raise ValueError(f"KVzip.overlap must be <= chunk ({self.chunk}), got {self.overlap}")
-        check_int(self, "sinks", self.sinks, 0)
-        check_int(self, "skip", self.skip, 0)
-        check_choice(self, "allocation", self.allocation, ("head", "global"))
-        check_int(self, "stride", self.stride, 1)
 
     def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array, implementation):
         """The prompt's cache with every held token scored by the reconstruction pass. tokens int32 [B, S], lengths
@@ -100,7 +81,7 @@ class KVzip(AppendPolicy):
         if isinstance(state, tuple):
             raise ValueError("KVzip does not support models with sliding-window layers (Gemma 3): its pass would "
                              "score the global layers' cache only")
-        reader = _Reconstruction(self.chunk, self.sinks, self.stride)
+        reader = _Reconstruction(chunk=self.chunk, sinks=self.sinks, stride=self.stride)
         S = tokens.shape[1]
 
         def one_chunk(c, state):
@@ -139,32 +120,35 @@ class KVzip(AppendPolicy):
         row = jnp.where((j < head_len)[None, :], head[:, jnp.minimum(j, head_width - 1)], row)
         return row.astype(jnp.int32), jnp.where(count > 0, head_len + len(self.turn) + count, 0).astype(jnp.int32)
 
+    def score(self, state: CacheState) -> jax.Array:
+        """The reconstruction pass's scores (`after_prompt`); the sinks first (inf)."""
+        return jnp.where(state.pos < self.sinks, jnp.inf, state.score)
+
     def compress(self, state: CacheState, room: int) -> CacheState:
         """The sinks and the best-scored prompt tokens in position order, then empty slots: `budget + room` slots
         per (row, KV head), or with allocation "global" the prompt's slots + room, `budget` per layer and KV head
         on average over the state's layers and heads. state: one layer, or layers stacked on a leading axis."""
-        ranking = lambda layer: jnp.where(layer.pos < self.sinks, jnp.inf, layer.score)  # noqa: E731
         if self.allocation == "head":
-            return compress_by_ranking(state, ranking, self.budget, room)
+            return super().compress(state, room)
         stacked = state.seen.ndim == 2
         layers = state if stacked else jax.tree.map(lambda x: x[None], state)
         L, B, H, cap = layers.pos.shape
         prompt = jnp.arange(cap) < layers.seen[:, :, None, None]
-        ranked = jnp.where(prompt, ranking(layers), -jnp.inf).transpose(1, 0, 2, 3).reshape(B, 1, L * H * cap)
+        ranked = jnp.where(prompt, self.score(layers), -jnp.inf).transpose(1, 0, 2, 3).reshape(B, 1, L * H * cap)
         keep = top_per_head(ranked, L * H * self.budget).reshape(B, L, H, cap).transpose(1, 0, 2, 3) & prompt
         kept = jax.vmap(lambda layer, k: keep_in_position_order(layer, k, cap + room))(layers, keep)
         return kept if stacked else jax.tree.map(lambda x: x[0], kept)
 
 
+
 @dataclasses.dataclass(frozen=True)
-class _Reconstruction(Policy):
+class _Reconstruction(Strided):
     """KVzip's reconstruction pass as a policy: attends like Full (the cache is read, never written) and sets the
     score of each held slot marked `MARKED` to the most attention the pass's queries pay it (`KVzip`)."""
 
     keeps_scores = True
-    chunk: int
-    sinks: int
-    stride: int
+    chunk: Positive
+    sinks: NonNegative
 
     def cache_slots(self, max_tokens: int | None) -> int:
         raise TypeError("KVzip's reconstruction pass reads an existing cache; it makes none")

@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import pallas_kernels, slots
-from jcascade.policies.base import POSITION_MODES, Policy, check_choice, check_int, last_queries
-from jcascade.policies.snapkv import pool
+from jcascade.policies.base import OddPositive, Positioned, Positive, last_queries
+from jcascade.policies.selection import pool
 from jcascade.rope import rotate_chunk
 from jcascade.slots import CacheState, Scores
 
 
 @dataclasses.dataclass(frozen=True)
-class Recycled(Policy):
+class Recycled(Positioned):
     """Recycled Attention (arXiv 2411.05787): the full cache is kept; most decode steps attend to a small set.
 
     A full-attention step (every chunk of more than one token, and every `refresh_every`-th decode
@@ -47,27 +47,14 @@ class Recycled(Policy):
     keeps_scores = True
     needs_prompt = True
     shareable = False  # the recycled set is chosen per request
-    top_k: int
-    refresh_every: int
-    kernel: int = 1
-    positions: Literal["cache", "original"] = "original"
-    stride: int = 4096
-    _branch: Literal["full", "recycled"] | None = dataclasses.field(default=None, repr=False)
+    top_k: Positive
+    refresh_every: Positive
+    kernel: OddPositive = 1
+    _branch: Literal["full", "recycled", None] = dataclasses.field(default=None, repr=False)
 
     @property
     def label(self) -> str:
         return f"Recycled {self.top_k}/{self.refresh_every}"
-
-    def __post_init__(self):
-        check_int(self, "top_k", self.top_k, 1)
-        check_int(self, "refresh_every", self.refresh_every, 1)
-        check_int(self, "kernel", self.kernel, 1)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"Recycled.kernel must be odd (pooling keeps the length), got {self.kernel}")
-        check_choice(self, "positions", self.positions, POSITION_MODES)
-        check_int(self, "stride", self.stride, 1)
-        if self._branch not in (None, "full", "recycled"):
-            raise ValueError(f"Recycled._branch must be None, 'full' or 'recycled', got {self._branch!r}")
 
     def cache_slots(self, max_tokens: int | None) -> int:
         return max_tokens + self.top_k + self.refresh_every

@@ -29,7 +29,8 @@ from jcascade.policies.base import Policy
 
 
 def policy_classes() -> dict[str, type]:
-    """Lower-case name -> policy class, for every concrete policy that jcascade exports."""
+    """Lower-case name -> policy class, for every concrete policy that jcascade exports: the registry, which every
+    list of policies (the command line's help, the messages) is read from."""
     from jcascade import policies
 
     classes = (getattr(policies, name) for name in policies.__all__)
@@ -37,8 +38,20 @@ def policy_classes() -> dict[str, type]:
             if isinstance(cls, type) and issubclass(cls, Policy) and not inspect.isabstract(cls)}
 
 
+def policy_names(**attributes) -> list[str]:
+    """The class names of the registered policies whose class attributes have the values given (e.g.
+    `policy_names(needs_prompt=True)`), in the registry's order."""
+    return [cls.__name__ for cls in policy_classes().values()
+            if all(getattr(cls, name) == value for name, value in attributes.items())]
+
+
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}  # "_": internal
+    """The public fields ("_": internal) in the constructor's order, except that the keyword-only ones, which a
+    policy's bases declare, come nearest base first: a policy's own fields, then head_reduction, positions, stride."""
+    fields = [f for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+    mro = [c for c in cls.__mro__ if dataclasses.is_dataclass(c)]
+    base = {f.name: max(i for i, c in enumerate(mro) if f.name in inspect.get_annotations(c)) for f in fields}
+    return {f.name: f for f in sorted(fields, key=lambda f: (f.kw_only, base[f.name] if f.kw_only else 0))}
 
 
 def _name(cls: type) -> str:

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from jcascade.pallas_kernels.schedule import RingLayout
-from jcascade.policies.base import HEAD_REDUCTIONS, POSITION_MODES, check_choice, check_int
+from jcascade.policies.base import HeadReduced, Positive
 from jcascade.policies.h2o import keep_top_scores
 from jcascade.policies.ring import RingPolicy
 
 
 @dataclasses.dataclass(frozen=True)
-class TOVA(RingPolicy):
+class TOVA(RingPolicy, HeadReduced):
     """Token Omission Via Attention: `cache_size` slots; after each token the cache keeps the `cache_size`
     tokens (held ones and the new one) with the largest attention from the newest query, averaged over the
     query heads of a KV head (`head_reduction="mean"`, the paper's rule; "max" available). The scores are
@@ -27,20 +26,11 @@ class TOVA(RingPolicy):
     """
 
     keeps_scores = True
-    cache_size: int
-    head_reduction: Literal["max", "mean"] = "mean"
-    positions: Literal["cache", "original"] = "original"
-    stride: int = 4096
+    cache_size: Positive
 
     @property
     def label(self) -> str:
         return f"TOVA {self.cache_size}"
-
-    def __post_init__(self):
-        check_int(self, "cache_size", self.cache_size, 1)
-        check_choice(self, "head_reduction", self.head_reduction, HEAD_REDUCTIONS)
-        check_choice(self, "positions", self.positions, POSITION_MODES)
-        check_int(self, "stride", self.stride, 1)
 
     def layout(self, capacity: int | None = None) -> RingLayout:
         return RingLayout(sinks=0, ring_size=0, num_rings=0, heavy=self.cache_size)

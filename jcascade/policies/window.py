@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from jcascade.pallas_kernels.schedule import RingLayout
-from jcascade.policies.base import POSITION_MODES, check_choice, check_int
+from jcascade.policies.base import NonNegative, Positioned, Positions, Positive, Strided
 from jcascade.policies.ring import AppendPolicy, RingPolicy
 from jcascade.slots import CacheState, Scores
 
 
 @dataclasses.dataclass(frozen=True)
-class Full(AppendPolicy):
+class Full(AppendPolicy, Strided):
     """Keeps every token (quadratic attention): the reference policy.
 
     Its capacity is the `max_tokens` given to `init_cache`. A row that receives more tokens than that
@@ -24,10 +23,6 @@ class Full(AppendPolicy):
     """
 
     bounded = False
-    stride: int = 4096
-
-    def __post_init__(self):
-        check_int(self, "stride", self.stride, 1)
 
     def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
                implementation: str | None) -> tuple[jax.Array, Scores | None]:
@@ -36,44 +31,27 @@ class Full(AppendPolicy):
 
 
 @dataclasses.dataclass(frozen=True)
-class SlidingWindow(RingPolicy):
+class SlidingWindow(RingPolicy, Positioned):
     """The `window` most recent tokens (no sinks). `positions`: see docs/semantics.md §4."""
 
-    window: int
-    positions: Literal["cache", "original"] = "cache"
-    stride: int = 4096
+    sinks = 0  # a field of Sink
+    window: Positive
+    positions: Positions = dataclasses.field(default="cache", kw_only=True)
 
     @property
     def label(self) -> str:
         return f"Window {self.window}"
 
-    def __post_init__(self):
-        check_int(self, "window", self.window, 1)
-        check_choice(self, "positions", self.positions, POSITION_MODES)
-        check_int(self, "stride", self.stride, 1)
-
     def layout(self, capacity: int | None = None) -> RingLayout:
-        return RingLayout(sinks=0, ring_size=self.window, num_rings=1)
+        return RingLayout(sinks=self.sinks, ring_size=self.window, num_rings=1)
 
 
 @dataclasses.dataclass(frozen=True)
-class Sink(RingPolicy):
+class Sink(SlidingWindow):
     """StreamingLLM: the first `sinks` tokens plus the `window` most recent ones (= Cascade with N=1)."""
 
-    window: int
-    sinks: int = 64
-    positions: Literal["cache", "original"] = "cache"
-    stride: int = 4096
+    sinks: NonNegative = 64
 
     @property
     def label(self) -> str:
         return f"Sink {self.window}"
-
-    def __post_init__(self):
-        check_int(self, "window", self.window, 1)
-        check_int(self, "sinks", self.sinks, 0)
-        check_choice(self, "positions", self.positions, POSITION_MODES)
-        check_int(self, "stride", self.stride, 1)
-
-    def layout(self, capacity: int | None = None) -> RingLayout:
-        return RingLayout(sinks=self.sinks, ring_size=self.window, num_rings=1)

@@ -4,9 +4,12 @@ ways, nested policies and token ids included, and every concrete policy class is
 import dataclasses
 import importlib
 import inspect
+import pathlib
 import pkgutil
+import re
 import typing
 
+import jax.numpy as jnp
 import pytest
 from hypothesis import given, reject
 from hypothesis import strategies as st
@@ -55,6 +58,63 @@ def test_every_concrete_policy_class_is_registered():
                     and not inspect.isabstract(sub) and dataclasses.is_dataclass(sub)):
                 found.add(sub)
     assert found and found <= set(policy_classes().values()), found - set(policy_classes().values())
+
+
+def test_every_policy_jcascade_exports_is_registered_and_exported_at_the_top():
+    """The registry (policy_classes) is every concrete policy of jcascade.policies's and jc's exports, and jc exports
+    each (messages name them jc.NAME)."""
+    import jcascade.policies
+
+    exported = [getattr(module, name) for module in (jc, jcascade.policies) for name in module.__all__]
+    concrete = {c for c in exported if isinstance(c, type) and issubclass(c, Policy) and not inspect.isabstract(c)}
+    assert concrete == set(policy_classes().values())
+    assert all(getattr(jc, cls.__name__) is cls for cls in policy_classes().values())
+
+
+def listed(text: str) -> list[str]:
+    """The policy names of the last parenthesised list in a message, "jc." prefixes dropped."""
+    return [name.strip().removeprefix("jc.") for name in re.findall(r"\(([^()]*)\)", text)[-1].split(",")]
+
+
+def test_every_list_of_policies_in_a_message_is_the_registry_s():
+    """Messages that list policies list the registered ones that fit (policy_names), so a new policy joins them."""
+    from jcascade.cli import build_parser
+    from jcascade.eval import perplexity
+
+    names = [cls.__name__ for cls in policy_classes().values()]
+    with pytest.raises(TypeError) as error:
+        jc.policies.check_policy("cascade")
+    assert listed(str(error.value)) == names
+    with pytest.raises(ValueError) as error:
+        perplexity.check_streaming(jc.KNorm(budget=4))
+    assert listed(str(error.value)) == [n for n in names if not getattr(jc, n).needs_prompt] == \
+        ["Cascade", "Full", "H2O", "Sink", "SlidingWindow", "TOVA"]
+    k = jnp.zeros((1, 2, 1, 8))
+    with pytest.raises(ValueError) as error:
+        jc.attend_shared(jc.H2O(heavy=2, recent=2), None, k, k, k, [])
+    assert listed(str(error.value)) == [n for n in names if not getattr(jc, n).keeps_scores]
+    assert build_parser().epilog == "policies: " + ", ".join(policy_classes())
+
+
+def test_the_policy_table_of_the_docs_lists_every_registered_policy_once():
+    table = (pathlib.Path(__file__).parents[2] / "docs/policies.md").read_text().split("## The policies")[1]
+    rows = re.findall(r"^\| `(\w+)\(", table.split("\n## ")[0], re.MULTILINE)
+    assert sorted(rows) == sorted(cls.__name__ for cls in policy_classes().values())
+
+
+def test_a_spec_writes_a_policy_s_own_fields_then_head_reduction_positions_stride():
+    """The shared fields, which the bases declare keyword-only, come last in a spec and in this order (as the specs
+    of earlier versions wrote them); the others in the constructor's order."""
+    shared = ["head_reduction", "positions", "stride"]
+    for name, cls in policy_classes().items():
+        written = [item.partition("=")[0] for item in _top_level(spec(cls(**NON_DEFAULT[name])))]
+        own = [p for p in inspect.signature(cls).parameters if p not in shared and not p.startswith("_")]
+        assert written == own + [f for f in shared if f in written], name
+
+
+def _top_level(text: str) -> list[str]:
+    """"name:a=1,b=x(c=2,d=3)" -> ["a=1", "b=x(c=2,d=3)"]."""
+    return re.split(r",(?![^()]*\))", text.partition(":")[2])
 
 
 def test_every_registered_policy_round_trips_with_every_field_off_its_default():
