@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import HEAD_REDUCTIONS, POSITION_MODES, check_choice, check_int
 from jcascade.policies.ring import RingPolicy
-from jcascade.slots import compact, take
+from jcascade.pallas_kernels.ring_insertion import compact, take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ class H2O(RingPolicy):
 
 
 def keep_top_scores(layout: RingLayout, score, held, src, mu, valid):
-    """`slots.PlaceEvicted` of H2O and TOVA: the heavy slots keep the top `heavy` scores among their residents
+    """`ring_insertion.PlaceEvicted` of H2O and TOVA: the heavy slots keep the top `heavy` scores among their residents
     and the arriving tokens (residents first, so they win ties); winning arrivals take the slots of the
     residents that lost or of empty slots."""
     B, H, M = src.shape

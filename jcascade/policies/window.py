@@ -29,9 +29,9 @@ class Full(AppendPolicy):
     def __post_init__(self):
         check_int(self, "stride", self.stride, 1)
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
-               implementation: str | None) -> tuple[jax.Array, Scores | None]:
-        out, scores = super().attend(state, q, k, v, lengths, rope, implementation)
+    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+               rope) -> tuple[jax.Array, Scores | None]:
+        out, scores = super().attend(state, q, k, v, lengths, rope)
         return jnp.where((state.seen > state.capacity)[:, None, None, None], jnp.nan, out), scores
 
 
