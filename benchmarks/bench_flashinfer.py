@@ -86,7 +86,8 @@ def jcascade_rows(a) -> list[dict]:
                                                   (B, HKV, cap, D)) + offset)
         pos = jnp.where(jnp.arange(cap) < held, jnp.arange(cap), -1).astype(jnp.int32)
         return jc.CacheState(k=make(k1), v=make(k2), score=jnp.zeros((B, HKV, cap), jnp.float32),
-                             pos=jnp.broadcast_to(pos, (B, HKV, cap)), seen=jnp.full((B,), held, jnp.int32))
+                             pos=jnp.broadcast_to(pos, (B, HKV, cap)), seen=jnp.full((B,), held, jnp.int32),
+                             kernels=jc.Kernels.default())
 
     prefix = jc.share_prefix(policy, rows_state(1, S, S), rope=rope)  # keys stored rotated, as generate does
     rows = []
@@ -288,7 +289,7 @@ def agreement_at(a, B: int) -> dict:
     def state_of(k, v, held):
         pos = jnp.broadcast_to(jnp.arange(held, dtype=jnp.int32), (k.shape[0], HKV, held))
         return jc.CacheState(k=k, v=v, score=jnp.zeros(pos.shape, jnp.float32), pos=pos,
-                             seen=jnp.full((k.shape[0],), held, jnp.int32))
+                             seen=jnp.full((k.shape[0],), held, jnp.int32), kernels=jc.Kernels.default())
 
     t = lambda x: torch.from_dlpack(jax.block_until_ready(x))  # noqa: E731
     rotate = lambda x, start: rope(x, start + jnp.arange(x.shape[2], dtype=jnp.int32)[None, None, :])  # noqa: E731

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -60,12 +61,12 @@ def copy_bandwidth(gib: float) -> float:
     return 2 * x.nbytes / timed(f, x, iters=10)
 
 
-def full_cache(policy, batch, key, seen=1 << 20):
-    """A steady-phase cache: every slot held, random K/V and scores."""
-    state = jc.init_cache(policy, batch, HKV, D, DT)
+def full_cache(policy, batch, key, kernels=None, seen=1 << 20):
+    """A steady-phase cache on `kernels`: every slot held, random K/V and scores."""
+    state = jc.init_cache(policy, batch, HKV, D, DT, kernels=kernels)
     k1, k2, k3 = jax.random.split(key, 3)
-    return jc.CacheState(
-        k=rand(k1, state.k.shape), v=rand(k2, state.v.shape),
+    return dataclasses.replace(
+        state, k=rand(k1, state.k.shape), v=rand(k2, state.v.shape),
         score=jax.random.uniform(k3, state.score.shape) * 1e-3,
         pos=jnp.broadcast_to(jnp.arange(state.capacity, dtype=jnp.int32), state.pos.shape),
         seen=jnp.full((batch,), seen, jnp.int32),
@@ -86,12 +87,10 @@ def bench_chunk(a, cudnn):
     weights = jc.Cascade(cache_size=a.cache).query_weights(lengths, T)
     useful = 4 * T * (S + (T + 1) / 2) * D * HQ  # QK^T + PV of the causal chunk over the cache
     rows = []
-    for impl, cfg in a.configs:
-        f = jax.jit(lambda w: pk.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, w, "max", None,
-                                                 implementation=impl, config=cfg))
-        g = jax.jit(lambda: pk.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, None, "max", None,
-                                               implementation=impl, config=cfg))
-        row = dict(implementation=impl, config=str(cfg))
+    for kernels in a.configs:
+        f = jax.jit(lambda w: kernels.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, w, "max", None))
+        g = jax.jit(lambda: kernels.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, None, "max", None))
+        row = dict(implementation=kernels.backend, config=str(getattr(kernels, kernels.backend)))
         try:
             t_scores, t_plain = timed(f, weights), timed(g)
         except Exception as e:  # a config the compiler rejects (e.g. shared memory) is reported, not fatal
@@ -116,11 +115,11 @@ def bench_chunk(a, cudnn):
                 baseline_tflops=4 * T * (S + T) * D * HQ / t_base / 1e12, configs=rows, best=best)
 
 
-def prefill_layer(policy, tokens, impl, key):
-    """Seconds for one attention layer (attend + update per stride chunk) over `tokens` tokens."""
+def prefill_layer(policy, tokens, kernels, key):
+    """Seconds for one attention layer (attend + update per stride chunk) over `tokens` tokens on `kernels`."""
     T = policy.stride
     chunks = tokens // T
-    state = jc.init_cache(policy, 1, HKV, D, DT)
+    state = jc.init_cache(policy, 1, HKV, D, DT, kernels=kernels)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
 
     @jax.jit
@@ -128,22 +127,22 @@ def prefill_layer(policy, tokens, impl, key):
         def step(state, i):
             kq, kk, kv = jax.random.split(jax.random.fold_in(key, i), 3)
             q, k, v = rand(kq, (1, T, HQ, D)), rand(kk, (1, T, HKV, D)), rand(kv, (1, T, HKV, D))
-            out, scores = jc.attend(policy, state, q, k, v, rope=rope, implementation=impl)
-            return jc.update(policy, state, k, v, scores, implementation=impl), out[0, -1, 0, 0]
+            out, scores = jc.attend(policy, state, q, k, v, rope=rope)
+            return jc.update(policy, state, k, v, scores), out[0, -1, 0, 0]
         state, outs = jax.lax.scan(step, state, jnp.arange(chunks))
         return state, outs
 
     return timed(run, state, key, iters=1)
 
 
-def bench_prefill(a, impl, cudnn):
+def bench_prefill(a, kernels, cudnn):
     n = a.tokens
     policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4, stride=a.chunk)
-    ours = {impl: prefill_layer(policy, n, impl, jax.random.key(1)) for impl in a.backends}
+    ours = {backend: prefill_layer(policy, n, jc.Kernels(backend), jax.random.key(1)) for backend in a.backends}
     sweep = []
     for stride in a.strides:
         p = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4, stride=stride)
-        sweep.append(dict(stride=stride, seconds=prefill_layer(p, n, impl, jax.random.key(2))))
+        sweep.append(dict(stride=stride, seconds=prefill_layer(p, n, kernels, jax.random.key(2))))
     full = []
     for length in a.full_lengths:
         try:
@@ -160,11 +159,11 @@ def bench_prefill(a, impl, cudnn):
     at_n = dict(measured).get(n, float(np.polyval(coeffs, n)))
     return dict(tokens=n, ours_s=ours, full_attention=full, quadratic_fit=coeffs.tolist(),
                 full_attention_at_tokens_s=at_n, full_measured_at_tokens=n in dict(measured),
-                speedup={impl: at_n / t for impl, t in ours.items()}, stride_sweep=sweep)
+                speedup={backend: at_n / t for backend, t in ours.items()}, stride_sweep=sweep)
 
 
-def push_tokens(policy, state, num, impl, key):
-    """Seconds to push `num` tokens one at a time (update only) inside one jitted loop."""
+def push_tokens(policy, state, num, key):
+    """Seconds to push `num` tokens one at a time (update only, on the state's kernels) inside one jitted loop."""
     B, H, cap = state.score.shape
     ks = jax.random.split(key, 3)
     new_k, new_v = rand(ks[0], (num, B, 1, H, D)), rand(ks[1], (num, B, 1, H, D))
@@ -175,7 +174,7 @@ def push_tokens(policy, state, num, impl, key):
     def run(state):
         def body(i, state):
             scores = jc.Scores(cache_inc, chunk_mu[i]) if isinstance(policy, jc.Cascade) else None
-            return jc.update(policy, state, new_k[i], new_v[i], scores, implementation=impl)
+            return jc.update(policy, state, new_k[i], new_v[i], scores)
         return jax.lax.fori_loop(0, num, body, state)
 
     return timed(run, state, iters=1), run(state)
@@ -199,19 +198,20 @@ def push_concat(num, cap, sinks, batch, key):
     return timed(run, zeros, zeros, iters=1)
 
 
-def bench_push(a, impl):
+def bench_push(a, kernels):
     rows = []
     for batch in a.push_batches:
         for n_casc in (1, 4):
             policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=n_casc)
-            empty = jc.init_cache(policy, batch, HKV, D, DT)
-            t_fill, filled = push_tokens(policy, empty, a.cache, impl, jax.random.key(4))
-            t_steady, _ = push_tokens(policy, filled, a.cache, impl, jax.random.key(5))
-            rows.append(dict(batch=batch, cascades=n_casc, implementation=impl,
+            empty = jc.init_cache(policy, batch, HKV, D, DT, kernels=kernels)
+            t_fill, filled = push_tokens(policy, empty, a.cache, jax.random.key(4))
+            t_steady, _ = push_tokens(policy, filled, a.cache, jax.random.key(5))
+            rows.append(dict(batch=batch, cascades=n_casc, implementation=kernels.backend,
                              fill_us_per_token=t_fill / a.cache * 1e6, steady_us_per_token=t_steady / a.cache * 1e6))
-        if impl != "xla":  # the vectorised XLA formulation, single tokens (slow: a short sample)
+        if kernels.backend != "xla":  # the vectorised XLA formulation, single tokens (slow: a short sample)
             policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4)
-            t_xla, _ = push_tokens(policy, full_cache(policy, batch, jax.random.key(7)), a.xla_tokens, "xla", jax.random.key(5))
+            xla = full_cache(policy, batch, jax.random.key(7), jc.Kernels("xla"))
+            t_xla, _ = push_tokens(policy, xla, a.xla_tokens, jax.random.key(5))
             rows.append(dict(batch=batch, cascades=4, implementation="xla", steady_us_per_token=t_xla / a.xla_tokens * 1e6))
         pushed = a.cache if batch == 1 else a.cache // 8  # each token copies the whole cache: keep it short
         t_concat = push_concat(pushed, a.cache + a.sinks, a.sinks, batch, jax.random.key(6))
@@ -233,14 +233,14 @@ def decode_inputs(policy, batch: int, layers: int) -> dict:
                 valid=cache.pos >= 0)
 
 
-def decode_loop(x: dict, weights, rope, layers: int, calls: int, impl, cfg=None):
-    """jit (stack_k, stack_v) -> sums of out and scores: `calls` decode ops, call i reading layer i % layers of
-    the stack in place; `weights` None turns the scores off."""
+def decode_loop(x: dict, weights, rope, layers: int, calls: int, kernels):
+    """jit (stack_k, stack_v) -> sums of out and scores: `calls` decode ops on `kernels`, call i reading layer
+    i % layers of the stack in place; `weights` None turns the scores off."""
     def run(stack_k, stack_v):
         def one(i, acc):
-            out, _, inc, _ = pk.chunk_attention(x["q"], x["k"], x["v"], stack_k, stack_v, x["valid"], x["positions"],
-                                                x["lengths"], weights, "max", rope, layer=i % layers,
-                                                implementation=impl, config=cfg)
+            out, _, inc, _ = kernels.chunk_attention(x["q"], x["k"], x["v"], stack_k, stack_v, x["valid"],
+                                                     x["positions"], x["lengths"], weights, "max", rope,
+                                                     layer=i % layers)
             return acc[0] + out.astype(jnp.float32), acc[1] + (0 if inc is None else inc)
         zeros = (jnp.zeros(x["q"].shape, jnp.float32), jnp.zeros(x["valid"].shape, jnp.float32))
         return jax.lax.fori_loop(0, calls, one, zeros)
@@ -248,7 +248,7 @@ def decode_loop(x: dict, weights, rope, layers: int, calls: int, impl, cfg=None)
     return jax.jit(run)
 
 
-def bench_decode(a, impl, bandwidth):
+def bench_decode(a, kernels, bandwidth):
     """The decode attention op (kernel + epilogue, scores and RoPE on) on a full cache, as the model's layer
     loop runs it: `a.decode_layers` layers of a stacked cache, each read in place at its layer index, inside
     one jitted loop of `a.decode_calls` calls (one dispatch for all, so that the host's ~40 us per jit call
@@ -263,7 +263,8 @@ def bench_decode(a, impl, bandwidth):
         meta_bytes = batch * HKV * S * (4 + 1) + batch * S * 4  # validity, positions
         logit_bytes = 2 * batch * HQ * S * 4  # logits written by the kernel and read by the epilogue
         for cfg in a.decode_configs:
-            run = decode_loop(x, x["weights"], rope, a.decode_layers, a.decode_calls, impl, cfg)
+            run = decode_loop(x, x["weights"], rope, a.decode_layers, a.decode_calls,
+                              dataclasses.replace(kernels, triton=cfg))
             t = timed(run, x["stack_k"], x["stack_v"], iters=3) / a.decode_calls
             rows.append(dict(batch=batch, config=str(cfg), us_per_step=t * 1e6, kv_gb_per_s=(kv_bytes + meta_bytes) / t / 1e9,
                              fraction_of_copy=(kv_bytes + meta_bytes) / t / bandwidth,
@@ -284,20 +285,22 @@ def main():
     warnings.filterwarnings("ignore")
     a.decode_batches = [int(b) for b in a.decode_batches.split(",")]
     on_gpu = jax.default_backend() == "gpu"
-    impl, cudnn = ("pallas", "cudnn") if on_gpu else ("triton", None)
+    kernels, cudnn = (jc.Kernels.default(), "cudnn") if on_gpu else (jc.Kernels("triton"), None)
     # the chunk kernels of each GPU backend side by side (Mosaic GPU on Hopper; interpret mode on the CPU)
     a.backends = ["triton", "mosaic_gpu"] if pk.is_hopper() or not on_gpu else ["triton"]
     a.chunk, a.cache, a.sinks, a.tokens = 4096, 16384, 64, 1 << 20
     a.strides = [1024, 16384]
     a.full_lengths = [1 << 17, 1 << 18, 1 << 19, 1 << 20]
     a.push_batches, a.xla_tokens = [1, 32], 512
-    G, M = pk.gpu.GpuConfig, pk.mosaic_gpu.MosaicGpuConfig
-    a.configs = [("triton", G()), ("triton", G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3)),
-                 ("triton", G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3)),
-                 ("triton", G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2))]
+    G, M = pk.TritonConfig, pk.MosaicGpuConfig
+    triton = lambda cfg: jc.Kernels("triton", triton=cfg)  # noqa: E731
+    mosaic = lambda cfg: jc.Kernels("mosaic_gpu", fallback=False, mosaic_gpu=cfg)  # noqa: E731
+    a.configs = [triton(G()), triton(G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3)),
+                 triton(G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3)),
+                 triton(G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2))]
     if "mosaic_gpu" in a.backends:
-        a.configs += [("mosaic_gpu", M()), ("mosaic_gpu", M(score_block_k=64, score_block_q=64)),
-                      ("mosaic_gpu", M(score_block_k=64)), ("mosaic_gpu", M(block_k=64))]
+        a.configs += [mosaic(M()), mosaic(M(score_block_k=64, score_block_q=64)), mosaic(M(score_block_k=64)),
+                      mosaic(M(block_k=64))]
     a.decode_configs = [G(decode_block_k=bk, decode_num_stages=stages, decode_num_warps=warps, decode_programs=programs)
                         for bk, stages, warps, programs in ((64, 3, 4, 256), (64, 4, 4, 256), (64, 3, 4, 512),
                                                             (64, 3, 4, 1024), (128, 3, 4, 256), (128, 3, 8, 256),
@@ -311,16 +314,16 @@ def main():
         a.push_batches, a.decode_batches, a.xla_tokens = [1, 2], [1, 2], 8
         a.decode_layers, a.decode_calls = 2, 4
         a.decode_configs = [G(16, 16, 16, 16, 16, 8)]
-        a.configs = [("triton", G(16, 16, 16, 16, 16, 8)), ("mosaic_gpu", M())]
+        a.configs = [triton(G(16, 16, 16, 16, 16, 8)), mosaic(M())]
         gib = 0.01
     device = jax.devices()[0]
     bandwidth = copy_bandwidth(gib)
     result = dict(benchmark="kernels", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  implementation=impl, copy_bandwidth_gb_s=bandwidth / 1e9)
+                  implementation=kernels.backend, copy_bandwidth_gb_s=bandwidth / 1e9)
     out = pathlib.Path(a.out or f"benchmarks/results/kernels-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    sections = dict(a=("a_chunk", lambda: bench_chunk(a, cudnn)), b=("b_prefill_1m", lambda: bench_prefill(a, impl, cudnn)),
-                    c=("c_push", lambda: bench_push(a, impl)), d=("d_decode", lambda: bench_decode(a, impl, bandwidth)))
+    sections = dict(a=("a_chunk", lambda: bench_chunk(a, cudnn)), b=("b_prefill_1m", lambda: bench_prefill(a, kernels, cudnn)),
+                    c=("c_push", lambda: bench_push(a, kernels)), d=("d_decode", lambda: bench_decode(a, kernels, bandwidth)))
     start = time.perf_counter()
     for letter in a.only:
         name, run = sections[letter]

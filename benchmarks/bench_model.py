@@ -112,7 +112,7 @@ def bench_prefill(a, model, policy, peak):
     segment = a.segment
     state = model.init_cache(policy, 1)
     lengths = jnp.array([segment], jnp.int32)
-    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths, a.implementation)[:2],
+    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2],
                   donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
     tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
     t0 = time.perf_counter()
@@ -161,18 +161,19 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
         cap, shape = state.k.shape[-2], state.k.shape
         k1, k2 = jax.random.split(jax.random.key(batch))
         rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, cfg.head_dim), state.k.dtype), shape)
-        state = jc.CacheState(k=rows(k1), v=rows(k2), score=jnp.full(state.score.shape, 1e-4, jnp.float32),
-                              pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
-                              seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32))
+        state = dataclasses.replace(
+            state, k=rows(k1), v=rows(k2), score=jnp.full(state.score.shape, 1e-4, jnp.float32),
+            pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
+            seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32))
         if model.mesh is None:
             return state
-        return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, model.mesh), model.mesh)
+        return sharding.place(state, sharding.cache_specs(state, model.mesh), model.mesh)
 
     # (global layers' cache, sliding layers' window cache) for a model with sliding layers
     state = jax.jit(lambda: jax.tree.map(full, model.init_cache(policy, batch), is_leaf=is_cache))()
 
     def step(model, state, last):
-        hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32), a.implementation)
+        hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32))
         return state, jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
 
     run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
@@ -240,8 +241,8 @@ def main():
     p.add_argument("--profile-step", action="store_true",
                    help="b: one more step under the JAX profiler, its GPU time by kind of kernel "
                         "(benchmarks/decode_breakdown.py)")
-    p.add_argument("--implementation", default=None, choices=pk.IMPLEMENTATIONS,
-                   help="attention kernels (default: the platform's, as jc.attend picks them)")
+    p.add_argument("--backend", default=None, choices=pk.BACKENDS,
+                   help="attention kernels, jc.Kernels(backend) (default: jc.Kernels.default(), the platform's)")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
@@ -258,9 +259,10 @@ def main():
     device = jax.devices()[0]
     mesh = sharding.device_mesh(a.mesh, batched=True)
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
+    model = model.with_kernels(jc.Kernels.default() if a.backend is None else jc.Kernels(a.backend))
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  shape=a.shape, implementation=a.implementation, mesh=dict(zip(("data", "model"), a.mesh)), policy=jc.policies.spec(policy),
+                  shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)), policy=jc.policies.spec(policy),
                   matmul_tflops=peak / 1e12, copy_gb_s=copy / 1e9, read_gb_s=read / 1e9)
     bandwidth = max(copy, read)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")

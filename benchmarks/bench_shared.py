@@ -50,6 +50,7 @@ def full_cache(k, v, own_k, own_v):
         score=jnp.zeros((B, H, cap), jnp.float32),
         pos=jnp.broadcast_to(jnp.where(jnp.arange(cap) < S + own, jnp.arange(cap), -1).astype(jnp.int32), (B, H, cap)),
         seen=jnp.full((B,), S + own, jnp.int32),
+        kernels=jc.Kernels.default(),
     )
 
 
@@ -68,7 +69,7 @@ def main():
     v = jax.random.normal(keys[1], (1, H, S, D), dtype)
     prefix_state = jc.CacheState(k=k, v=v, score=jnp.zeros((1, H, S), jnp.float32),
                                  pos=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, H, S)),
-                                 seen=jnp.full((1,), S, jnp.int32))
+                                 seen=jnp.full((1,), S, jnp.int32), kernels=jc.Kernels.default())
     prefix = jc.share_prefix(policy, prefix_state)
     shared_fn = jax.jit(lambda own_state, q, k1, v1: jc.attend_shared(policy, own_state, q, k1, v1, [prefix], None, rope))
     replicated_fn = jax.jit(lambda state, q, k1, v1: jc.attend(policy, state, q, k1, v1, None, rope)[0])

@@ -10,6 +10,7 @@ Runs unchanged on the CPU and on a GPU; prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -27,8 +28,8 @@ def full_state(policy, batch, heads, head_dim, dtype, rng):
     """A cache in the steady phase: every slot held, as after a long stream (seen = 1M tokens)."""
     state = jc.init_cache(policy, batch, heads, head_dim, dtype)
     cap = state.capacity
-    return jc.CacheState(
-        k=jnp.asarray(rng.normal(size=state.k.shape), dtype),
+    return dataclasses.replace(
+        state, k=jnp.asarray(rng.normal(size=state.k.shape), dtype),
         v=jnp.asarray(rng.normal(size=state.v.shape), dtype),
         score=jnp.asarray(rng.random(state.score.shape, np.float32)),
         pos=jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), state.pos.shape),

@@ -2,10 +2,10 @@
 
 The CPU tests run the kernels in interpret mode, which shares their logic but not the compiler's
 behaviour (NaN handling of Triton's max, masked loads, tiling at real sizes). This script runs
-`chunk_attention` on each GPU backend ("triton"; "mosaic_gpu", for chunks, on a Hopper GPU; and "pallas", the
-default dispatch, which must pick a backend that takes the shape) at a layer shape (`--shape`: Llama-3.1-8B's 32
+`Kernels.chunk_attention` on each GPU backend ("triton"; "mosaic_gpu", for chunks, on a Hopper GPU, refusing what
+it cannot run; and `Kernels.default()`, the platform's, which must pick a kernel that takes the shape) at a layer shape (`--shape`: Llama-3.1-8B's 32
 query heads, 8 KV heads, D = 128, or Gemma 3 270M's 4 / 1 / D = 256; bf16, RoPE fused) and compares out, lse and
-both score increments with `implementation="xla"`: decode at batch 1 and 32 over a 16K + 64 cache read in
+both score increments with the XLA reference's: decode at batch 1 and 32 over a 16K + 64 cache read in
 place from a stacked cache (and at batch 2 with positions near 1M), chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
 caches that hold a NaN key (the NaN pattern must match on the valid slots). Relative error (norm over the
 finite entries) must stay under 1e-2, the bf16 tolerance; exits 1 otherwise.
@@ -63,17 +63,16 @@ def relative_error(got, want) -> tuple[float, bool]:
     return float(err), same_pattern
 
 
-def check(name, implementation, batch, T, S, reduction, nan_key=False, ragged=False, far=False) -> dict:
+def check(name, kernels, batch, T, S, reduction, nan_key=False, ragged=False, far=False) -> dict:
     x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key, ragged, far)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
 
-    def run(implementation, x):
-        return pk.chunk_attention(**x, head_reduction=reduction, rope=rope, layer=jnp.int32(LAYER),
-                                  implementation=implementation)
+    def run(kernels, x):
+        return kernels.chunk_attention(**x, head_reduction=reduction, rope=rope, layer=jnp.int32(LAYER))
 
-    got = jax.jit(lambda x: run(implementation, x))(x)
-    want = jax.jit(lambda x: run("xla", x))(x)
-    row = dict(case=name, implementation=implementation, batch=batch, T=T, S=S, reduction=reduction, ok=True)
+    got = jax.jit(lambda x: run(kernels, x))(x)
+    want = jax.jit(lambda x: run(jc.Kernels("xla"), x))(x)
+    row = dict(case=name, implementation=repr(kernels), batch=batch, T=T, S=S, reduction=reduction, ok=True)
     valid = np.asarray(x["cache_valid"])
     for part, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         if part == "inc_cache":  # empty slots' scores are unused (the kernels give 0 where the reference gives NaN)
@@ -94,21 +93,22 @@ def main():
     if jax.default_backend() != "gpu":
         sys.exit("check_kernels_gpu.py needs a GPU (the CPU tests run the same kernels in interpret mode)")
     S = 16384 + 64
-    rows = [check("decode", "triton", 1, 1, S, "max"), check("decode", "triton", 32, 1, S, "mean"),
-            check("decode, positions ~1M", "triton", 2, 1, S, "max", far=True),
-            check("chunk", "triton", 1, 512, 4096 + 64, "max"), check("decode, a NaN key", "triton", 1, 1, S, "max", nan_key=True),
-            check("chunk, default", "pallas", 1, 512, 4096 + 64, "max")]
+    triton, mosaic = jc.Kernels("triton"), jc.Kernels("mosaic_gpu", fallback=False)
+    rows = [check("decode", triton, 1, 1, S, "max"), check("decode", triton, 32, 1, S, "mean"),
+            check("decode, positions ~1M", triton, 2, 1, S, "max", far=True),
+            check("chunk", triton, 1, 512, 4096 + 64, "max"), check("decode, a NaN key", triton, 1, 1, S, "max", nan_key=True),
+            check("chunk, default", jc.Kernels.default(), 1, 512, 4096 + 64, "max")]
     if pk.is_hopper() and D in pk.mosaic_gpu.HEAD_DIMS:
-        rows += [check("chunk", "mosaic_gpu", 1, 4096, S, "max"),
-                 check("chunk, ragged rows", "mosaic_gpu", 2, 512, 4096 + 64, "mean", ragged=True),
-                 check("chunk, a NaN key", "mosaic_gpu", 1, 512, 4096 + 64, "max", nan_key=True)]
+        rows += [check("chunk", mosaic, 1, 4096, S, "max"),
+                 check("chunk, ragged rows", mosaic, 2, 512, 4096 + 64, "mean", ragged=True),
+                 check("chunk, a NaN key", mosaic, 1, 512, 4096 + 64, "max", nan_key=True)]
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}, {a.shape} (Hq {HQ}, Hkv {HKV}, D {D}): Pallas kernels vs the XLA reference "
           f"(relative error, tolerance {TOLERANCE})")
-    print(f"{'case':<20} {'backend':<10} {'batch':>5} {'T':>4} {'S':>6} {'out':>9} {'lse':>9} {'inc_cache':>9} "
+    print(f"{'case':<20} {'kernels':<40} {'batch':>5} {'T':>4} {'S':>6} {'out':>9} {'lse':>9} {'inc_cache':>9} "
           f"{'inc_chunk':>9}  ok")
     for r in rows:
-        print(f"{r['case']:<20} {r['implementation']:<10} {r['batch']:>5} {r['T']:>4} {r['S']:>6} {r['out']:9.2e} "
+        print(f"{r['case']:<20} {r['implementation']:<40} {r['batch']:>5} {r['T']:>4} {r['S']:>6} {r['out']:9.2e} "
               f"{r['lse']:9.2e} {r['inc_cache']:9.2e} {r['inc_chunk']:9.2e}  {r['ok']}")
     out = pathlib.Path(a.out or f"benchmarks/results/check-kernels-{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,7 @@ def jcascade_kept(model, policy, ids) -> list[list[list[int]]]:
     import jcascade as jc
     from jcascade import generation
 
-    state, _ = generation.prompt_cache(model, policy, jnp.asarray([ids]), implementation="xla")
+    state, _ = generation.prompt_cache(model.with_kernels(jc.Kernels("xla")), policy, jnp.asarray([ids]))
     pos = np.asarray(jc.cached_positions(state))[:, 0]  # [L, H, slots]
     return [[sorted(p[p >= 0].tolist()) for p in layer] for layer in pos]
 

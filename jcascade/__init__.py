@@ -2,7 +2,7 @@
 
     import jcascade as jc
     policy = jc.Cascade(cache_size=16384, sinks=64, num_cascades=4)
-    state = jc.init_cache(policy, batch=B, num_kv_heads=Hkv, head_dim=D, dtype=jnp.bfloat16)
+    state = jc.init_cache(policy, batch=B, num_kv_heads=Hkv, head_dim=D, dtype=jnp.bfloat16)  # kernels=jc.Kernels(...)
     out, scores = jc.attend(policy, state, q, k, v, rope=jc.RoPE(500000.0))
     state = jc.update(policy, state, k, v, scores)
 
@@ -26,6 +26,7 @@ from jcascade.checkpoint import load_stream, save_stream
 from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, read_config, save_converted
 from jcascade.rope import Llama3Scaling, RoPE
+from jcascade.pallas_kernels import Kernels
 
 __all__ = [
     "AdaKV",
@@ -38,6 +39,7 @@ __all__ = [
     "H2O",
     "KNorm",
     "KVzip",
+    "Kernels",
     "Llama3Scaling",
     "ModelConfig",
     "Policy",

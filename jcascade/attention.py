@@ -17,8 +17,6 @@ def attend(
     v: jax.Array,
     lengths: jax.Array | None = None,
     rope=None,
-    *,
-    implementation: str | None = None,
 ) -> tuple[jax.Array, Scores | None]:
     """Attention of a chunk's queries to every held token and causally to the chunk (docs/semantics.md §2-4).
 
@@ -26,9 +24,7 @@ def attend(
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] un-rotated chunk keys/values (Hq a multiple of Hkv; B, Hkv, D the
     state's); lengths: integer [B] valid tokens per row, in [0, T] (a prefix; padding queries return zeros);
     rope: callable (x, positions) -> rotated x, e.g. `jcascade.RoPE(theta)`; None for no rotation.
-    implementation: "xla", "pallas" (on GPU Mosaic GPU for bf16/f16 chunks on Hopper, else Triton; Mosaic on
-    TPU), "triton", "mosaic_gpu" or "mosaic_tpu" (interpret mode on the CPU); None picks Pallas on GPU/TPU and
-    XLA on the CPU (`jcascade.pallas_kernels` says which kernel runs what).
+    The attention runs on the state's kernels (`CacheState.kernels`, chosen by `init_cache`).
     Returns out [B, T, Hq, D] (q.dtype) and `Scores` (None for policies that keep no scores), as the
     policy's `attend` computes them. Under `Full`, rows that overflowed max_tokens return NaN.
     """
@@ -36,4 +32,4 @@ def attend(
     B, T = slots.check_chunk(state, q, k, v)
     slots.check_rope(rope)
     n = slots.check_lengths(lengths, B, T)
-    return policy.attend(state, q, k, v, n, rope, implementation)
+    return policy.attend(state, q, k, v, n, rope)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import slots
+from jcascade.pallas_kernels import Kernels
 from jcascade.policies import Policy, check_policy
 from jcascade.slots import CacheState, Scores
 
@@ -23,10 +24,12 @@ def init_cache(
     *,
     max_tokens: int | None = None,
     num_layers: int | None = None,
+    kernels: Kernels | None = None,
 ) -> CacheState:
-    """An empty cache. `max_tokens` is the number of tokens a cache of a policy that is not `bounded`
-    (Full, SnapKV, PyramidKV, Recycled) can receive (required there, unused by the bounded policies);
-    SnapKV/PyramidKV need only the prompt's (`jcascade.compress` makes room for decoding).
+    """An empty cache. `kernels`: the `jc.Kernels` its attention and insertion run (None: `Kernels.default()`, the
+    platform's), carried by the state as static data. `max_tokens` is the number of tokens a cache of a policy that is not `bounded`
+    (not `bounded`) can receive (required there, unused by the bounded policies); a policy that compresses
+    after its prompt (an `observation_window`) needs only the prompt's (`jcascade.compress` makes room for decoding).
 
     With `num_layers`, every array gets a leading layer axis (scan over it to run a model).
     """
@@ -42,6 +45,10 @@ def init_cache(
             raise ValueError(f"init_cache: {name} must be a positive int (at most {slots.CLOCK_LIMIT}), got {value!r}")
     if not policy.bounded and max_tokens is None:
         raise ValueError(f"init_cache: a {type(policy).__name__} cache needs max_tokens, a positive int; got None")
+    if kernels is None:
+        kernels = Kernels.default()
+    elif not isinstance(kernels, Kernels):
+        raise TypeError(f"init_cache: kernels must be a jc.Kernels or None, got {type(kernels).__name__} {kernels!r}")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"init_cache: dtype must be a floating-point dtype (e.g. jnp.bfloat16), got {dtype!r}")
     capacity = policy.cache_slots(max_tokens)
@@ -56,6 +63,7 @@ def init_cache(
         score=jnp.zeros(shape, jnp.float32),
         pos=jnp.full(shape, -1, jnp.int32),
         seen=jnp.zeros((*lead, batch), jnp.int32),
+        kernels=kernels,
     )
 
 
@@ -66,16 +74,13 @@ def update(
     v: jax.Array,
     scores: Scores | None,
     lengths: jax.Array | None = None,
-    *,
-    implementation: str | None = None,
 ) -> CacheState:
     """Decays and accumulates the residents' scores, then inserts the chunk (docs/semantics.md §3).
 
     k, v: [B, T, Hkv, D] un-rotated chunk keys/values (the chunk `attend` just saw); scores: what
     `attend` returned (None for policies that keep no scores); lengths: int32 [B] valid tokens per row
-    (a prefix of the chunk; padding leaves the state untouched). Pure and jit-able.
-    implementation: as for `attend`. A single-token update (decode) of a ring cache on a GPU backend runs the
-    in-place (Triton) insertion kernel; everything else runs the vectorised XLA formulation.
+    (a prefix of the chunk; padding leaves the state untouched). Pure and jit-able. The insertion runs on the
+    state's kernels (`Kernels.insert`).
     """
     check_policy(policy)
     B, T = slots.check_chunk(state, None, k, v)
@@ -93,11 +98,11 @@ def update(
             )
     elif scores is not None:
         raise ValueError(f"{type(policy).__name__} keeps no scores: pass scores=None")
-    return policy.update(state, k, v, scores, n, implementation)
+    return policy.update(state, k, v, scores, n)
 
 
 def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
-    """The post-prompt compression of SnapKV, PyramidKV, KNorm, AdaKV, ExpectedAttention (`Policy.compress`).
+    """The post-prompt compression of a policy with an observation window (`Policy.compress`).
 
     state: the append cache after the prompt (its last chunk being the observation window), one layer
     or L layers stacked on a leading axis. room: slots to leave for the tokens decoded afterwards.
@@ -106,8 +111,8 @@ def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
     check_policy(policy)
     slots.check_state(state, stacked_ok=True)
     if not policy.observation_window:
-        raise TypeError("compress applies to policies with an observation window (SnapKV, PyramidKV, KNorm, "
-                        f"AdaKV, ExpectedAttention), got {type(policy).__name__}")
+        raise TypeError("compress applies to policies with an observation window (those that compress after their "
+                        f"prompt), got {type(policy).__name__}")
     if isinstance(room, bool) or not isinstance(room, int) or room < 0:
         raise ValueError(f"room must be an int >= 0, got {room!r}")
     return policy.compress(state, room)

@@ -100,7 +100,7 @@ def _progress(target: pathlib.Path) -> Progress:
 def load_stream(directory: str | pathlib.Path):
     """The last committed checkpoint in `directory` as (arrays, progress), or None if there is none. arrays
     comes back as nested dicts of arrays (a dataclass such as `CacheState` saved as a dict of its fields:
-    rebuild it with `CacheState(**arrays[...])`), or None when the checkpoint saved none. progress is a
+    rebuild it with `CacheState(**arrays[...], kernels=...)`), or None when the checkpoint saved none. progress is a
     `Progress` (a dict). A damaged checkpoint raises a ValueError naming the file and the problem."""
     import orbax.checkpoint as ocp
 

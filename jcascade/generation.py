@@ -173,18 +173,18 @@ def _last_valid(hidden: jax.Array, n: jax.Array, fallback: jax.Array) -> jax.Arr
 
 
 def prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
-            implementation: str | None = None, targets: jax.Array | None = None, *, config: ModelConfig | None = None):
+            targets: jax.Array | None = None, *, config: ModelConfig | None = None):
     """Feeds right-padded tokens [B, S] in stride chunks (model: as `as_model` takes it, with `config`).
     Returns the cache, the final hidden state at each row's last valid token [B, hidden] (zeros for rows with
     length 0) and, when `targets` [B, S] is given, the log-probabilities f32 [B, S] of targets[:, t] after
     tokens[:, :t + 1] (else None). Ids and lengths (in [0, S]) are checked as `generate` checks them."""
     model = as_model(model, config)
     tokens, lengths, targets = _check_tokens(model, tokens, lengths, least=0, targets=targets)
-    return _prefill(model, policy, state, tokens, lengths, implementation, targets)
+    return _prefill(model, policy, state, tokens, lengths, targets)
 
 
-def prompt_cache(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array | None = None, room: int = 0,
-                 implementation: str | None = None, *, config: ModelConfig | None = None):
+def prompt_cache(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array | None = None, room: int = 0, *,
+                 config: ModelConfig | None = None):
     """The cache `generate` decodes from: a fresh cache through right-padded prompts tokens [B, S] (`lengths` [B]
     valid tokens per row, default all S), compressed as `policy` does after a prompt (SnapKV's observation
     window, KVzip's pass, ...), with room for `room` more tokens. Returns (state, the final hidden state at each
@@ -193,11 +193,11 @@ def prompt_cache(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array 
     room = _number("room", room, numbers.Integral, "an int >= 0", lambda r: r >= 0)
     model = as_model(model, config)
     tokens, lengths, _ = _check_tokens(model, tokens, lengths)
-    return _prompt(model, policy, tokens, lengths, room, implementation)[:2]
+    return _prompt(model, policy, tokens, lengths, room)[:2]
 
 
 def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
-             implementation: str | None = None, targets: jax.Array | None = None, prefixes: tuple = ()):
+             targets: jax.Array | None = None, prefixes: tuple = ()):
     """`prefill` once checked; prefixes: shared-prefix levels that every row's history begins with (the rows'
     own tokens then go to `state`, which must keep no scores: `jcascade.attend_shared`)."""
     B, S = tokens.shape
@@ -208,7 +208,7 @@ def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array
     def step(carry, inputs):
         state, last = carry
         toks, n, tgt = inputs
-        hidden, state = model(policy, state, toks, n, implementation, prefixes)
+        hidden, state = model(policy, state, toks, n, prefixes)
         logp = None if tgt is None else token_log_probs(model, hidden, tgt)
         return (state, _last_valid(hidden, n, last)), logp
 
@@ -219,55 +219,55 @@ def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array
     return state, last, logps
 
 
-def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room: int, implementation,
+def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room: int,
             targets: jax.Array | None = None):
     """A fresh cache through the prompt, ready for `room` more tokens: `prefill`'s (state, last, logps).
 
-    Policies with an observation window (SnapKV, PyramidKV) feed each row's last `observation_window`
+    Policies with an observation window (e.g. SnapKV) feed each row's last `observation_window`
     tokens as a chunk of their own, then score the prompt their own way (`after_prompt`: KVzip's pass) and
     compress."""
     B, S = tokens.shape
     w = policy.observation_window
     state = model.init_cache(policy, B, max_tokens=S + (0 if w else room))
     if not w:
-        return _prefill(model, policy, state, tokens, lengths, implementation, targets)
+        return _prefill(model, policy, state, tokens, lengths, targets)
     window = jnp.minimum(w, lengths)
-    state, last, logps = _prefill(model, policy, state, tokens, lengths - window, implementation, targets)
+    state, last, logps = _prefill(model, policy, state, tokens, lengths - window, targets)
     at = jnp.clip(lengths[:, None] - window[:, None] + jnp.arange(w)[None, :], 0, S - 1)  # [B, w]
-    hidden, state = model(policy, state, jnp.take_along_axis(tokens, at, axis=1), window, implementation)
+    hidden, state = model(policy, state, jnp.take_along_axis(tokens, at, axis=1), window)
     last = _last_valid(hidden, window, last)
     if targets is not None:
         in_window = jnp.arange(w)[None, :] < window[:, None]
         window_logps = token_log_probs(model, hidden, jnp.take_along_axis(targets, at, axis=1))
         logps = logps.at[jnp.arange(B)[:, None], jnp.where(in_window, at, S)].set(window_logps, mode="drop")
-    state = policy.after_prompt(model, state, tokens, lengths, implementation)
+    state = policy.after_prompt(model, state, tokens, lengths)
     return model.compress(policy, state, room), last, logps
 
 
-def _shared_prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, implementation):
+def _shared_prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array):
     """A prompt [P, S] prefilled and compressed under `policy` alone (`_prompt`), then frozen as one shared-prefix
     level (layers stacked, keys rotated by the model's RoPE; `share_prefix`): the level and the prompt rows' last
     hidden states [P, hidden]."""
-    state, last, _ = _prompt(model, policy, tokens, lengths, 0, implementation)
+    state, last, _ = _prompt(model, policy, tokens, lengths, 0)
     return jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope))(state), last
 
 
 def _after_context(model: CausalLM, policy, context: jax.Array, context_lengths: jax.Array, tokens: jax.Array,
-                   lengths: jax.Array, room: int, implementation, targets: jax.Array | None = None):
+                   lengths: jax.Array, room: int, targets: jax.Array | None = None):
     """The context compressed and shared (`_shared_prompt`), then each row's tokens [B, T] prefilled on top of it
     into a Full cache of its own with `room` more slots: (prefixes, that cache, the last hidden state [B, hidden]
     of each row's tokens, `prefill`'s log-probs of targets or None, the context's last hidden states [B, hidden])."""
-    prefix, context_last = _shared_prompt(model, policy, context, context_lengths, implementation)
+    prefix, context_last = _shared_prompt(model, policy, context, context_lengths)
     B, T = tokens.shape
     own = Full(stride=policy.stride)  # a short question: one chunk cut to its width (`chunk_size`)
     state = model.init_cache(own, B, max_tokens=T + room)
-    state, last, logps = _prefill(model, own, state, tokens, lengths, implementation, targets, (prefix,))
+    state, last, logps = _prefill(model, own, state, tokens, lengths, targets, (prefix,))
     return (prefix,), state, last, logps, jnp.broadcast_to(context_last, (B, context_last.shape[-1]))
 
 
 def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | None = None,
           prefix: int | None = None, context: jax.Array | None = None, context_lengths: jax.Array | None = None,
-          implementation: str | None = None, config: ModelConfig | None = None) -> jax.Array:
+          config: ModelConfig | None = None) -> jax.Array:
     """Per-token log-likelihoods log p(x_t | x_<t) under `policy`, streamed at constant memory. model: a
     CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 
@@ -277,14 +277,14 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     positions (`warn_nonfinite`; not under a user's jit).
     prefix: None feeds everything in stride chunks. An int P treats tokens[:, :P] as a prompt (prefilled
     as `generate` does) and feeds the rest one token per step, as decoding would see it (teacher
-    forcing); policies that act after a prompt (`needs_prompt`: SnapKV, PyramidKV compress, Recycled
+    forcing); policies that act after a prompt (`needs_prompt`: e.g. SnapKV compresses, Recycled
     recycles while decoding) need it.
     context: int [1, C] (one for every row) or [B, C] (one per row; `context_lengths` [1 or B] its valid
     tokens, default all C), prefilled and compressed under `policy` alone, then frozen, as `generate`'s context=
     (which says what is shared and what it costs); tokens are then scored after it, in a Full cache of each
     row's own. Returns float32 [B, S]: entry t is log p(tokens[:, t] | context, tokens[:, :t]), the first token
     included; entries from a row's length on are 0. For a [1 or B, C] context of C tokens in every row and a
-    policy that evicts nothing after its prompt (Full, SnapKV, PyramidKV, AdaKV, KNorm, ExpectedAttention, KVzip)
+    policy that evicts nothing after its prompt (Full, and the append caches that compress once: e.g. SnapKV, KVzip)
     this is score(concatenate([context, tokens], axis=1), prefix=C)[:, C - 1:]. No prefix= with a context.
     """
     check_policy(policy)
@@ -300,7 +300,7 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
         prefix = _number("prefix", prefix, numbers.Integral, f"None or an int in [1, {S}]", lambda p: 1 <= p <= S)
     context, context_lengths = _check_context(model, policy, context, context_lengths, tokens.shape[0])
     _check_positions(model, policy, S + (0 if context is None else _longest(context, context_lengths)))
-    logps = _score(model, tokens, policy, lengths, prefix, context, context_lengths, implementation)
+    logps = _score(model, tokens, policy, lengths, prefix, context, context_lengths)
     # checked on the device; rows and positions come to the host only when something is non-finite (padding
     # entries are 0), and not under a user's jit, where there is nothing to look at yet
     if slots.concrete(logps) and not bool(jnp.isfinite(logps).all()):
@@ -322,22 +322,22 @@ def warn_nonfinite(logps: np.ndarray, valid: np.ndarray) -> None:
                       stacklevel=3)
 
 
-@compilation.jit(static_argnames=("policy", "prefix", "implementation"))
-def _score(model, tokens, policy, lengths, prefix, context, context_lengths, implementation):
+@compilation.jit(static_argnames=("policy", "prefix"))
+def _score(model, tokens, policy, lengths, prefix, context, context_lengths):
     B, S = tokens.shape
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     if context is not None:  # the first token after the context's last hidden state, the others after their own rows
         _, _, _, logps, context_last = _after_context(model, policy, context, context_lengths, tokens, lengths, 0,
-                                                      implementation, targets)
+                                                      targets)
         logps = jnp.concatenate([token_log_probs(model, context_last[:, None], tokens[:, :1]), logps[:, :-1]], axis=1)
         return jnp.where(jnp.arange(S)[None, :] < lengths[:, None], logps, 0.0)
     prompt_len = S if prefix is None else prefix
-    state, _, logps = _prompt(model, policy, tokens[:, :prompt_len], jnp.minimum(lengths, prompt_len), S - prompt_len, implementation,
+    state, _, logps = _prompt(model, policy, tokens[:, :prompt_len], jnp.minimum(lengths, prompt_len), S - prompt_len,
                               targets[:, :prompt_len])
     if prompt_len < S:
         def step(state, inputs):
             tok, tgt, t = inputs
-            hidden, state = model(policy, state, tok[:, None], (t < lengths).astype(jnp.int32), implementation)
+            hidden, state = model(policy, state, tok[:, None], (t < lengths).astype(jnp.int32))
             return state, token_log_probs(model, hidden, tgt[:, None])[:, 0]
 
         steps = (tokens[:, prompt_len:].T, targets[:, prompt_len:].T, jnp.arange(prompt_len, S, dtype=jnp.int32))
@@ -375,8 +375,7 @@ def _sample(logits: jax.Array, rng, temperature: float, top_p: float) -> jax.Arr
 def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: int | None = None, rng: jax.Array | None = None,
              lengths: jax.Array | None = None, num_samples: int | None = None, context: jax.Array | None = None,
-             context_lengths: jax.Array | None = None, implementation: str | None = None,
-             config: ModelConfig | None = None) -> jax.Array:
+             context_lengths: jax.Array | None = None, config: ModelConfig | None = None) -> jax.Array:
     """Continues right-padded prompts tokens [B, S] (valid prefix `lengths`) by max_new_tokens tokens. model: a
     CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 
@@ -387,7 +386,7 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     The prompt is prefilled once under `policy`; its cache becomes a shared prefix that every sample's
     queries attend to in one multi-query pass, while each sample's own tokens go to a Full cache
     (`jcascade.shared`). This equals generating from num_samples copies of the prompt whenever the policy
-    would not evict during decoding (Full, SnapKV, PyramidKV; any policy while prompt and new tokens fit
+    would not evict during decoding (Full and the append caches, e.g. SnapKV; any policy while prompt and new tokens fit
     its cache); otherwise the prompt's cache is frozen as it was after the prompt. Needs a `shareable`
     policy (not Recycled).
 
@@ -432,34 +431,30 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     _check_positions(model, policy, before + _longest(tokens, lengths) + max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng
     return _generate(model, tokens, policy, lengths, rng, context, context_lengths, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_p=top_p, eos_id=eos_id, num_samples=num_samples,
-                     implementation=implementation)
+                     temperature=temperature, top_p=top_p, eos_id=eos_id, num_samples=num_samples)
 
 
-@compilation.jit(static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id",
-                            "num_samples", "implementation"))
+@compilation.jit(static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id", "num_samples"))
 def _generate(model, tokens, policy, lengths, rng, context, context_lengths, *, max_new_tokens, temperature, top_p,
-              eos_id, num_samples, implementation):
+              eos_id, num_samples):
     decode_policy = Full(stride=policy.stride)  # the rows' own cache under a shared prefix
     if context is not None:  # the context's cache, shared; each row's question and new tokens in a cache of its own
         prefixes, state, last_hidden, _, _ = _after_context(model, policy, context, context_lengths, tokens, lengths,
-                                                            max_new_tokens, implementation)
+                                                            max_new_tokens)
     elif num_samples is not None:  # the prompt's cache, shared; each sample's tokens in a Full cache of its own
-        prefix, last_hidden = _shared_prompt(model, policy, tokens, lengths, implementation)
+        prefix, last_hidden = _shared_prompt(model, policy, tokens, lengths)
         prefixes = (prefix,)
         state = model.init_cache(decode_policy, num_samples, max_tokens=max_new_tokens)
         last_hidden = jnp.broadcast_to(last_hidden, (num_samples, last_hidden.shape[-1]))
     else:
-        state, last_hidden, _ = _prompt(model, policy, tokens, lengths, max_new_tokens, implementation)
+        state, last_hidden, _ = _prompt(model, policy, tokens, lengths, max_new_tokens)
         decode_policy, prefixes = policy, ()
     return decode(model, decode_policy, state, last_hidden, rng, max_new_tokens=max_new_tokens,
-                  temperature=temperature, top_p=top_p, eos_id=eos_id, implementation=implementation,
-                  prefixes=prefixes)
+                  temperature=temperature, top_p=top_p, eos_id=eos_id, prefixes=prefixes)
 
 
 def decode(model: CausalLM, policy, state: slots.CacheState, last_hidden: jax.Array, rng: jax.Array, *,
-           max_new_tokens: int, temperature: float, top_p: float, eos_id: int | None,
-           implementation: str | None = None, prefixes=()) -> jax.Array:
+           max_new_tokens: int, temperature: float, top_p: float, eos_id: int | None, prefixes=()) -> jax.Array:
     """The decode loop after a prefilled cache: samples the first token from last_hidden [B, hidden] (the
     prompt's last hidden state), then feeds one token per step. Returns int32 [B, max_new_tokens] as
     `generate` does. Traceable; `generate` is the checked entry point."""
@@ -476,7 +471,7 @@ def decode(model: CausalLM, policy, state: slots.CacheState, last_hidden: jax.Ar
 
     def body(s: _DecodeState):
         active = (~s.done).astype(jnp.int32)
-        hidden, new_cache = model(policy, s.cache, s.last[:, None], active, implementation, prefixes)
+        hidden, new_cache = model(policy, s.cache, s.last[:, None], active, prefixes)
         rng, key = jax.random.split(s.rng)
         nxt = jnp.where(s.done, pad, _sample(model.logits(hidden[:, 0]), key, temperature, top_p))
         done = s.done | (nxt == eos_id) if eos_id is not None else s.done

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade import pallas_kernels, slots
-from jcascade.pallas_kernels.states import merge
+from jcascade import slots
+from jcascade.pallas_kernels.attention_state import merge
 from jcascade.policies import Policy, check_policy, policy_names
 from jcascade.rope import rotate_chunk
 
@@ -50,7 +50,7 @@ def share_prefix(policy: Policy, state: slots.CacheState, offset: jax.Array | in
     shifted by `offset` (an int, or an integer array [P]: positions of the levels before it, >= 0). rope: the
     RoPE the requests decode with, or None; when given, the keys are stored rotated at their positions (which a
     frozen prefix never changes), so that decoding reads them without rotating them in every step (and, on a
-    Hopper GPU, many requests' queries run on the tensor-core kernel, `pallas_kernels.prefix_attention`)."""
+    Hopper GPU, many requests' queries run on the tensor-core kernel, `Kernels.prefix_attention`)."""
     check_policy(policy)
     if not policy.shareable:
         raise ValueError(f"{type(policy).__name__} cannot be a shared prefix (its cache is chosen per request)")
@@ -126,8 +126,6 @@ def attend_shared(
     prefixes: Sequence[SharedPrefix],
     lengths: jax.Array | None = None,
     rope=None,
-    *,
-    implementation: str | None = None,
 ) -> jax.Array:
     """`attend` for requests whose history begins with shared prefixes, then continues in `state`.
 
@@ -135,7 +133,7 @@ def attend_shared(
     score increments would need the merged normaliser); q [B, T, Hq, D], k, v
     [B, T, Hkv, D] un-rotated, lengths as for `attend`. prefixes: a list of levels, outermost first (each made by
     `share_prefix` with the offset of the levels before it), with the requests' num_kv_heads and head_dim.
-    Returns out [B, T, Hq, D] (q.dtype).
+    Returns out [B, T, Hq, D] (q.dtype). Every level runs on the state's kernels (`CacheState.kernels`).
     """
     check_policy(policy)
     if policy.keeps_scores:
@@ -152,15 +150,14 @@ def attend_shared(
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     start = start + offset
     q, k = rotate_chunk(rope, q, k, start)
-    out, lse, _, _ = pallas_kernels.chunk_attention(q, k, v, state.k, state.v, state.pos >= 0, key_pos, n, None,
-                                                    "max", rope, layer=state.layer, implementation=implementation)
+    out, lse, _, _ = state.kernels.chunk_attention(q, k, v, state.k, state.v, state.pos >= 0, key_pos, n, None,
+                                                   "max", rope, layer=state.layer)
     out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)  # lse [B, T, Hq]
     Hq = q.shape[2]
     for prefix, per_row in zip(prefixes, fan_out):
         grouped = q.reshape(B // per_row, per_row * T, Hq, D)
-        p_out, p_lse = pallas_kernels.prefix_attention(grouped, prefix.k, prefix.v, prefix.valid, prefix.key_pos,
-                                                       rope if prefix.rope is None else None,
-                                                       implementation=implementation)
+        p_out, p_lse = state.kernels.prefix_attention(grouped, prefix.k, prefix.v, prefix.valid, prefix.key_pos,
+                                                      rope if prefix.rope is None else None)
         out, lse = merge(out, lse, p_out.reshape(B, T, Hq, D), p_lse.reshape(B, T, Hq))
     valid = (jnp.arange(T)[None, :] < n[:, None])[:, :, None, None]
     return jnp.where(valid, out, 0.0).astype(q.dtype)

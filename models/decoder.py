@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jcascade import attention, cache, shared, slots
-from jcascade.policies import SlidingWindow, check_policy
+from jcascade.pallas_kernels import Kernels
+from jcascade.policies import SlidingWindow, check_policy, policy_names
 from jcascade.models import sharding
 from jcascade.models.config import ModelConfig
 from jcascade.models.weights import declarations, weight_shapes
@@ -87,10 +88,13 @@ class CausalLM(nnx.Module):
     """A causal language model of one of the families above. `config` is static; weights are `nnx.Param`s."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, jax.Array], *, mesh: jax.sharding.Mesh | None = None,
-                 embed_spec=None, sliding_policy=None):
+                 embed_spec=None, sliding_policy=None, kernels: Kernels | None = None):
         """weights by name (`models.weights`); mesh (with the embedding table's PartitionSpec `embed_spec`): the
         mesh the weights are placed on (`on_mesh` builds such models), which caches are then made on;
-        sliding_policy: see `with_sliding_policy` (None: the trained window)."""
+        sliding_policy: see `with_sliding_policy` (None: the trained window); kernels: see `with_kernels` (None:
+        `Kernels.default()`, the platform's)."""
+        if kernels is not None and not isinstance(kernels, Kernels):
+            raise TypeError(f"kernels must be a jc.Kernels or None, got {type(kernels).__name__} {kernels!r}")
         expected = weight_shapes(config)
         missing = sorted(set(expected) - set(weights))
         extra = sorted(set(weights) - set(expected))
@@ -105,9 +109,10 @@ class CausalLM(nnx.Module):
                 raise ValueError("sliding_policy is for models with sliding-window layers (Gemma 3); this "
                                  f"{config.architecture} model has none")
             if sliding_policy.needs_prompt:
-                raise ValueError(f"sliding_policy must act while tokens stream (Sink, SlidingWindow, H2O, Cascade, "
-                                 f"Full), not after a prompt: got {type(sliding_policy).__name__}")
+                raise ValueError(f"sliding_policy must act while tokens stream ({', '.join(policy_names(needs_prompt=False))}"
+                                 f"), not after a prompt: got {type(sliding_policy).__name__}")
         self.config, self.sliding_policy = config, sliding_policy
+        self.kernels = Kernels.default() if kernels is None else kernels
         self.mesh, self.embed_spec = mesh, embed_spec  # (`sharding.embed` looks tokens up by the spec)
         self.embed = nnx.Param(weights["embed"])
         self.final_norm = nnx.Param(weights["final_norm"])
@@ -150,8 +155,19 @@ class CausalLM(nnx.Module):
         layers, the one given to `generate`, `score` or `prefill` serving its global layers. Each sliding
         layer still sees only the keys of its trained window that its cache holds (so e.g. `jc.Sink`'s sinks
         drop out of the window once the text outgrows it); the policy runs with the global policy's stride,
-        and must not act after a prompt (no SnapKV, PyramidKV, Recycled). None: the exact trained window."""
-        return CausalLM(self.config, self.weights(), mesh=self.mesh, embed_spec=self.embed_spec, sliding_policy=policy)
+        and must not act after a prompt (not `needs_prompt`). None: the exact trained window."""
+        return self._with(sliding_policy=policy)
+
+    def with_kernels(self, kernels: Kernels) -> CausalLM:
+        """This model (the same weights, mesh and config) making its caches (`init_cache`, and so `generate`,
+        `score` and `prefill`'s caches) with `kernels` (a `jc.Kernels`), which then run every attention and
+        insertion of those caches."""
+        return self._with(kernels=kernels)
+
+    def _with(self, **changes) -> CausalLM:
+        """This model with some of its construction arguments (mesh, embed_spec, sliding_policy, kernels) changed."""
+        kept = dict(mesh=self.mesh, embed_spec=self.embed_spec, sliding_policy=self.sliding_policy, kernels=self.kernels)
+        return CausalLM(self.config, self.weights(), **(kept | changes))
 
     def window_policy(self, policy):
         """The cache policy of the sliding layers with `policy`'s stride: `with_sliding_policy`'s, by default
@@ -161,18 +177,18 @@ class CausalLM(nnx.Module):
         return dataclasses.replace(self.sliding_policy, stride=policy.stride)
 
     def init_cache(self, policy, batch: int, max_tokens: int | None = None):
-        """An empty cache for every layer (leading layer axis), in the model's dtype; on a sharded model's
-        mesh, rows over "data" and KV heads over "model". A model with sliding layers (Gemma 3) gets a pair:
+        """An empty cache for every layer (leading layer axis), in the model's dtype, with the model's kernels; on a
+        sharded model's mesh, rows over "data" and KV heads over "model". A model with sliding layers (Gemma 3) gets a pair:
         (`policy`'s cache of its global layers, the window cache of its sliding layers, `window_policy`)."""
         cfg = self.config
         sliding = len(cfg.sliding_layers)
 
         def make(policy, layers):
             state = cache.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                     max_tokens=max_tokens, num_layers=layers)
+                                     max_tokens=max_tokens, num_layers=layers, kernels=self.kernels)
             if self.mesh is None:
                 return state
-            return sharding.place(state, sharding.cache_specs(batch, cfg.num_kv_heads, self.mesh), self.mesh)
+            return sharding.place(state, sharding.cache_specs(state, self.mesh), self.mesh)
 
         if not sliding:
             return make(policy, cfg.num_layers)
@@ -189,17 +205,18 @@ class CausalLM(nnx.Module):
         return state[0], layer - sum(1 for s in sliding if s < layer)
 
     def compress(self, policy, state, room: int):
-        """`jcascade.compress` of the cache after a prompt (SnapKV, PyramidKV): of the global layers' cache only
+        """`jcascade.compress` of the cache after a prompt (a policy with an observation window): of the global layers' cache only
         when the model has sliding layers."""
         if isinstance(state, tuple):
             return cache.compress(policy, state[0], room), state[1]
         return cache.compress(policy, state, room)
 
     def __call__(self, policy, state, tokens: jax.Array, lengths: jax.Array,
-                 implementation: str | None = None, prefixes: tuple = ()) -> tuple[jax.Array, slots.CacheState]:
+                 prefixes: tuple = ()) -> tuple[jax.Array, slots.CacheState]:
         """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row;
         prefixes: `jcascade.SharedPrefix` levels (layers stacked) that the rows' histories begin with.
-        Returns the final-norm hidden states [B, T, hidden] and the updated cache (`init_cache`'s)."""
+        Returns the final-norm hidden states [B, T, hidden] and the updated cache (`init_cache`'s). The attention
+        runs on the cache's kernels (`CacheState.kernels`)."""
         cfg = self.config
         B, T = tokens.shape
         if prefixes and cfg.sliding_layers:
@@ -207,7 +224,7 @@ class CausalLM(nnx.Module):
         x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
         if cfg.gemma:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
-        layers = functools.partial(self._layers, lengths=lengths, implementation=implementation, prefixes=tuple(prefixes))
+        layers = functools.partial(self._layers, lengths=lengths, prefixes=tuple(prefixes))
         branch = policy.step_branch(_layer_view(state[0] if isinstance(state, tuple) else state, jnp.int32(0)), T,
                                     lengths)
         if branch is None:
@@ -217,8 +234,7 @@ class CausalLM(nnx.Module):
             x, state = jax.lax.switch(index, [functools.partial(layers, p) for p in branch_policies], x, state)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma), state
 
-    def _layers(self, policy, x: jax.Array, state, *, lengths: jax.Array, implementation,
-                prefixes: tuple) -> tuple[jax.Array, slots.CacheState]:
+    def _layers(self, policy, x: jax.Array, state, *, lengths: jax.Array, prefixes: tuple) -> tuple[jax.Array, slots.CacheState]:
         """x [B, T, hidden] (embedded) through every layer under `lax.scan`; returns it and the cache. With
         sliding layers the scan's carry holds both caches and each layer picks its attention with `lax.cond`
         on its type, so each layer type compiles once."""
@@ -231,15 +247,14 @@ class CausalLM(nnx.Module):
 
         def attend_and_update(layer_state, q, k, v, lengths, layer_prefixes):
             if layer_prefixes:  # requests' own caches keep no scores under shared prefixes
-                out, scores = shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes, lengths, rope,
-                                                   implementation=implementation), None
+                out, scores = shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes, lengths, rope), None
             else:
-                out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope,
-                                               implementation=implementation)
+                out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope)
             out, layer_state = _ordered(out, layer_state)
-            return out, cache.update(policy, layer_state, k, v, scores, lengths, implementation=implementation)
+            return out, cache.update(policy, layer_state, k, v, scores, lengths)
 
-        specs = None if self.mesh is None else sharding.layer_specs(B, cfg.num_kv_heads, self.mesh, prefixes)
+        specs = None if self.mesh is None else sharding.layer_specs(
+            state[0] if isinstance(state, tuple) else state, self.mesh, prefixes)
         if specs is not None:
             # every cache decision is per (row, KV head): each device runs attend and update (and so the
             # Pallas kernels) on its own rows and heads, with no communication
@@ -260,8 +275,7 @@ class CausalLM(nnx.Module):
             out, scores = window_attention(window_policy, layer_state, q, k, v, lengths, cfg.local_rope,
                                            cfg.sliding_window)
             (out, scores), layer_state = _ordered((out, scores), layer_state)
-            layer_state = cache.update(window_policy, layer_state, k, v, scores, lengths,
-                                       implementation=implementation)
+            layer_state = cache.update(window_policy, layer_state, k, v, scores, lengths)
             return out, _written_back(state, layer_state, index)
 
         def layer(carry, inputs):
@@ -331,15 +345,15 @@ def _product(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arr
 
 def _layer_view(state: slots.CacheState, index: jax.Array) -> slots.CacheState:
     """Layer `index`'s view of the stacked cache: the whole K/V stack with its layer index, its own small arrays."""
-    return slots.CacheState(k=state.k, v=state.v, score=state.score[index], pos=state.pos[index],
-                            seen=state.seen[index], layer=index)
+    return dataclasses.replace(state, score=state.score[index], pos=state.pos[index], seen=state.seen[index], layer=index)
 
 
 def _written_back(state: slots.CacheState, layer_state: slots.CacheState, index: jax.Array) -> slots.CacheState:
     """The stacked cache after a layer's update: its K/V stack (written in place) and its small arrays set at
     `index`."""
-    return slots.CacheState(k=layer_state.k, v=layer_state.v, score=state.score.at[index].set(layer_state.score),
-                            pos=state.pos.at[index].set(layer_state.pos), seen=state.seen.at[index].set(layer_state.seen))
+    return dataclasses.replace(layer_state, score=state.score.at[index].set(layer_state.score),
+                               pos=state.pos.at[index].set(layer_state.pos),
+                               seen=state.seen.at[index].set(layer_state.seen), layer=None)
 
 
 def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.CacheState]:
@@ -353,7 +367,8 @@ def shard(model: CausalLM, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | No
     """The model with its weights placed on `mesh` (axes ("data", "model")) by their logical axes
     (`models.weights`, mapped by `sharding.LOGICAL_RULES`), or per weight name by `rules` (mesh axes); its
     caches (`init_cache`, and so `generate`, `score`, `prefill`) get rows over "data" and KV heads over "model"."""
-    return on_mesh(model.config, model.weights(), mesh, rules).with_sliding_policy(model.sliding_policy)
+    return on_mesh(model.config, model.weights(), mesh, rules)._with(sliding_policy=model.sliding_policy,
+                                                                     kernels=model.kernels)
 
 
 def on_mesh(config: ModelConfig, weights, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:

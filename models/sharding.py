@@ -10,6 +10,7 @@ rows and KV heads divide; the rest follows by sharding propagation under `jit`.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -94,28 +95,30 @@ def weight_specs(config: ModelConfig, mesh: Mesh, rules: dict[str, tuple] | None
     return specs
 
 
-def cache_specs(batch: int, num_kv_heads: int, mesh: Mesh) -> slots.CacheState:
-    """PartitionSpecs of a stacked cache: rows over "data", KV heads over "model" (replicated along an axis
-    that does not divide them)."""
+def cache_specs(state: slots.CacheState, mesh: Mesh) -> slots.CacheState:
+    """PartitionSpecs of a stacked cache `state` (its fields' specs, in a state of its kind): rows over "data", KV
+    heads over "model" (replicated along an axis that does not divide them)."""
+    batch, num_kv_heads = state.seen.shape[-1], state.pos.shape[-2]
     rows = "data" if batch % mesh.shape["data"] == 0 else None
     heads = "model" if num_kv_heads % mesh.shape["model"] == 0 else None
     slot = PartitionSpec(None, rows, heads, None)
     stack = PartitionSpec(None, rows, heads, None, None)
-    return slots.CacheState(k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec(None, rows))
+    return dataclasses.replace(state, k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec(None, rows))
 
 
-def layer_specs(batch: int, num_kv_heads: int, mesh: Mesh, prefixes: tuple = ()) -> dict | None:
-    """PartitionSpecs of one layer's attend/update arguments: the layer's view of the cache (the K/V stack,
-    its own scores, positions and clock), chunk tensors [B, T, heads, D], lengths [B] and one layer of each
-    shared-prefix level (`prefixes`: `jcascade.SharedPrefix` levels, layers stacked). None unless rows
-    divide over "data", KV heads over "model", and each level's rows over "data" or are one row (then
+def layer_specs(state: slots.CacheState, mesh: Mesh, prefixes: tuple = ()) -> dict | None:
+    """PartitionSpecs of one layer's attend/update arguments, for a model's stacked cache `state`: the layer's view
+    of the cache (the K/V stack, its own scores, positions and clock), chunk tensors [B, T, heads, D], lengths [B]
+    and one layer of each shared-prefix level (`prefixes`: `jcascade.SharedPrefix` levels, layers stacked). None
+    unless rows divide over "data", KV heads over "model", and each level's rows over "data" or are one row (then
     attend/update can run per shard: a device's requests use its own prefix rows)."""
-    stacked = cache_specs(batch, num_kv_heads, mesh)
+    stacked = cache_specs(state, mesh)
     if (stacked.k[1], stacked.k[2]) != ("data", "model"):
         return None
+    num_kv_heads = state.pos.shape[-2]
     own = lambda spec: PartitionSpec(*spec[1:])  # without the layer axis
-    state = slots.CacheState(k=stacked.k, v=stacked.v, score=own(stacked.score), pos=own(stacked.pos),
-                             seen=own(stacked.seen), layer=PartitionSpec())
+    state = dataclasses.replace(stacked, score=own(stacked.score), pos=own(stacked.pos), seen=own(stacked.seen),
+                                layer=PartitionSpec())
     levels = []
     for prefix in prefixes:
         rows = prefix.length.shape[-1]

@@ -1,26 +1,34 @@
 """Attention kernels behind `jcascade.attend` (installed as `jcascade.pallas_kernels`).
 
-One function, `chunk_attention`, with one contract (see `reference.chunk_attention`) and several
-implementations, chosen here:
-  "xla"         the plain-XLA reference (any platform; the default on the CPU),
-  "pallas"      the platform's Pallas kernels (the default on GPU and TPU): on a Hopper GPU (sm_90) Mosaic GPU
-                for chunks that `mosaic_gpu.supports` and Pallas-Triton for the rest, on other GPUs
-                Pallas-Triton, on TPU Pallas-Mosaic;
-  "triton", "mosaic_gpu", "mosaic_tpu"   one Pallas backend by name; on the CPU it runs in interpret mode
-                (tests). "mosaic_gpu" runs chunks (T > 1) and shared prefixes read by many queries with keys
-                stored rotated, in bf16 or f16; decode steps, the other shared-prefix calls and the single-token
-                insertion stay on the Triton kernels, which every GPU backend shares.
+`Kernels` is the choice, made once: a frozen value carried as static data on the cache state
+(`CacheState.kernels`) and the model (`CausalLM.kernels`). Its methods are the kernel package's entry points,
+each with one contract and several implementations: `chunk_attention` (see `reference.chunk_attention`),
+`prefix_attention` (`reference.prefix_attention`) and `insert` (`ring_insertion.insert_chunk`). Backends:
+  "xla"         the plain-XLA references (any platform; the default on the CPU);
+  "triton"      Pallas-Triton (GPU): chunk, decode and shared-prefix attention, and the single-token insertion;
+  "mosaic_gpu"  Pallas Mosaic GPU (Hopper, sm_90; the default there): chunks (T > 1) in bf16 or f16 with head_dim
+                64 or 128, and shared prefixes read by many queries with keys stored rotated; decode steps, the
+                other shared-prefix calls and the single-token insertion run on the Triton kernels, which every
+                GPU backend shares; chunks it cannot run go to Triton too (`fallback`, the default) or are refused;
+  "mosaic_tpu"  Pallas Mosaic TPU (the default on TPU).
+A Pallas backend on the CPU runs in interpret mode (tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import gpu, mosaic_gpu, reference, schedule, states, tpu
+from . import attention_state, mosaic_gpu, reference, ring_insertion, schedule, tpu, triton
+from .mosaic_gpu import MosaicGpuConfig
+from .tpu import TpuConfig
+from .triton import TritonConfig
+from .triton_insert import insert_one
 
-IMPLEMENTATIONS = ("xla", "pallas", "triton", "mosaic_gpu", "mosaic_tpu")
-GPU_BACKENDS = ("triton", "mosaic_gpu")
+BACKENDS = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
+NATIVE = {"triton": "gpu", "mosaic_gpu": "gpu", "mosaic_tpu": "tpu"}  # the platform each Pallas backend compiles for
 
 
 def is_hopper() -> bool:
@@ -28,84 +36,120 @@ def is_hopper() -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-def resolve(implementation: str | None) -> tuple[str, bool]:
-    """(backend, interpret) for an implementation name on the current default platform: backend one of "xla",
-    "triton", "mosaic_gpu" (both GPU backends; see the module doc) or "mosaic_tpu"."""
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which attention kernels a computation runs, and their tuning (hashable: static under jit).
+
+    backend:     one of BACKENDS (see the module doc); a Pallas backend must suit the default platform (its
+                 own, or the CPU, where it runs in interpret mode).
+    fallback:    "mosaic_gpu" only: chunks its kernels cannot run (f32, other head_dims) go to Triton; False
+                 refuses them (tests that must exercise Mosaic GPU).
+    triton, mosaic_gpu, tpu: the block sizes of each backend (validated by their classes).
+    interpret:   (derived) whether the Pallas kernels run in interpret mode: a Pallas backend on the CPU.
+    `Kernels.default()` is the platform's choice.
+    """
+
+    backend: str
+    _: dataclasses.KW_ONLY
+    fallback: bool = True
+    triton: TritonConfig = TritonConfig()
+    mosaic_gpu: MosaicGpuConfig = MosaicGpuConfig()
+    tpu: TpuConfig = TpuConfig()
+    interpret: bool = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Kernels.backend must be one of {BACKENDS}, got {self.backend!r}")
+        platform = jax.default_backend()
+        native = NATIVE.get(self.backend)
+        if native is not None and platform not in (native, "cpu"):
+            raise ValueError(f"Kernels.backend={self.backend!r} cannot run on platform {platform!r}; "
+                             f"Kernels.default() is {default_backend()!r} here")
+        if not isinstance(self.fallback, bool):
+            raise ValueError(f"Kernels.fallback must be a bool, got {self.fallback!r}")
+        for name, cls in (("triton", TritonConfig), ("mosaic_gpu", MosaicGpuConfig), ("tpu", TpuConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"Kernels.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        object.__setattr__(self, "interpret", platform == "cpu" and native is not None)
+
+    def __repr__(self) -> str:
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:]
+                   if f.init and getattr(self, f.name) != f.default]
+        return f"Kernels({', '.join([repr(self.backend), *changed])})"
+
+    @classmethod
+    def default(cls) -> Kernels:
+        """The default platform's kernels: Mosaic GPU (with Triton for the rest) on a Hopper GPU, Triton on other
+        GPUs, Mosaic TPU on TPU, XLA on the CPU."""
+        return cls(default_backend())
+
+    def chunk_attention(self, q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
+                        head_reduction="max", rope=None, *, layer=None, first_slot: int = 0):
+        """`reference.chunk_attention` on this backend. layer: None, or an int32 scalar when k_cache and v_cache
+        are a model's stacked cache [L, B, Hkv, C, D]: the call attends to that layer. first_slot (a static int):
+        the call attends to slots [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1]
+        (cache_valid and cache_positions cover those slots alone). The Triton decode kernel reads both in place;
+        the other paths take the slice."""
+        if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
+            raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
+                             f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
+        if self.backend == "mosaic_gpu" and q.shape[1] > 1:
+            if mosaic_gpu.supports(q, k_cache):
+                k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
+                return mosaic_gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
+                                                  query_weights, head_reduction, rope, config=self.mosaic_gpu,
+                                                  interpret=self._mosaic_interpret())
+            if not self.fallback:
+                raise ValueError(f"Kernels(backend='mosaic_gpu', fallback=False) runs chunks with q and the cache in "
+                                 f"bfloat16 or float16 and head_dim in {mosaic_gpu.HEAD_DIMS}, got {q.dtype}, "
+                                 f"{k_cache.dtype} and {q.shape[-1]}")
+        if self.backend in ("triton", "mosaic_gpu"):
+            return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
+                                          query_weights, head_reduction, rope, layer, first_slot, config=self.triton,
+                                          interpret=self.interpret)
+        k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
+        args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
+        if self.backend == "xla":
+            return reference.chunk_attention(*args)
+        return tpu.chunk_attention(*args, config=self.tpu, interpret=self.interpret)
+
+    def prefix_attention(self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None):
+        """`reference.prefix_attention` (many requests' queries against a shared prefix) on this backend. On GPU:
+        with the keys already rotated (rope None, as `jcascade.share_prefix(..., rope=)` stores them) and calls
+        that `mosaic_gpu.supports_prefix` (many query rows per KV head), the Mosaic GPU forward ("mosaic_gpu");
+        otherwise the Triton multi-query kernel. On TPU it runs the XLA reference. The Mosaic GPU path needs
+        finite keys and values in empty slots (`SharedPrefix` stores zeros there)."""
+        args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
+        if self.backend not in ("triton", "mosaic_gpu"):
+            return reference.prefix_attention(*args)
+        if self.backend == "mosaic_gpu" and rope is None and mosaic_gpu.supports_prefix(q, k_cache, self.mosaic_gpu):
+            return mosaic_gpu.prefix_attention(q, k_cache, v_cache, cache_valid, config=self.mosaic_gpu,
+                                               interpret=self._mosaic_interpret())
+        return triton.prefix_attention(*args, config=self.triton, interpret=self.interpret)
+
+    def insert(self, layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n,
+               place_evicted=None):
+        """`ring_insertion.insert_chunk` (same arguments and result) on this backend: a single-token chunk on a
+        GPU backend runs the in-place Triton kernel (layouts without heavy slots); everything else runs the
+        vectorised XLA formulation."""
+        if k.shape[1] == 1 and self.backend in ("triton", "mosaic_gpu") and not layout.heavy:
+            score, pos, k_cache, v_cache = insert_one(layout, score, pos, k_cache, v_cache, chunk_score, k, v, placed,
+                                                      n, seen, layer=layer, interpret=self.interpret)
+            return k_cache, v_cache, score, pos
+        return ring_insertion.insert_chunk(layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score,
+                                           placed, n, place_evicted)
+
+    def _mosaic_interpret(self):
+        return plgpu.InterpretGPUParams() if self.interpret else False
+
+
+def default_backend() -> str:
+    """The backend of `Kernels.default()` on the default platform."""
     platform = jax.default_backend()
-    if implementation is None:
-        implementation = "pallas" if platform in ("gpu", "tpu") else "xla"
-    if implementation == "pallas":
-        if platform not in ("gpu", "tpu"):
-            raise ValueError(
-                f"implementation='pallas' needs a GPU or TPU (default platform is {platform!r}); use 'xla', "
-                "or name a backend ('triton', 'mosaic_tpu') to run it in interpret mode"
-            )
-        implementation = ("mosaic_gpu" if is_hopper() else "triton") if platform == "gpu" else "mosaic_tpu"
-    native = {"triton": "gpu", "mosaic_gpu": "gpu", "mosaic_tpu": "tpu"}.get(implementation)
-    if native is not None and platform not in (native, "cpu"):
-        raise ValueError(f"implementation={implementation!r} cannot run on platform {platform!r}")
-    return implementation, platform == "cpu" and native is not None
+    if platform == "gpu":
+        return "mosaic_gpu" if is_hopper() else "triton"
+    return "mosaic_tpu" if platform == "tpu" else "xla"
 
 
-def _config(config, cls):
-    """`config` when it is a `cls` (a backend's block sizes), else that backend's defaults."""
-    return config if isinstance(config, cls) else cls()
-
-
-def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, *, layer=None, first_slot: int = 0,
-                    implementation: str | None = None, config=None):
-    """Dispatches to an implementation; `config`: a `gpu.GpuConfig`, `mosaic_gpu.MosaicGpuConfig` or
-    `tpu.TpuConfig` (block sizes), which the backend of that type takes (the others use their defaults).
-    layer: None, or an int32 scalar when k_cache and v_cache are a model's stacked cache [L, B, Hkv, C, D]:
-    the call attends to that layer. first_slot (a static int): the call attends to slots
-    [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1] (cache_valid and
-    cache_positions cover those slots alone). The Triton decode kernel reads both in place; the other paths
-    take the slice."""
-    backend, interpret = resolve(implementation)
-    if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
-        raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
-                         f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
-    if backend == "mosaic_gpu" and q.shape[1] > 1:
-        if mosaic_gpu.supports(q, k_cache):
-            k_cache, v_cache = gpu.layer_of(k_cache, layer, first_slot), gpu.layer_of(v_cache, layer, first_slot)
-            return mosaic_gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
-                                              query_weights, head_reduction, rope,
-                                              config=_config(config, mosaic_gpu.MosaicGpuConfig),
-                                              interpret=plgpu.InterpretGPUParams() if interpret else False)
-        if implementation == "mosaic_gpu":
-            raise ValueError(f"implementation='mosaic_gpu' runs chunks with q and the cache in bfloat16 or float16 "
-                             f"and head_dim in {mosaic_gpu.HEAD_DIMS}, got {q.dtype}, {k_cache.dtype} and {q.shape[-1]}")
-    if backend in GPU_BACKENDS:
-        return gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
-                                   head_reduction, rope, layer, first_slot, config=_config(config, gpu.GpuConfig),
-                                   interpret=interpret)
-    k_cache, v_cache = gpu.layer_of(k_cache, layer, first_slot), gpu.layer_of(v_cache, layer, first_slot)
-    args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
-    if backend == "xla":
-        return reference.chunk_attention(*args)
-    return tpu.chunk_attention(*args, config=_config(config, tpu.TpuConfig), interpret=interpret)
-
-
-def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *,
-                     implementation: str | None = None, config=None):
-    """Dispatches `reference.prefix_attention` (many requests' queries against a shared prefix). On GPU: with
-    the keys already rotated (rope None, as `jcascade.share_prefix(..., rope=)` stores them) and calls that
-    `mosaic_gpu.supports_prefix` (many query rows per KV head), the Mosaic GPU forward on a Hopper GPU
-    ("pallas" or "mosaic_gpu"); otherwise the Triton multi-query kernel. On TPU it runs the XLA reference.
-    The Mosaic GPU path needs finite keys and values in empty slots (`SharedPrefix` stores zeros there)."""
-    backend, interpret = resolve(implementation)
-    args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
-    if backend not in GPU_BACKENDS:
-        return reference.prefix_attention(*args)
-    mosaic_config = _config(config, mosaic_gpu.MosaicGpuConfig)
-    if backend == "mosaic_gpu" and rope is None and mosaic_gpu.supports_prefix(q, k_cache, mosaic_config):
-        return mosaic_gpu.prefix_attention(q, k_cache, v_cache, cache_valid, config=mosaic_config,
-                                           interpret=plgpu.InterpretGPUParams() if interpret else False)
-    return gpu.prefix_attention(*args, config=_config(config, gpu.GpuConfig), interpret=interpret)
-
-
-__all__ = ["GPU_BACKENDS", "IMPLEMENTATIONS", "chunk_attention", "is_hopper", "mosaic_gpu", "prefix_attention", "gpu",
-           "reference", "resolve", "schedule", "states", "tpu"]
+__all__ = ["BACKENDS", "Kernels", "MosaicGpuConfig", "TpuConfig", "TritonConfig", "attention_state", "default_backend",
+           "is_hopper", "mosaic_gpu", "reference", "ring_insertion", "schedule", "tpu", "triton"]

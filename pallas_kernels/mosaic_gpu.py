@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import states
+from . import attention_state
+from .tuning import check_fields
 
 LOG2E = math.log2(math.e)
 F32 = jnp.float32
@@ -49,12 +50,9 @@ class MosaicGpuConfig:
     score_stages: int = 2  # scores: query blocks in flight
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "score_block_k", "score_block_q"):
-            if getattr(self, name) % 64:
-                raise ValueError(f"MosaicGpuConfig.{name} must be a multiple of 64, got {getattr(self, name)}")
-        for name in ("stages", "score_stages"):
-            if getattr(self, name) < 2:
-                raise ValueError(f"MosaicGpuConfig.{name} must be >= 2, got {getattr(self, name)}")
+        check_fields(self, ("block_q", "block_k", "score_block_k", "score_block_q"), "a positive multiple of 64",
+                     lambda value: value >= 64 and value % 64 == 0)
+        check_fields(self, ("stages", "score_stages"), "an int >= 2", lambda value: value >= 2)
 
 
 HEAD_DIMS = (64, 128)  # 256 would need smaller blocks to fit the shared memory
@@ -424,6 +422,6 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, *, config: MosaicGpuConfi
     out = out.reshape(P, splits, T, Hkv, D)
     lse = lse.reshape(P, Hkv, splits, T).transpose(0, 2, 3, 1)  # [P, splits, T, Hkv]
     out = jnp.where(jnp.isneginf(lse)[..., None], 0, out)  # a part with no valid slot: (0, -inf), not NaN
-    out, lse = states.merge_all(out, lse, axis=1)  # [P, T, Hkv, (D)]
+    out, lse = attention_state.merge_all(out, lse, axis=1)  # [P, T, Hkv, (D)]
     out = out[:, :rows].reshape(P, R, G, Hkv, D).transpose(0, 1, 3, 2, 4).reshape(P, R, Hq, D)
     return out, lse[:, :rows].reshape(P, R, G, Hkv).transpose(0, 1, 3, 2).reshape(P, R, Hq)

@@ -23,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import states
+from . import attention_state
+from .tuning import check_fields
 
 MASK = -0.7 * float(np.finfo(np.float32).max)
 F32 = jnp.float32
@@ -31,10 +32,14 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class TpuConfig:
-    """Block sizes: queries a multiple of 128 (or the whole chunk), keys a multiple of 128."""
+    """Block sizes, positive multiples of 8 (a TPU's sublanes); on a TPU, multiples of 128 (its lanes) unless the
+    chunk or the cache is smaller than the block (interpret mode on the CPU takes any)."""
 
     block_q: int = 256
     block_k: int = 512
+
+    def __post_init__(self):
+        check_fields(self, ("block_q", "block_k"), "a positive multiple of 8", lambda value: value >= 8 and value % 8 == 0)
 
 
 def _blocks(T: int, S: int, cfg: TpuConfig) -> tuple[int, int]:
@@ -202,7 +207,7 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     common = dict(cfg=config, interpret=interpret)
     o_cache, lse_cache = _segment(qt, k_cache, v_cache, valid, lengths, causal=False, **common)
     o_chunk, lse_chunk = _segment(qt, kt, vt, None, lengths, causal=True, **common)
-    o, lse = states.merge(o_cache, lse_cache, o_chunk, lse_chunk)
+    o, lse = attention_state.merge(o_cache, lse_cache, o_chunk, lse_chunk)
     out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
     lse_out = lse.reshape(B, Hq, T)
     if query_weights is None:

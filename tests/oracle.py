@@ -158,19 +158,23 @@ def random_qkv(key, B, S, Hq, Hkv, D):
             jax.random.normal(kv, (B, S, Hkv, D)))
 
 
-def assert_decode_steps_match_xla(policy, state, q, k, v, lengths, rope, attend, update, implementation="triton"):
-    """From `state`, feeds each row's tokens lengths-5, -4 and -3 of q, k, v [B, S, H, D] one decode step at a
-    time under `implementation` and under XLA (attend, update: jitted `jc.attend`, `jc.update`); the outputs,
-    cache positions and keys must agree at every step."""
+def assert_decode_steps_match_xla(policy, state, q, k, v, lengths, rope, attend, update, backend="triton"):
+    """From `state` (an XLA cache), feeds each row's tokens lengths-5, -4 and -3 of q, k, v [B, S, H, D] one decode
+    step at a time on the `backend` kernels and on XLA's (attend, update: jitted `jc.attend`, `jc.update`); the
+    outputs, cache positions and keys must agree at every step."""
+    import dataclasses
+
     import jax.numpy as jnp
+    import jcascade as jc
 
     for step in range(3):
         at = jnp.asarray(lengths - 5 + step)[:, None, None, None]
         q1, k1, v1 = (jnp.take_along_axis(x, at, axis=1) for x in (q, k, v))
         results = []
-        for impl in ("xla", implementation):
-            out, scores = attend(policy, state, q1, k1, v1, None, rope, implementation=impl)
-            results.append((out, update(policy, state, k1, v1, scores, None, implementation=impl)))
+        for kernels in (jc.Kernels("xla"), jc.Kernels(backend)):
+            on = dataclasses.replace(state, kernels=kernels)
+            out, scores = attend(policy, on, q1, k1, v1, None, rope)
+            results.append((out, update(policy, on, k1, v1, scores, None)))
         (out_x, state), (out_t, state_t) = results
         np.testing.assert_allclose(np.asarray(out_t), np.asarray(out_x), atol=2e-5)
         np.testing.assert_array_equal(np.asarray(state_t.pos), np.asarray(state.pos))

@@ -12,8 +12,8 @@ import pytest
 import jcascade as jc
 import tiny
 
-ATTEND = jax.jit(jc.attend, static_argnums=(0, 6), static_argnames="implementation")
-UPDATE = jax.jit(jc.update, static_argnums=0, static_argnames="implementation")
+ATTEND = jax.jit(jc.attend, static_argnums=(0, 6))
+UPDATE = jax.jit(jc.update, static_argnums=0)
 ROPE = jc.RoPE(100.0)
 B, HKV, HQ, D = 2, 2, 4, 8
 NAN_AT = 8  # position of the poisoned token: row 0, KV head 0 (query heads 0 and 1)
@@ -21,11 +21,11 @@ BOUNDED = [jc.SlidingWindow(window=6), jc.Sink(window=6, sinks=2), jc.Cascade(ca
            jc.H2O(heavy=3, recent=4)]
 
 
-def run(policy, poison: str | None, implementation="xla", steps=40):
+def run(policy, poison: str | None, backend="xla", steps=40):
     """Feeds a chunk of 6, a chunk of 5 (token NAN_AT poisoned in `poison` for row 0 / KV head 0), then
     single tokens; returns the outputs [steps, B, Hq, D] of the single-token steps and the states."""
     rng = np.random.default_rng(0)
-    state = jc.init_cache(policy, B, HKV, D, max_tokens=64)
+    state = jc.init_cache(policy, B, HKV, D, max_tokens=64, kernels=jc.Kernels(backend))
     outs, states = [], []
     for T in [6, 5] + [1] * steps:
         q, k, v = (rng.normal(size=(B, T, h, D)).astype(np.float32) for h in (HQ, HKV, HKV))
@@ -33,8 +33,8 @@ def run(policy, poison: str | None, implementation="xla", steps=40):
         if poison is not None and first <= NAN_AT < first + T:
             x = {"q": q, "k": k, "v": v}[poison]
             x[0, NAN_AT - first, 0 if poison != "q" else slice(0, 2)] = np.nan
-        out, scores = ATTEND(policy, state, q, k, v, None, ROPE, implementation=implementation)
-        state = UPDATE(policy, state, k, v, scores, implementation=implementation)
+        out, scores = ATTEND(policy, state, q, k, v, None, ROPE)
+        state = UPDATE(policy, state, k, v, scores)
         if T == 1:
             outs.append(np.asarray(out[:, 0]))
             states.append(state)

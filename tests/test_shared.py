@@ -1,6 +1,6 @@
 """Shared-prefix attention (jcascade/shared.py): the merge operator's properties, shared == flat attention
 (one and two levels), and `num_samples`. The multi-query prefix kernel against its reference:
-tests/pallas_kernels/test_gpu.py."""
+tests/pallas_kernels/test_triton.py."""
 
 import dataclasses
 
@@ -67,8 +67,8 @@ def full_state(k, v, lengths=None):
 
 
 @pytest.mark.parametrize("rotated", [False, True], ids=["keys-rotated-per-step", "keys-stored-rotated"])
-@pytest.mark.parametrize("implementation", ["xla", "triton"])
-def test_two_level_shared_prefixes_equal_flat_attention(implementation, rotated):
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_two_level_shared_prefixes_equal_flat_attention(backend, rotated):
     """A system prompt shared by 4 requests, two histories shared by 2 each, then each request's own
     tokens (ragged) and a 3-token chunk: the same as one flat cache per request, whether the prefixes hold
     un-rotated keys or keys stored rotated (share_prefix's rope)."""
@@ -86,9 +86,8 @@ def test_two_level_shared_prefixes_equal_flat_attention(implementation, rotated)
         stored = ROPE if rotated else None
         level0 = jc.share_prefix(jc.Full(), full_state(k0, v0), rope=stored)
         level1 = jc.share_prefix(jc.Full(), full_state(k1, v1), offset=L0, rope=stored)
-        suffix = full_state(k2, v2, own)
-        got = jc.attend_shared(jc.Full(), suffix, q, kc, kc, [level0, level1], jnp.array([3, 3, 2, 3]), ROPE,
-                               implementation=implementation)
+        suffix = dataclasses.replace(full_state(k2, v2, own), kernels=jc.Kernels(backend))  # every level runs on them
+        got = jc.attend_shared(jc.Full(), suffix, q, kc, kc, [level0, level1], jnp.array([3, 3, 2, 3]), ROPE)
         rep = lambda x, n: jnp.repeat(x, n, axis=0)  # noqa: E731
         flat = full_state(jnp.concatenate([rep(k0, 4), rep(k1, 2)], 1), jnp.concatenate([rep(v0, 4), rep(v1, 2)], 1))
         flat = jc.update(jc.Full(), flat, k2, v2, None, own)
@@ -111,7 +110,7 @@ def test_decode_logits_over_a_shared_prefix_equal_unshared(model):
     prompt_state, _, _ = jc.prefill(model, policy, model.init_cache(policy, 1, max_tokens=40), prompt, jnp.array([40]))
     prefix = jax.vmap(lambda s: jc.share_prefix(policy, s))(prompt_state)
     step = jnp.array([[5], [17], [60]])
-    hidden, _ = model(policy, model.init_cache(policy, 3, max_tokens=4), step, jnp.ones(3, jnp.int32), None, (prefix,))
+    hidden, _ = model(policy, model.init_cache(policy, 3, max_tokens=4), step, jnp.ones(3, jnp.int32), (prefix,))
     unshared, _, _ = jc.prefill(model, policy, model.init_cache(policy, 3, max_tokens=44), jnp.repeat(prompt, 3, 0),
                                 jnp.full(3, 40))
     want, _ = model(policy, unshared, step, jnp.ones(3, jnp.int32))

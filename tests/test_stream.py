@@ -1,6 +1,7 @@
 """Long streams: constant memory, one compilation, finite log-probabilities, and a clear error before the
 int32 token clock would wrap."""
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -28,8 +29,7 @@ def test_a_200k_token_stream_runs_at_constant_memory():
 def test_the_token_clock_refuses_to_wrap():
     policy = jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=4)
     state = jc.init_cache(policy, batch=2, num_kv_heads=1, head_dim=4)
-    state = jc.CacheState(k=state.k, v=state.v, score=state.score, pos=state.pos,
-                          seen=jnp.array([10, jc.slots.CLOCK_LIMIT - 3], jnp.int32))
+    state = dataclasses.replace(state, seen=jnp.array([10, jc.slots.CLOCK_LIMIT - 3], jnp.int32))
     k = jnp.ones((2, 4, 1, 4))
     scores = jc.Scores(cache=jnp.zeros((2, 1, 10)), chunk=jnp.zeros((2, 1, 4)))
     jc.update(policy, state, k, k, scores, lengths=jnp.array([4, 3]))  # exactly reaches the limit

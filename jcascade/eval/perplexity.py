@@ -18,6 +18,7 @@ import pathlib
 import warnings
 from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -195,7 +196,7 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
         arrays, saved = found
         results = finished(saved, plan, BookPerplexity, key)
         if arrays is not None:
-            cache = jc.CacheState(**arrays["cache"])
+            cache = jc.CacheState(**arrays["cache"], kernels=model.kernels)
             running[saved["book"], saved["policy"]] = (cache, np.asarray(arrays["logps"]), saved["position"])
         if progress is not None:
             progress(sum(r.tokens for r in results) + sum(point[2] for point in running.values()))
@@ -204,7 +205,7 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
     def save(name: str, label: str, point: StreamPoint) -> None:
         state, logps, position = point
         if checkpointing.due(policies[label].stride):
-            checkpointing.save({"cache": {field: x for field, x in vars(state).items() if x is not None}, "logps": logps},
+            checkpointing.save({"cache": {field: x for field, x in vars(state).items() if isinstance(x, jax.Array)}, "logps": logps},
                                {"results": [dataclasses.asdict(r) for r in results], "book": name, "policy": label,
                                 "position": position})
 

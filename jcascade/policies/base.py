@@ -5,10 +5,10 @@ construction, with a `stride` (tokens per chunk of the strided prefill, docs/sem
 entry points call only these hooks:
 
   jc.init_cache  -> cache_slots(max_tokens)                  slots of a fresh cache
-  jc.attend      -> attend(state, q, k, v, lengths, rope, implementation)
+  jc.attend      -> attend(state, q, k, v, lengths, rope)
                     (default: the chunk against every held slot at key_positions(state), with score
                     increments weighted by query_weights(lengths, T))
-  jc.update      -> update(state, k, v, scores, lengths, implementation)
+  jc.update      -> update(state, k, v, scores, lengths)
   jc.compress, and generate / score at the end of a prompt -> observation_window, compress(state, room)
   generate / score at the end of a prompt, before compress -> after_prompt(model, state, tokens, lengths, ...)
   jc.share_prefix, jc.attend_shared -> key_positions(state)
@@ -39,7 +39,6 @@ from typing import Annotated, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade import pallas_kernels
 from jcascade.rope import rotate_chunk
 from jcascade.slots import CLOCK_LIMIT, CacheState, Scores, rank_by_position
 
@@ -172,8 +171,8 @@ class Policy(abc.ABC):
         checked by init_cache, when the policy is not `bounded`; bounded policies ignore it)."""
 
     @abc.abstractmethod
-    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None, lengths: jax.Array,
-               implementation: str | None) -> CacheState:
+    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None,
+               lengths: jax.Array) -> CacheState:
         """The cache after a chunk: k, v [B, T, Hkv, D] un-rotated (the chunk attend just saw), scores what
         attend returned (checked by jc.update: `Scores` when keeps_scores, else None), lengths int32 [B]
         valid tokens per row (padding must leave a row untouched). Must add lengths to `state.seen`."""
@@ -190,17 +189,17 @@ class Policy(abc.ABC):
             return state.pos, state.seen
         return rank_by_position(state.pos), jnp.sum(state.pos[:, 0, :] >= 0, axis=-1).astype(jnp.int32)
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
-               implementation: str | None) -> tuple[jax.Array, Scores | None]:
+    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+               rope) -> tuple[jax.Array, Scores | None]:
         """The chunk's queries q [B, T, Hq, D] against every held slot and causally against the chunk
         (k, v [B, T, Hkv, D] un-rotated); arguments checked by jc.attend. Returns out [B, T, Hq, D] and the
         score increments (`Scores`, or None when query_weights is None)."""
         weights = self.query_weights(lengths, q.shape[1])
         key_pos, start = self.key_positions(state)
         q, k = rotate_chunk(rope, q, k, start)
-        out, _, inc_cache, inc_chunk = pallas_kernels.chunk_attention(
+        out, _, inc_cache, inc_chunk = state.kernels.chunk_attention(
             q, k, v, state.k, state.v, state.pos >= 0, key_pos, lengths, weights, self.head_reduction, rope,
-            layer=state.layer, implementation=implementation,
+            layer=state.layer,
         )
         return out, None if inc_cache is None else Scores(cache=inc_cache, chunk=inc_chunk)
 
@@ -213,7 +212,7 @@ class Policy(abc.ABC):
         branch inside every layer stalls the step once per layer."""
         return None
 
-    def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array, implementation):
+    def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array):
         """The model's cache after the prompt (tokens int32 [B, S], lengths int32 [B]), before `compress`: a
         policy that scores the prompt with a pass of its own through `model` (KVzip's reconstruction) returns the
         scored cache. Default: the state as it is. Called only for policies with observation_window > 0."""

@@ -51,11 +51,11 @@ class ExpectedAttention(ScorerPolicy):
         """The newest chunk's expected attention replaces the old."""
         return jnp.where(live, increments, score)
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
-               implementation: str | None) -> tuple[jax.Array, Scores]:
+    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+               rope) -> tuple[jax.Array, Scores]:
         if rope is not None and not isinstance(rope, RoPE):
             raise ValueError(f"ExpectedAttention needs rope to be a jc.RoPE (its frequencies), got {type(rope).__name__}")
-        out, _ = super().attend(state, q, k, v, lengths, rope, implementation)  # no query weights: no scores
+        out, _ = super().attend(state, q, k, v, lengths, rope)  # no query weights: no scores
         B, T, Hq, D = q.shape
         Hkv, cap = k.shape[2], state.pos.shape[-1]
         if T > self.window:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import HeadReduced, Positions, Positive
 from jcascade.policies.ring import RingPolicy
-from jcascade.slots import compact, take
+from jcascade.pallas_kernels.ring_insertion import compact, take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class H2O(RingPolicy, HeadReduced):
 
 
 def keep_top_scores(layout: RingLayout, score, held, src, mu, valid):
-    """`slots.PlaceEvicted` of H2O and TOVA: the heavy slots keep the top `heavy` scores among their residents
+    """`ring_insertion.PlaceEvicted` of H2O and TOVA: the heavy slots keep the top `heavy` scores among their residents
     and the arriving tokens (residents first, so they win ties); winning arrivals take the slots of the
     residents that lost or of empty slots."""
     B, H, M = src.shape

@@ -75,7 +75,7 @@ class KVzip(ScorerPolicy):
         if self.overlap > self.chunk:
             raise ValueError(f"KVzip.overlap must be <= chunk ({self.chunk}), got {self.overlap}")
 
-    def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array, implementation):
+    def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array):
         """The prompt's cache with every held token scored by the reconstruction pass. tokens int32 [B, S], lengths
         int32 [B]: the prompt (right-padded); state: the model's cache after it (layers stacked)."""
         if isinstance(state, tuple):
@@ -91,7 +91,7 @@ class KVzip(ScorerPolicy):
             pos = state.pos  # [L, B, H, cap]
             reread = (pos >= first) & (pos < (first + count)[None, :, None, None])
             state = dataclasses.replace(state, score=jnp.where(reread, MARKED, state.score))
-            return model(reader, state, row, row_len, implementation)[1]
+            return model(reader, state, row, row_len)[1]
 
         state = dataclasses.replace(state, score=jnp.zeros_like(state.score))
         return jax.lax.fori_loop(0, max(0, -(-(S - self.skip) // self.chunk)), one_chunk, state)
@@ -153,8 +153,8 @@ class _Reconstruction(Strided):
     def cache_slots(self, max_tokens: int | None) -> int:
         raise TypeError("KVzip's reconstruction pass reads an existing cache; it makes none")
 
-    def attend(self, state: CacheState, q, k, v, lengths, rope, implementation):
-        out, _ = super().attend(state, q, k, v, lengths, rope, implementation)
+    def attend(self, state: CacheState, q, k, v, lengths, rope):
+        out, _ = super().attend(state, q, k, v, lengths, rope)
         B, T, Hq, D = q.shape
         H, cap = k.shape[2], state.pos.shape[-1]
         f32, window = jnp.float32, min(self.chunk, cap)
@@ -189,5 +189,5 @@ class _Reconstruction(Strided):
                                                  slots[:, None, :]].max(jnp.where(window_ok, best, 0.0))
         return out, Scores(cache=scores, chunk=jnp.zeros((B, H, T), f32))
 
-    def update(self, state: CacheState, k, v, scores: Scores, lengths, implementation) -> CacheState:
+    def update(self, state: CacheState, k, v, scores: Scores, lengths) -> CacheState:
         return dataclasses.replace(state, score=jnp.where(state.score == MARKED, scores.cache, state.score))

@@ -15,7 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade import pallas_kernels, slots
+from jcascade import slots
 from jcascade.policies.base import OddPositive, Positioned, Positive, last_queries
 from jcascade.policies.selection import pool
 from jcascade.rope import rotate_chunk
@@ -95,8 +95,8 @@ class Recycled(Positioned):
         """1 for the last valid query."""
         return last_queries(lengths, chunk_len, 1)
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
-               implementation: str | None) -> tuple[jax.Array, Scores]:
+    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+               rope) -> tuple[jax.Array, Scores]:
         """Full rows attend to the full region, the others to the recycled copies and the new tokens."""
         B, T, Hkv, _ = k.shape
         n = lengths
@@ -107,8 +107,8 @@ class Recycled(Positioned):
 
         def run(valid, key_pos, start, k_cache, v_cache, layer, w, first_slot=0):
             qr, kr = rotate_chunk(rope, q, k, start)
-            return pallas_kernels.chunk_attention(qr, kr, v, k_cache, v_cache, valid, key_pos, n, w, "max", rope,
-                                                  layer=layer, first_slot=first_slot, implementation=implementation)
+            return state.kernels.chunk_attention(qr, kr, v, k_cache, v_cache, valid, key_pos, n, w, "max", rope,
+                                                 layer=layer, first_slot=first_slot)
 
         def full_attention():
             valid = (state.pos >= 0) & (slot < M)
@@ -133,8 +133,8 @@ class Recycled(Positioned):
         out, inc_cache, inc_chunk = self._branch_on(jnp.any(full & (n > 0)), with_full, lambda: (small, *zeros))
         return out, Scores(cache=inc_cache, chunk=inc_chunk)
 
-    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores, lengths: jax.Array,
-               implementation: str | None) -> CacheState:
+    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores,
+               lengths: jax.Array) -> CacheState:
         """Appends the chunk to the full region; full rows then take the attention of their last query as
         the full region's scores, re-select the top_k copies and empty the new-tokens region; the other
         rows append their token to the new-tokens region."""

@@ -1,5 +1,5 @@
 """`RingPolicy`: the policies whose cache is a `RingLayout` (sinks + cascading rings + heavy slots, or an
-append cache of sinks only). They share attention positions and the ring insertion (`jcascade.slots`);
+append cache of sinks only). They share attention positions and the ring insertion (`Kernels.insert`);
 each says its layout, how resident scores change with a chunk and, with heavy slots, where the last
 ring's evictees go.
 """
@@ -7,6 +7,7 @@ ring's evictees go.
 from __future__ import annotations
 
 import abc
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ class RingPolicy(Policy):
         raise NotImplementedError(f"{type(self).__name__} keeps scores but does not define accumulate")
 
     def place_evicted(self, layout: RingLayout, score, held, src, mu, valid):
-        """Layouts with heavy slots: where the last ring's evictees go (`slots.PlaceEvicted`)."""
+        """Layouts with heavy slots: where the last ring's evictees go (`pallas_kernels.ring_insertion.PlaceEvicted`)."""
         raise NotImplementedError(f"{type(self).__name__} has heavy slots but does not define place_evicted")
 
     def cache_slots(self, max_tokens: int | None) -> int:
@@ -61,8 +62,8 @@ class RingPolicy(Policy):
             return slots.rank_by_position(state.pos), slots.tokens_held(layout, state.seen)
         return slots.slot_ranks(layout, state.seen)[:, None, :], slots.tokens_held(layout, state.seen)
 
-    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None, lengths: jax.Array,
-               implementation: str | None) -> CacheState:
+    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None,
+               lengths: jax.Array) -> CacheState:
         """Step 1 (`accumulate`), then the ring insertion; append caches place each token at the row's
         first free slot (compression leaves fewer slots than tokens seen) and refuse to overflow."""
         layout = self.layout_for(state)
@@ -77,7 +78,9 @@ class RingPolicy(Policy):
         if layout.appends:
             slots.check_overflow(self, placed, lengths, state.capacity)
         evicted = self.place_evicted if layout.heavy else None
-        return slots.insert(layout, state, k, v, score, chunk_score, placed, lengths, implementation, evicted)
+        new_k, new_v, score, pos = state.kernels.insert(layout, state.k, state.v, state.layer, score, state.pos,
+                                                        state.seen, k, v, chunk_score, placed, lengths, evicted)
+        return dataclasses.replace(state, k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + lengths)
 
 
 class AppendPolicy(RingPolicy):

@@ -24,9 +24,9 @@ class Full(AppendPolicy, Strided):
 
     bounded = False
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope,
-               implementation: str | None) -> tuple[jax.Array, Scores | None]:
-        out, scores = super().attend(state, q, k, v, lengths, rope, implementation)
+    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+               rope) -> tuple[jax.Array, Scores | None]:
+        out, scores = super().attend(state, q, k, v, lengths, rope)
         return jnp.where((state.seen > state.capacity)[:, None, None, None], jnp.nan, out), scores
 
 

@@ -60,8 +60,8 @@ def _chunk_after_a_first_one(policy, seed=0, B=2, Hkv=2, G=2, D=8, T=6):
     rope = jc.RoPE(10000.0)
     state = jc.init_cache(policy, B, Hkv, D, jnp.float32, max_tokens=16)
     q, k, v, lengths = normal(B, 9, Hkv * G, D), normal(B, 9, Hkv, D), normal(B, 9, Hkv, D), jnp.array([9, 5])
-    _, scores = jc.attend(policy, state, q, k, v, lengths, rope, implementation="xla")
-    state = jc.update(policy, state, k, v, scores, lengths, implementation="xla")
+    _, scores = jc.attend(policy, state, q, k, v, lengths, rope)
+    state = jc.update(policy, state, k, v, scores, lengths)
     return state, normal(B, T, Hkv * G, D), normal(B, T, Hkv, D), normal(B, T, Hkv, D), jnp.array([T, 4]), rope
 
 
@@ -72,7 +72,7 @@ def test_window_attention_with_a_window_past_every_token_is_the_policys_attentio
     policy = jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=16)
     state, q, k, v, lengths, rope = _chunk_after_a_first_one(policy)
     out, scores = window_attention(policy, state, q, k, v, lengths, rope, window=10**6)
-    want_out, want = jc.attend(policy, state, q, k, v, lengths, rope, implementation="xla")
+    want_out, want = jc.attend(policy, state, q, k, v, lengths, rope)
     np.testing.assert_allclose(out, want_out, atol=1e-5)
     np.testing.assert_allclose(scores.cache, want.cache, atol=1e-5)
     np.testing.assert_allclose(scores.chunk, want.chunk, atol=1e-5)

@@ -118,7 +118,7 @@ def test_the_kernels_run_per_shard(model, sharded, backend):
     tokens, lengths = (x[[0, 3]] for x in inputs())  # one row per data shard, one of them shorter than the prompt
     generate = lambda m, **kw: jc.generate(m, tokens[:, :16], CASCADE, max_new_tokens=3,  # noqa: E731
                                            lengths=np.minimum(lengths, 16), **kw)
-    np.testing.assert_array_equal(generate(sharded, implementation=backend), generate(model))
+    np.testing.assert_array_equal(generate(sharded.with_kernels(jc.Kernels(backend))), generate(model))
 
 
 def test_shared_prefix_levels_run_per_shard_when_their_rows_allow(sharded):
@@ -127,17 +127,18 @@ def test_shared_prefix_levels_run_per_shard_when_their_rows_allow(sharded):
     prompt = jax.tree.map(lambda x: x[0], sharded.init_cache(CASCADE, 1))  # layer 0 of a prompt's cache
     level = jax.tree.map(lambda x: x[None], jc.share_prefix(CASCADE, prompt))
     three_rows = jax.tree.map(lambda x: jnp.repeat(x, 3, axis=1), level)
-    assert sharding.layer_specs(8, 4, mesh_of((2, 4)), (level,)) is not None
-    assert sharding.layer_specs(6, 4, mesh_of((3, 2)), (three_rows,)) is not None
-    assert sharding.layer_specs(8, 4, mesh_of((2, 4)), (three_rows,)) is None
+    requests = lambda batch: jc.init_cache(CASCADE, batch, 4, 16, num_layers=2)  # noqa: E731  a stacked cache
+    assert sharding.layer_specs(requests(8), mesh_of((2, 4)), (level,)) is not None
+    assert sharding.layer_specs(requests(6), mesh_of((3, 2)), (three_rows,)) is not None
+    assert sharding.layer_specs(requests(8), mesh_of((2, 4)), (three_rows,)) is None
 
 
-@pytest.mark.parametrize("implementation", [None, "triton"], ids=["xla", "triton"])
-def test_num_samples_share_the_prompt_per_shard(model, sharded, implementation):
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_num_samples_share_the_prompt_per_shard(model, sharded, backend):
     """num_samples: the prompt's cache is a shared prefix (one row, replicated over "data") under shard_map."""
     one = inputs()[0][:1, :30]
     samples = dict(max_new_tokens=6, temperature=1.0, num_samples=4, rng=jax.random.key(3))  # 2 rows per data shard
-    np.testing.assert_array_equal(jc.generate(sharded, one, CASCADE, implementation=implementation, **samples),
+    np.testing.assert_array_equal(jc.generate(sharded.with_kernels(jc.Kernels(backend)), one, CASCADE, **samples),
                                   jc.generate(model, one, CASCADE, **samples))
 
 

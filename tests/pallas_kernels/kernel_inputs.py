@@ -7,7 +7,9 @@ import numpy as np
 
 from jcascade import pallas_kernels as pk
 
-SMALL = {"triton": pk.gpu.GpuConfig(16, 16, 16, 32, 16, decode_programs=8), "mosaic_tpu": pk.tpu.TpuConfig(16, 32)}
+XLA = pk.Kernels("xla")
+SMALL = {"triton": pk.Kernels("triton", triton=pk.TritonConfig(16, 16, 16, 32, 16, decode_programs=8)),
+         "mosaic_tpu": pk.Kernels("mosaic_tpu", tpu=pk.TpuConfig(16, 32))}  # small blocks: interpret mode is slow
 
 
 def random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head_positions=False, weights=True):

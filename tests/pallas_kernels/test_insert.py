@@ -1,4 +1,4 @@
-"""The single-token insertion kernel (pallas_kernels/insert.py, Triton) in interpret mode equals the vectorised
+"""The single-token insertion kernel (pallas_kernels/triton_insert.py, Triton) in interpret mode equals the vectorised
 XLA update bit for bit, and lowers for an H100 from the CPU."""
 
 import jax
@@ -20,8 +20,9 @@ def test_single_token_insertion_kernel_equals_xla_update(policy):
     update bit for bit, ties included, from the empty cache deep into the steady phase."""
     rng = np.random.default_rng(3)
     B, H, D = 3, 2, 16
-    update = jax.jit(jc.update, static_argnums=0, static_argnames="implementation")
-    xla = kernel = jc.init_cache(policy, B, H, D)
+    update = jax.jit(jc.update, static_argnums=0)
+    xla = jc.init_cache(policy, B, H, D)
+    kernel = jc.init_cache(policy, B, H, D, kernels=jc.Kernels("triton"))
     for _ in range(60):
         k = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.float32)
         lengths = jnp.asarray(rng.integers(0, 2, B), jnp.int32)
@@ -29,15 +30,15 @@ def test_single_token_insertion_kernel_equals_xla_update(policy):
         if isinstance(policy, jc.Cascade):
             scores = jc.Scores(jnp.asarray(rng.choice([0.0, 0.25, 0.5], (B, H, xla.capacity)), jnp.float32),
                                jnp.asarray(rng.choice([0.0, 0.5, 1.0], (B, H, 1)), jnp.float32))
-        xla = update(policy, xla, k, -k, scores, lengths, implementation="xla")
-        kernel = update(policy, kernel, k, -k, scores, lengths, implementation="triton")
+        xla = update(policy, xla, k, -k, scores, lengths)
+        kernel = update(policy, kernel, k, -k, scores, lengths)
         for a, b in zip(jax.tree.leaves(xla), jax.tree.leaves(kernel)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(np.asarray(xla.seen).max()) > xla.capacity
 
 
 def test_insertion_kernel_lowers_for_gpu():
-    from jcascade.pallas_kernels.insert import insert_one
+    from jcascade.pallas_kernels.triton_insert import insert_one
 
     layout = jc.Cascade(cache_size=16384, sinks=64, num_cascades=4).layout()
     B, H, cap, D = 32, 8, layout.capacity, 128

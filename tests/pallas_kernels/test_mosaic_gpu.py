@@ -30,8 +30,8 @@ def test_mosaic_gpu_kernels_equal_reference(case):
         inputs["k_cache"] = inputs["k_cache"].at[0, 1, 7, 3].set(jnp.nan)
         inputs["cache_valid"] = inputs["cache_valid"].at[0, 1, 7].set(True)
     rope = jc.RoPE(10000.0)
-    want = pk.chunk_attention(**inputs, head_reduction=reduction, rope=rope, implementation="xla")
-    got = pk.chunk_attention(**inputs, head_reduction=reduction, rope=rope, implementation="mosaic_gpu")
+    want = pk.Kernels("xla").chunk_attention(**inputs, head_reduction=reduction, rope=rope)
+    got = pk.Kernels("mosaic_gpu", fallback=False).chunk_attention(**inputs, head_reduction=reduction, rope=rope)
     valid = np.asarray(inputs["cache_valid"])
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
@@ -66,8 +66,8 @@ def test_mosaic_gpu_prefix_kernel_equals_reference():
                zip(keys, [(P, R, Hq, D), (P, Hkv, S, D), (P, Hkv, S, D)]))
     k, v = (jnp.where(valid[..., None], x, 0) for x in (k, v))
     assert pk.mosaic_gpu.supports_prefix(q, k)
-    want = pk.prefix_attention(q, k, v, valid, None, None, implementation="xla")
-    got = pk.prefix_attention(q, k, v, valid, None, None, implementation="mosaic_gpu")
+    want = pk.Kernels("xla").prefix_attention(q, k, v, valid, None, None)
+    got = pk.Kernels("mosaic_gpu").prefix_attention(q, k, v, valid, None, None)
     for name, g, w in zip(["out", "lse"], got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
@@ -92,6 +92,7 @@ def test_a_model_scores_alike_on_mosaic_gpu_and_xla():
     model = jc.CausalLM(model.config, {name: w.astype(jnp.bfloat16) for name, w in model.weights().items()})
     tokens = np.random.default_rng(0).integers(0, 97, (2, 120))
     policy = jc.Cascade(cache_size=64, sinks=4, stride=64)
-    logps = {impl: np.asarray(jc.score(model, tokens, policy, lengths=np.array([120, 101]), implementation=impl))
-             for impl in ("xla", "mosaic_gpu")}
+    logps = {backend: np.asarray(jc.score(model.with_kernels(jc.Kernels(backend, fallback=False)), tokens, policy,
+                                          lengths=np.array([120, 101])))
+             for backend in ("xla", "mosaic_gpu")}
     assert_close(logps["mosaic_gpu"], logps["xla"], jnp.bfloat16, "log-likelihoods")

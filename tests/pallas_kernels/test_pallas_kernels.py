@@ -1,7 +1,7 @@
-"""`chunk_attention` (pallas_kernels/__init__.py): the implementation names, and every Pallas backend that runs
+"""`Kernels.chunk_attention` (pallas_kernels/__init__.py): the Kernels value's checks, and every Pallas backend that runs
 on the CPU (Triton and Mosaic TPU, in interpret mode) against the XLA reference: outputs, log-sum-exp and
 score increments, NaN patterns, a streamed cache through jc.attend, a model's stacked cache read at its layer.
-Mosaic GPU: test_mosaic_gpu.py; lowering for GPU and TPU: test_gpu.py, test_tpu.py."""
+Mosaic GPU: test_mosaic_gpu.py; lowering for GPU and TPU: test_triton.py, test_mosaic_gpu.py, test_tpu.py."""
 
 import dataclasses
 import functools
@@ -13,7 +13,7 @@ import pytest
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
-from kernel_inputs import SMALL, assert_close, random_inputs
+from kernel_inputs import SMALL, XLA, assert_close, random_inputs
 
 CASES = [  # B, T, Hq, Hkv, D, S, dtype, reduction, per-head positions
     (2, 23, 4, 4, 64, 45, jnp.float32, "max", False),  # group 1
@@ -31,11 +31,9 @@ def test_kernel_equals_reference(backend, case):
     rng = np.random.default_rng(hash(case) % 2**32)
     inputs = random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head)
     rope = jc.RoPE(10000.0)
-    run = lambda impl, cfg: jax.jit(
-        lambda x: pk.chunk_attention(**x, head_reduction=reduction, rope=rope, implementation=impl, config=cfg)
-    )(inputs)
-    want = run("xla", None)
-    got = run(backend, SMALL[backend])
+    run = lambda kernels: jax.jit(lambda x: kernels.chunk_attention(**x, head_reduction=reduction, rope=rope))(inputs)
+    want = run(XLA)
+    got = run(SMALL[backend])
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         assert_close(g, w, dtype, name)
@@ -46,8 +44,8 @@ def test_kernel_equals_reference(backend, case):
 def test_kernel_without_scores_or_rope(backend, T):
     rng = np.random.default_rng(1)
     inputs = random_inputs(rng, 2, T, 4, 2, 64, 21, jnp.float32, weights=False)
-    want = pk.chunk_attention(**inputs, implementation="xla")
-    got = pk.chunk_attention(**inputs, implementation=backend, config=SMALL[backend])
+    want = XLA.chunk_attention(**inputs)
+    got = SMALL[backend].chunk_attention(**inputs)
     assert got[2] is None and got[3] is None
     assert_close(got[0], want[0], jnp.float32, "out")
     assert_close(got[1], want[1], jnp.float32, "lse")
@@ -63,8 +61,8 @@ def test_a_nan_key_poisons_its_queries_as_in_the_reference(backend, T):
     inputs["k_cache"] = inputs["k_cache"].at[0, 1, 7, 3].set(jnp.nan)
     inputs["cache_valid"] = inputs["cache_valid"].at[0, 1, 7].set(True)
     rope = jc.RoPE(10000.0)
-    want = pk.chunk_attention(**inputs, rope=rope, implementation="xla")
-    got = pk.chunk_attention(**inputs, rope=rope, implementation=backend, config=SMALL[backend])
+    want = XLA.chunk_attention(**inputs, rope=rope)
+    got = SMALL[backend].chunk_attention(**inputs, rope=rope)
     valid = np.asarray(inputs["cache_valid"])
     assert np.isnan(np.asarray(want[2])[0, 1][valid[0, 1]]).all() and np.isfinite(np.asarray(want[2][1])).all()
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
@@ -81,37 +79,47 @@ def test_attend_with_kernels_equals_xla_on_a_streamed_cache(backend):
     policy = jc.Cascade(cache_size=12, sinks=2, num_cascades=3, gamma=0.8, positions="original")
     rng = np.random.default_rng(2)
     B, Hq, Hkv, D = 2, 4, 2, 64
-    attend = jax.jit(functools.partial(jc.attend, policy, rope=jc.RoPE(500.0)), static_argnames="implementation")
+    attend = jax.jit(functools.partial(jc.attend, policy, rope=jc.RoPE(500.0)))
     update = jax.jit(functools.partial(jc.update, policy))
-    state = jc.init_cache(policy, B, Hkv, D)
+    state = jc.init_cache(policy, B, Hkv, D)  # XLA's kernels (the CPU's default)
     for T in (5, 7, 1, 7, 1):  # 21 tokens into 14 slots: evictions; chunks and decode steps
         q, k, v = (jnp.asarray(rng.normal(size=(B, T, h, D)), jnp.float32) for h in (Hq, Hkv, Hkv))
         lengths = jnp.asarray(rng.integers(0, T + 1, size=B), jnp.int32)
-        want_out, want_scores = attend(state, q, k, v, lengths, implementation="xla")
-        got_out, got_scores = attend(state, q, k, v, lengths, implementation=backend)
+        want_out, want_scores = attend(state, q, k, v, lengths)
+        got_out, got_scores = attend(dataclasses.replace(state, kernels=SMALL[backend]), q, k, v, lengths)
         assert_close(got_out, want_out, jnp.float32, "out")
         assert_close(got_scores.cache, want_scores.cache, jnp.float32, "scores.cache")
         assert_close(got_scores.chunk, want_scores.chunk, jnp.float32, "scores.chunk")
         state = update(state, k, v, want_scores, lengths)
 
 
-def test_implementation_names_are_checked():
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        pk.resolve("cuda")
+def test_kernels_and_their_configs_are_checked():
+    """A Kernels value names a backend that runs here and carries valid tuning configs of the right classes;
+    on the CPU the default is XLA and the Pallas backends run in interpret mode."""
+    with pytest.raises(ValueError, match="Kernels.backend must be one of"):
+        pk.Kernels("cuda")
+    with pytest.raises(ValueError, match="Kernels.triton must be a TritonConfig, got TpuConfig"):
+        pk.Kernels("triton", triton=pk.TpuConfig())
+    with pytest.raises(ValueError, match="Kernels.fallback must be a bool"):
+        pk.Kernels("mosaic_gpu", fallback=1)
+    bad_configs = [(pk.TritonConfig, "block_k", 24, "a power of two >= 16"), (pk.TritonConfig, "num_warps", 0,
+                   "a positive int"), (pk.MosaicGpuConfig, "block_q", 96, "a positive multiple of 64"),
+                   (pk.MosaicGpuConfig, "stages", 1, "an int >= 2"), (pk.TpuConfig, "block_q", 12, "a positive multiple of 8"),
+                   (pk.TpuConfig, "block_k", 64.0, "a positive multiple of 8")]
+    for cls, field, value, rule in bad_configs:
+        with pytest.raises(ValueError, match=f"{cls.__name__}.{field} must be {rule}, got {value!r}"):
+            cls(**{field: value})
     if jax.default_backend() == "cpu":
-        with pytest.raises(ValueError, match="needs a GPU or TPU"):
-            pk.resolve("pallas")
-        assert pk.resolve(None) == ("xla", False)
-        assert pk.resolve("triton") == ("triton", True)
-        assert pk.resolve("mosaic_gpu") == ("mosaic_gpu", True)
+        assert pk.Kernels.default() == XLA and not XLA.interpret
+        assert pk.Kernels("triton").interpret and pk.Kernels("mosaic_gpu").interpret
     inputs = random_inputs(np.random.default_rng(0), 1, 8, 4, 2, 64, 16, jnp.float32)
-    with pytest.raises(ValueError, match="implementation=.mosaic_gpu. runs chunks with q and the cache in bfloat16"):
-        pk.chunk_attention(**inputs, implementation="mosaic_gpu")
+    with pytest.raises(ValueError, match="fallback=False. runs chunks with q and the cache in bfloat16"):
+        pk.Kernels("mosaic_gpu", fallback=False).chunk_attention(**inputs)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic_tpu"])
+@pytest.mark.parametrize("backend", ["xla", "triton", "mosaic_tpu"])
 @pytest.mark.parametrize("T", [1, 9])
-def test_a_stacked_cache_is_read_at_its_layer(implementation, T):
+def test_a_stacked_cache_is_read_at_its_layer(backend, T):
     """With `layer` and `first_slot`, the kernels take a model's stacked cache [L, B, Hkv, C, D] and attend
     to slots [first_slot, C) of that layer exactly as to those slots alone (the Triton decode kernel reads
     the stack in place)."""
@@ -122,10 +130,9 @@ def test_a_stacked_cache_is_read_at_its_layer(implementation, T):
         B, H, S, D = inputs[name].shape
         others = jnp.asarray(rng.normal(size=(3, B, H, first + S, D)), jnp.float32)
         stacked[name] = others.at[1, :, :, first:].set(inputs[name])
-    config = SMALL.get(implementation)
-    run = jax.jit(lambda x, layer, first_slot: pk.chunk_attention(**x, rope=jc.RoPE(10000.0), layer=layer,
-                                                                  first_slot=first_slot, implementation=implementation,
-                                                                  config=config), static_argnums=2)
+    kernels = SMALL.get(backend, XLA)
+    run = jax.jit(lambda x, layer, first_slot: kernels.chunk_attention(**x, rope=jc.RoPE(10000.0), layer=layer,
+                                                                       first_slot=first_slot), static_argnums=2)
     for got, want in zip(run(stacked, jnp.int32(1), first), run(inputs, None, 0)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="first_slot=6 plus the 45 slots of cache_valid must equal it"):
@@ -134,12 +141,12 @@ def test_a_stacked_cache_is_read_at_its_layer(implementation, T):
 
 @pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "rows-first"])
 def test_decode_grid_orders_equal_the_reference(heads_first):
-    """The Triton decode kernel's grid in either order (GpuConfig.decode_heads_first) against the reference: three
+    """The Triton decode kernel's grid in either order (TritonConfig.decode_heads_first) against the reference: three
     rows, two KV heads, several splits."""
     inputs = random_inputs(np.random.default_rng(5), 3, 1, 8, 2, 64, 45, jnp.float32, per_head_positions=False)
-    config = dataclasses.replace(SMALL["triton"], decode_heads_first=heads_first, decode_programs=24)  # 3 splits
+    config = dataclasses.replace(SMALL["triton"].triton, decode_heads_first=heads_first, decode_programs=24)  # 3 splits
     rope = jc.RoPE(10000.0)
-    want = pk.chunk_attention(**inputs, rope=rope, implementation="xla")
-    got = pk.chunk_attention(**inputs, rope=rope, implementation="triton", config=config)
+    want = XLA.chunk_attention(**inputs, rope=rope)
+    got = pk.Kernels("triton", triton=config).chunk_attention(**inputs, rope=rope)
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         assert_close(np.asarray(g, np.float64), np.asarray(w, np.float64), jnp.float32, name)

@@ -35,7 +35,7 @@ def test_knorm_keeps_the_smallest_keys_of_each_head():
     # a query after the prompt attends to each head's own tokens at their own positions
     q = rng.normal(size=(B, 1, 2 * H, D)).astype(np.float32)
     new_k = rng.normal(size=(B, 1, H, D)).astype(np.float32)
-    out, _ = jc.attend(policy, state, q, new_k, -new_k, None, jc.RoPE(100.0), implementation="xla")
+    out, _ = jc.attend(policy, state, q, new_k, -new_k, None, jc.RoPE(100.0))
     for b in range(B):
         for h in range(H):
             held = pos[b, h] >= 0

@@ -95,9 +95,9 @@ def test_kvzip_scores_and_keeps_as_the_oracle(models):
     tokens = rng.integers(9, VOCAB, (2, 40))
     scored = POLICY.after_prompt(
         model, generation._prompt(model, dataclasses.replace(POLICY, budget=64), jnp.asarray(tokens),
-                                  jnp.asarray(lengths), 0, "xla")[0], jnp.asarray(tokens), jnp.asarray(lengths), "xla")
+                                  jnp.asarray(lengths), 0)[0], jnp.asarray(tokens), jnp.asarray(lengths))
     held = {allocation: np.asarray(generation._prompt(model, dataclasses.replace(POLICY, allocation=allocation),
-                                                      jnp.asarray(tokens), jnp.asarray(lengths), 2, "xla")[0].pos)
+                                                      jnp.asarray(tokens), jnp.asarray(lengths), 2)[0].pos)
             for allocation in ("head", "global")}
     assert held["head"].shape[-1] == POLICY.budget + 2 and held["global"].shape[-1] == 40 + 2
     for b, n in enumerate(lengths):

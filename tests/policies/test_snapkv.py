@@ -16,8 +16,8 @@ from oracle import assert_decode_steps_match_xla, np_pool, np_rope, np_softmax_r
 
 THETA = 100.0
 ROPE = jc.RoPE(THETA)
-ATTEND = jax.jit(jc.attend, static_argnums=(0, 6), static_argnames="implementation")
-UPDATE = jax.jit(jc.update, static_argnums=0, static_argnames="implementation")
+ATTEND = jax.jit(jc.attend, static_argnums=(0, 6))
+UPDATE = jax.jit(jc.update, static_argnums=0)
 
 
 def reference_kept_prefix(policy, q_len: int, layer: int, num_layers: int) -> int | None:

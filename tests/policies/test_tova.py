@@ -10,8 +10,8 @@ import jcascade as jc
 import tiny
 from oracle import np_softmax_rows
 
-ATTEND = jax.jit(jc.attend, static_argnums=0, static_argnames="implementation")
-UPDATE = jax.jit(jc.update, static_argnums=0, static_argnames="implementation")
+ATTEND = jax.jit(jc.attend, static_argnums=0)
+UPDATE = jax.jit(jc.update, static_argnums=0)
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -28,8 +28,8 @@ def test_tova_keeps_what_the_newest_query_attends_to_most(T):
         q = rng.normal(size=(B, T, Hkv * G, D)).astype(np.float32)
         k = rng.normal(size=(B, T, Hkv, D)).astype(np.float32)
         v = rng.normal(size=(B, T, Hkv, D)).astype(np.float32)
-        _, scores = ATTEND(policy, state, q, k, v, jnp.asarray(lengths), None, implementation="xla")
-        state = UPDATE(policy, state, k, v, scores, jnp.asarray(lengths), implementation="xla")
+        _, scores = ATTEND(policy, state, q, k, v, jnp.asarray(lengths), None)
+        state = UPDATE(policy, state, k, v, scores, jnp.asarray(lengths))
         for b in range(B):
             n = int(lengths[b])
             for h in range(Hkv):

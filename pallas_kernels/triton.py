@@ -30,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import states
+from . import attention_state
+from .tuning import check_fields, power_of_two
 
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity": keeps inf - inf out of the online softmax
@@ -38,7 +39,7 @@ F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuConfig:
+class TritonConfig:
     """Tile sizes (powers of two >= 16) and Triton launch parameters."""
 
     block_q: int = 64  # queries per forward program
@@ -52,6 +53,14 @@ class GpuConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 3  # H200: 0.49 / 0.97 of the copy bandwidth at batch 1 / 32 (RESULTS.md, kernels d)
     decode_heads_first: bool = True  # decode grid (head, split, row), not (row, head, split): RESULTS.md, kernels d
+
+    def __post_init__(self):
+        check_fields(self, ("block_q", "block_k", "score_block_q", "score_block_k", "decode_block_k"),
+                     "a power of two >= 16", power_of_two(16))
+        check_fields(self, ("decode_programs", "num_warps", "num_stages", "decode_num_warps", "decode_num_stages"),
+                     "a positive int", lambda value: value >= 1)
+        if not isinstance(self.decode_heads_first, bool):
+            raise ValueError(f"TritonConfig.decode_heads_first must be a bool, got {self.decode_heads_first!r}")
 
     def params(self, decode: bool = False) -> plgpu.CompilerParams:
         if decode:
@@ -116,7 +125,7 @@ def _forward_kernel(len_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, valid_ref, o_r
     plgpu.store(lse_ref, lse, mask=in_chunk)
 
 
-def _forward(q, k, v, k_cache, v_cache, valid, lengths, cfg: GpuConfig, interpret: bool):
+def _forward(q, k, v, k_cache, v_cache, valid, lengths, cfg: TritonConfig, interpret: bool):
     B, T, Hq, D = q.shape
     Hkv, S = k.shape[2], k_cache.shape[2]
     G = Hq // Hkv
@@ -192,7 +201,7 @@ def _scores_kernel(len_ref, q_ref, lse_ref, w_ref, key_ref, valid_ref, inc_ref, 
     plgpu.store(inc_ref, total, mask=in_range)
 
 
-def _scores(q, lse, weights, lengths, keys, valid, *, causal: bool, reduction: str, cfg: GpuConfig, interpret: bool):
+def _scores(q, lse, weights, lengths, keys, valid, *, causal: bool, reduction: str, cfg: TritonConfig, interpret: bool):
     """Increments of `keys` (cache [B, Hkv, S, D] with valid, or the chunk's own [B, T, Hkv, D])."""
     B, T, Hq, D = q.shape
     Hkv, S = (keys.shape[2], T) if causal else (keys.shape[1], keys.shape[2])
@@ -341,7 +350,7 @@ def _finish_kernel(*refs, S, G, P, bs, dc, nblk, scale, reduction):
     m = jnp.maximum(lse_p.max(axis=0), self_logit)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     total = m + jnp.log(jnp.sum(jnp.exp(lse_p - m[None, :]), axis=0) + jnp.exp(self_logit - m))  # NaN stays NaN
-    held = total != -jnp.inf  # as `states.merge_all`: an empty row has weight 0 everywhere
+    held = total != -jnp.inf  # as `attention_state.merge_all`: an empty row has weight 0 everywhere
     safe = jnp.where(held, total, 0.0)
 
     if nblk:
@@ -522,7 +531,7 @@ def _finish(qg, k, v, lengths, weights, parts, reduction, interpret):
 # Shared prefix: the decode kernel with many queries per KV head, each prefix K/V tile read once for all.
 
 
-def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *, config: GpuConfig = GpuConfig(),
+def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *, config: TritonConfig = TritonConfig(),
                      interpret: bool = False):
     """Same contract as `reference.prefix_attention`: grid (prefix row, KV head, split, query block), so
     every query of a prefix row's requests shares the loads of each key block of its split."""
@@ -569,7 +578,7 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
         name="jcascade_shared_prefix",
     )(_scalar(0), jnp.ones((P,), jnp.int32), qg, k_cache[None], v_cache[None], cache_valid.astype(jnp.int32), positions,
       freq)
-    out, lse = states.merge_all(o_parts[..., :rows, :], lse_parts[..., :rows], axis=2)  # [P, Hkv, rows, (D)]
+    out, lse = attention_state.merge_all(o_parts[..., :rows, :], lse_parts[..., :rows], axis=2)  # [P, Hkv, rows, (D)]
     out = out.reshape(P, Hkv, R, G, D).transpose(0, 2, 1, 3, 4).reshape(P, R, Hq, D)
     return out, lse.reshape(P, Hkv, R, G).transpose(0, 2, 1, 3).reshape(P, R, Hq)
 
@@ -578,7 +587,7 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
 
 
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, layer=None, first_slot=0, *, config: GpuConfig = GpuConfig(),
+                    head_reduction="max", rope=None, layer=None, first_slot=0, *, config: TritonConfig = TritonConfig(),
                     interpret: bool = False):
     """Same contract as `reference.chunk_attention`, on Pallas-Triton, with `layer` and `first_slot` as in
     `pallas_kernels.chunk_attention`: the decode kernel reads the cache in place; a chunk's kernels take a copy

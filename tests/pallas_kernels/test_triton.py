@@ -1,4 +1,4 @@
-"""The Triton kernels (pallas_kernels/gpu.py) lower for an H100 from the CPU (the chunk kernels, decode split-K +
+"""The Triton kernels (pallas_kernels/triton.py) lower for an H100 from the CPU (the chunk kernels, decode split-K +
 finish, the shared-prefix kernel), and the shared-prefix kernel in interpret mode equals its reference.
 Against the reference in interpret mode: test_pallas_kernels.py; the insertion kernel: test_insert.py."""
 
@@ -16,7 +16,7 @@ ROPE = jc.RoPE(100.0)
 
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=str)
 def test_kernels_lower_for_gpu(shape):
-    f = jax.jit(lambda *a: pk.gpu.chunk_attention(*a, "max", jc.RoPE(500000.0)))
+    f = jax.jit(lambda *a: pk.triton.chunk_attention(*a, "max", jc.RoPE(500000.0)))
     with jax.sharding.use_abstract_mesh(h100_mesh()):
         text = f.trace(*abstract_inputs(*shape)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == (2 if shape[1] == 1 else 3)  # decode: split-K + finish; chunk: forward + 2 scores
@@ -26,7 +26,7 @@ def test_shared_prefix_kernel_lowers_for_gpu():
     s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
     args = (s(1, 64, 32, 128), s(1, 8, 32768, 128), s(1, 8, 32768, 128), s(1, 8, 32768, dtype=jnp.bool_),
             s(1, 1, 32768, dtype=jnp.int32))
-    f = jax.jit(lambda *a: pk.gpu.prefix_attention(*a, jc.RoPE(500000.0)))
+    f = jax.jit(lambda *a: pk.triton.prefix_attention(*a, jc.RoPE(500000.0)))
     with jax.sharding.use_abstract_mesh(h100_mesh()):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
@@ -42,8 +42,8 @@ def test_prefix_kernel_matches_the_reference(P, R, Hq, Hkv, D, S, dtype):
     v = jax.random.normal(keys[2], (P, Hkv, S, D)).astype(dtype)
     valid = jax.random.bernoulli(keys[3], 0.8, (P, Hkv, S)).at[-1, -1].set(False)
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * 3, (P, 1, S))
-    want = pk.prefix_attention(q, k, v, valid, positions, ROPE, implementation="xla")
-    got = pk.prefix_attention(q, k, v, valid, positions, ROPE, implementation="triton")
+    want = pk.Kernels("xla").prefix_attention(q, k, v, valid, positions, ROPE)
+    got = pk.Kernels("triton").prefix_attention(q, k, v, valid, positions, ROPE)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=tol, rtol=tol)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=tol, rtol=tol)
