@@ -15,11 +15,10 @@ if importlib.util.find_spec("jcascade.pallas_kernels") is None:  # a source tree
     raise ImportError("jcascade is not installed: its models/ and pallas_kernels/ folders join the jcascade "
                       "package at install time; run `pip install -e .` in the repository root")
 
-from jcascade.attention import attend
 from jcascade.generation import generate, prefill, score
-from jcascade.cache import cache_occupancy, compress, init_cache, update
+from jcascade.cache_api import attend, cache_occupancy, compress, init_cache, update
 from jcascade.compilation import COMPILER_OPTIONS
-from jcascade.slots import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
+from jcascade.cache_state import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
 from jcascade.policies import (H2O, TOVA, AdaKV, Cascade, ExpectedAttention, Full, KNorm, KVzip, Policy, PyramidKV, Recycled,
                                RingPolicy, Sink, SlidingWindow, SnapKV)
 from jcascade.checkpoint import load_stream, save_stream

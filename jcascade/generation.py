@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade import compilation, slots
-from jcascade.slots import int_array
+from jcascade import cache_state, checks, compilation
+from jcascade.checks import int_array
 from jcascade.policies import Full, check_policy
 from jcascade.shared import share_prefix
 from jcascade.models.config import ModelConfig
@@ -172,7 +172,7 @@ def _last_valid(hidden: jax.Array, n: jax.Array, fallback: jax.Array) -> jax.Arr
     return jnp.where((n > 0)[:, None], here, fallback)
 
 
-def prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
+def prefill(model: CausalLM, policy, state: cache_state.CacheState, tokens: jax.Array, lengths: jax.Array,
             targets: jax.Array | None = None, *, config: ModelConfig | None = None):
     """Feeds right-padded tokens [B, S] in stride chunks (model: as `as_model` takes it, with `config`).
     Returns the cache, the final hidden state at each row's last valid token [B, hidden] (zeros for rows with
@@ -196,7 +196,7 @@ def prompt_cache(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array 
     return _prompt(model, policy, tokens, lengths, room)[:2]
 
 
-def _prefill(model: CausalLM, policy, state: slots.CacheState, tokens: jax.Array, lengths: jax.Array,
+def _prefill(model: CausalLM, policy, state: cache_state.CacheState, tokens: jax.Array, lengths: jax.Array,
              targets: jax.Array | None = None, prefixes: tuple = ()):
     """`prefill` once checked; prefixes: shared-prefix levels that every row's history begins with (the rows'
     own tokens then go to `state`, which must keep no scores: `jcascade.attend_shared`)."""
@@ -303,7 +303,7 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     logps = _score(model, tokens, policy, lengths, prefix, context, context_lengths)
     # checked on the device; rows and positions come to the host only when something is non-finite (padding
     # entries are 0), and not under a user's jit, where there is nothing to look at yet
-    if slots.concrete(logps) and not bool(jnp.isfinite(logps).all()):
+    if checks.concrete(logps) and not bool(jnp.isfinite(logps).all()):
         warn_nonfinite(np.asarray(logps), np.asarray(lengths) - (1 if context is None else 0))
     return logps
 
@@ -350,7 +350,7 @@ def _score(model, tokens, policy, lengths, prefix, context, context_lengths):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _DecodeState:
-    cache: slots.CacheState
+    cache: cache_state.CacheState
     last: jax.Array  # int32 [B] the token to feed next
     out: jax.Array  # int32 [B, max_new_tokens]
     done: jax.Array  # bool [B]
@@ -453,7 +453,7 @@ def _generate(model, tokens, policy, lengths, rng, context, context_lengths, *, 
                   temperature=temperature, top_p=top_p, eos_id=eos_id, prefixes=prefixes)
 
 
-def decode(model: CausalLM, policy, state: slots.CacheState, last_hidden: jax.Array, rng: jax.Array, *,
+def decode(model: CausalLM, policy, state: cache_state.CacheState, last_hidden: jax.Array, rng: jax.Array, *,
            max_new_tokens: int, temperature: float, top_p: float, eos_id: int | None, prefixes=()) -> jax.Array:
     """The decode loop after a prefilled cache: samples the first token from last_hidden [B, hidden] (the
     prompt's last hidden state), then feeds one token per step. Returns int32 [B, max_new_tokens] as

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade import slots
+from jcascade import cache_state, checks
 from jcascade.pallas_kernels.attention_state import merge
 from jcascade.policies import Policy, check_policy, policy_names
 from jcascade.rope import rotate_chunk
@@ -45,7 +45,7 @@ class SharedPrefix:
     rope: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-def share_prefix(policy: Policy, state: slots.CacheState, offset: jax.Array | int = 0, rope=None) -> SharedPrefix:
+def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Array | int = 0, rope=None) -> SharedPrefix:
     """The cache `state` (one layer; its batch rows become the prefix rows), as `policy` positions it,
     shifted by `offset` (an int, or an integer array [P]: positions of the levels before it, >= 0). rope: the
     RoPE the requests decode with, or None; when given, the keys are stored rotated at their positions (which a
@@ -54,16 +54,16 @@ def share_prefix(policy: Policy, state: slots.CacheState, offset: jax.Array | in
     check_policy(policy)
     if not policy.shareable:
         raise ValueError(f"{type(policy).__name__} cannot be a shared prefix (its cache is chosen per request)")
-    slots.check_state(state)
-    slots.check_rope(rope)
+    cache_state.check_state(state)
+    checks.check_rope(rope)
     shape = () if np.ndim(offset) == 0 else state.seen.shape  # an int, or one per prefix row
-    offset = slots.int_array(offset, "offset", shape, 0, slots.CLOCK_LIMIT + 1,
-                             f"each must lie in [0, {slots.CLOCK_LIMIT}] (the positions of the levels before it)")
+    offset = checks.int_array(offset, "offset", shape, 0, checks.CLOCK_LIMIT + 1,
+                             f"each must lie in [0, {checks.CLOCK_LIMIT}] (the positions of the levels before it)")
     key_pos, start = policy.key_positions(state)
     offset = jnp.broadcast_to(offset, start.shape)
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     valid = state.pos >= 0
-    held_k, held_v = slots.cached_kv(state)
+    held_k, held_v = cache_state.cached_kv(state)
     k = held_k if rope is None else rope(held_k, key_pos)
     k, v = (jnp.where(valid[..., None], x, 0) for x in (k, held_v))
     return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, rope=rope)
@@ -119,7 +119,7 @@ def _check_prefixes(prefixes, batch: int, num_kv_heads: int, head_dim: int, rope
 
 def attend_shared(
     policy: Policy,
-    state: slots.CacheState,
+    state: cache_state.CacheState,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -139,11 +139,11 @@ def attend_shared(
     if policy.keeps_scores:
         raise ValueError(f"the per-request cache under a shared prefix must keep no scores "
                          f"({', '.join(policy_names(keeps_scores=False))}), got {type(policy).__name__}")
-    B, T = slots.check_chunk(state, q, k, v)
-    slots.check_rope(rope)
+    B, T = cache_state.check_chunk(state, q, k, v)
+    checks.check_rope(rope)
     D = k.shape[3]
     fan_out = _check_prefixes(prefixes, B, k.shape[2], D, rope)
-    n = slots.check_lengths(lengths, B, T)
+    n = checks.check_lengths(lengths, B, T)
     # the innermost level's end is where the requests' own tokens start
     offset = jnp.repeat(prefixes[-1].length, fan_out[-1]) if prefixes else jnp.zeros((B,), jnp.int32)
     key_pos, start = policy.key_positions(state)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jcascade import attention, cache, shared, slots
+from jcascade import cache_api, cache_state, shared
 from jcascade.pallas_kernels import Kernels
 from jcascade.policies import SlidingWindow, check_policy, policy_names
 from jcascade.models import sharding
@@ -44,8 +44,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -
     return weight * xf.astype(x.dtype)
 
 
-def window_attention(policy, state: slots.CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-                     rope, window: int) -> tuple[jax.Array, slots.Scores | None]:
+def window_attention(policy, state: cache_state.CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                     rope, window: int) -> tuple[jax.Array, cache_state.Scores | None]:
     """Sliding-window attention (Gemma 3's sliding layers, masked as Hugging Face masks them): the query at
     position p sees the keys at positions p - window + 1 .. p that the layer's cache (`state`, under `policy`)
     holds, and the chunk's. Exact when the cache holds the window - 1 tokens before the chunk (the default
@@ -55,7 +55,7 @@ def window_attention(policy, state: slots.CacheState, q: jax.Array, k: jax.Array
     `pallas_kernels.reference.chunk_attention` defines them). Plain XLA."""
     B, T, Hq, D = q.shape
     Hkv, f32, highest = k.shape[2], jnp.float32, jax.lax.Precision.HIGHEST
-    cached_k, cached_v = slots.cached_kv(state)
+    cached_k, cached_v = cache_state.cached_kv(state)
     key_pos, start = policy.key_positions(state)
     rot_pos = start[:, None] + jnp.arange(T)  # [B, T] the chunk's RoPE positions
     q_pos = state.seen[:, None] + jnp.arange(T)  # [B, T] its original positions
@@ -81,7 +81,7 @@ def window_attention(policy, state: slots.CacheState, q: jax.Array, k: jax.Array
     reduce = jnp.max if policy.head_reduction == "max" else jnp.mean
     increments = reduce(jnp.einsum("bhgts,bt->bhgs", p, weights.astype(f32), precision=highest), axis=2)
     capacity = cached_k.shape[2]
-    return out, slots.Scores(cache=increments[..., :capacity], chunk=increments[..., capacity:])
+    return out, cache_state.Scores(cache=increments[..., :capacity], chunk=increments[..., capacity:])
 
 
 class CausalLM(nnx.Module):
@@ -184,7 +184,7 @@ class CausalLM(nnx.Module):
         sliding = len(cfg.sliding_layers)
 
         def make(policy, layers):
-            state = cache.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+            state = cache_api.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                      max_tokens=max_tokens, num_layers=layers, kernels=self.kernels)
             if self.mesh is None:
                 return state
@@ -194,7 +194,7 @@ class CausalLM(nnx.Module):
             return make(policy, cfg.num_layers)
         return make(policy, cfg.num_layers - sliding), make(self.window_policy(policy), sliding)
 
-    def layer_cache(self, state, layer: int) -> tuple[slots.CacheState, int]:
+    def layer_cache(self, state, layer: int) -> tuple[cache_state.CacheState, int]:
         """The stacked cache of `init_cache`'s `state` that holds model layer `layer` (an int), and the layer's
         index in it (its place among the layers of its type)."""
         sliding = self.config.sliding_layers
@@ -208,11 +208,11 @@ class CausalLM(nnx.Module):
         """`jcascade.compress` of the cache after a prompt (a policy with an observation window): of the global layers' cache only
         when the model has sliding layers."""
         if isinstance(state, tuple):
-            return cache.compress(policy, state[0], room), state[1]
-        return cache.compress(policy, state, room)
+            return cache_api.compress(policy, state[0], room), state[1]
+        return cache_api.compress(policy, state, room)
 
     def __call__(self, policy, state, tokens: jax.Array, lengths: jax.Array,
-                 prefixes: tuple = ()) -> tuple[jax.Array, slots.CacheState]:
+                 prefixes: tuple = ()) -> tuple[jax.Array, cache_state.CacheState]:
         """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row;
         prefixes: `jcascade.SharedPrefix` levels (layers stacked) that the rows' histories begin with.
         Returns the final-norm hidden states [B, T, hidden] and the updated cache (`init_cache`'s). The attention
@@ -234,7 +234,7 @@ class CausalLM(nnx.Module):
             x, state = jax.lax.switch(index, [functools.partial(layers, p) for p in branch_policies], x, state)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma), state
 
-    def _layers(self, policy, x: jax.Array, state, *, lengths: jax.Array, prefixes: tuple) -> tuple[jax.Array, slots.CacheState]:
+    def _layers(self, policy, x: jax.Array, state, *, lengths: jax.Array, prefixes: tuple) -> tuple[jax.Array, cache_state.CacheState]:
         """x [B, T, hidden] (embedded) through every layer under `lax.scan`; returns it and the cache. With
         sliding layers the scan's carry holds both caches and each layer picks its attention with `lax.cond`
         on its type, so each layer type compiles once."""
@@ -249,9 +249,9 @@ class CausalLM(nnx.Module):
             if layer_prefixes:  # requests' own caches keep no scores under shared prefixes
                 out, scores = shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes, lengths, rope), None
             else:
-                out, scores = attention.attend(policy, layer_state, q, k, v, lengths, rope)
+                out, scores = cache_api.attend(policy, layer_state, q, k, v, lengths, rope)
             out, layer_state = _ordered(out, layer_state)
-            return out, cache.update(policy, layer_state, k, v, scores, lengths)
+            return out, cache_api.update(policy, layer_state, k, v, scores, lengths)
 
         specs = None if self.mesh is None else sharding.layer_specs(
             state[0] if isinstance(state, tuple) else state, self.mesh, prefixes)
@@ -275,7 +275,7 @@ class CausalLM(nnx.Module):
             out, scores = window_attention(window_policy, layer_state, q, k, v, lengths, cfg.local_rope,
                                            cfg.sliding_window)
             (out, scores), layer_state = _ordered((out, scores), layer_state)
-            layer_state = cache.update(window_policy, layer_state, k, v, scores, lengths)
+            layer_state = cache_api.update(window_policy, layer_state, k, v, scores, lengths)
             return out, _written_back(state, layer_state, index)
 
         def layer(carry, inputs):
@@ -343,12 +343,12 @@ def _product(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arr
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
-def _layer_view(state: slots.CacheState, index: jax.Array) -> slots.CacheState:
+def _layer_view(state: cache_state.CacheState, index: jax.Array) -> cache_state.CacheState:
     """Layer `index`'s view of the stacked cache: the whole K/V stack with its layer index, its own small arrays."""
     return dataclasses.replace(state, score=state.score[index], pos=state.pos[index], seen=state.seen[index], layer=index)
 
 
-def _written_back(state: slots.CacheState, layer_state: slots.CacheState, index: jax.Array) -> slots.CacheState:
+def _written_back(state: cache_state.CacheState, layer_state: cache_state.CacheState, index: jax.Array) -> cache_state.CacheState:
     """The stacked cache after a layer's update: its K/V stack (written in place) and its small arrays set at
     `index`."""
     return dataclasses.replace(layer_state, score=state.score.at[index].set(layer_state.score),
@@ -356,7 +356,7 @@ def _written_back(state: slots.CacheState, layer_state: slots.CacheState, index:
                                seen=state.seen.at[index].set(layer_state.seen), layer=None)
 
 
-def _ordered(out: jax.Array, state: slots.CacheState) -> tuple[jax.Array, slots.CacheState]:
+def _ordered(out: jax.Array, state: cache_state.CacheState) -> tuple[jax.Array, cache_state.CacheState]:
     """(out, state) as one value: every read of the K/V stack by the attention that made `out` precedes the
     update's in-place writes to `state`, and nothing downstream recomputes `out` from the stack (else XLA
     copies the stack to keep an unordered read valid; tests/models/test_decoder.py)."""

@@ -18,7 +18,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jcascade import slots
+from jcascade import cache_state
 from jcascade.shared import SharedPrefix
 from jcascade.models import weights
 from jcascade.models.config import ModelConfig
@@ -95,7 +95,7 @@ def weight_specs(config: ModelConfig, mesh: Mesh, rules: dict[str, tuple] | None
     return specs
 
 
-def cache_specs(state: slots.CacheState, mesh: Mesh) -> slots.CacheState:
+def cache_specs(state: cache_state.CacheState, mesh: Mesh) -> cache_state.CacheState:
     """PartitionSpecs of a stacked cache `state` (its fields' specs, in a state of its kind): rows over "data", KV
     heads over "model" (replicated along an axis that does not divide them)."""
     batch, num_kv_heads = state.seen.shape[-1], state.pos.shape[-2]
@@ -106,7 +106,7 @@ def cache_specs(state: slots.CacheState, mesh: Mesh) -> slots.CacheState:
     return dataclasses.replace(state, k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec(None, rows))
 
 
-def layer_specs(state: slots.CacheState, mesh: Mesh, prefixes: tuple = ()) -> dict | None:
+def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ()) -> dict | None:
     """PartitionSpecs of one layer's attend/update arguments, for a model's stacked cache `state`: the layer's view
     of the cache (the K/V stack, its own scores, positions and clock), chunk tensors [B, T, heads, D], lengths [B]
     and one layer of each shared-prefix level (`prefixes`: `jcascade.SharedPrefix` levels, layers stacked). None

@@ -1,4 +1,4 @@
-"""`init_cache` and `update` (jcascade/cache.py) for every policy: argument checks, the stacked multi-layer
+"""`init_cache` and `update` (jcascade/cache_api.py) for every policy: argument checks, the stacked multi-layer
 cache and its layer views. What each policy keeps: tests/policies/."""
 
 import jax

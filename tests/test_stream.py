@@ -29,14 +29,14 @@ def test_a_200k_token_stream_runs_at_constant_memory():
 def test_the_token_clock_refuses_to_wrap():
     policy = jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=4)
     state = jc.init_cache(policy, batch=2, num_kv_heads=1, head_dim=4)
-    state = dataclasses.replace(state, seen=jnp.array([10, jc.slots.CLOCK_LIMIT - 3], jnp.int32))
+    state = dataclasses.replace(state, seen=jnp.array([10, jc.checks.CLOCK_LIMIT - 3], jnp.int32))
     k = jnp.ones((2, 4, 1, 4))
     scores = jc.Scores(cache=jnp.zeros((2, 1, 10)), chunk=jnp.zeros((2, 1, 4)))
     jc.update(policy, state, k, k, scores, lengths=jnp.array([4, 3]))  # exactly reaches the limit
     with pytest.raises(ValueError, match=r"rows \[1\] would receive more than 2147483647 tokens"):
         jc.update(policy, state, k, k, scores)
     with pytest.raises(ValueError, match="longer than the int32 token clock"):
-        perplexity.stream(None, policy, np.broadcast_to(np.int32(0), (jc.slots.CLOCK_LIMIT + 1,)))
+        perplexity.stream(None, policy, np.broadcast_to(np.int32(0), (jc.checks.CLOCK_LIMIT + 1,)))
 
 
 def test_a_full_cache_overflowing_under_jit_is_nan_or_a_checkify_error():

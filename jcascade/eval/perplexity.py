@@ -74,9 +74,9 @@ def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState,
     if tokens.ndim != 1 or tokens.size < 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be an int array of shape [S] with S >= 2, got {tokens.dtype}{list(tokens.shape)}")
     S, T = tokens.size, chunk_size(policy, tokens.size)
-    if S > jc.slots.CLOCK_LIMIT:
+    if S > jc.checks.CLOCK_LIMIT:
         raise ValueError(f"tokens: a stream of {S} tokens is longer than the int32 token clock allows "
-                         f"({jc.slots.CLOCK_LIMIT}); split it")
+                         f"({jc.checks.CLOCK_LIMIT}); split it")
     if start is None:
         state, logps, begin = model.init_cache(policy, 1, max_tokens=S), np.zeros(S - 1, np.float32), 0
     else:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jcascade.policies.base import Reals
 from jcascade.policies.selection import WindowSelection, top_per_head, window_slots
 from jcascade.policies.snapkv import PyramidKV, SnapKV
-from jcascade.slots import CacheState
+from jcascade.cache_state import CacheState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,9 @@ import jax
 import jax.numpy as jnp
 
 from jcascade.rope import rotate_chunk
-from jcascade.slots import CLOCK_LIMIT, CacheState, Scores, rank_by_position
+from jcascade.cache_state import CacheState, Scores
+from jcascade.checks import CLOCK_LIMIT
+from jcascade.slot_order import rank_by_position
 
 
 @dataclasses.dataclass(frozen=True)

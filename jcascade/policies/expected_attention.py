@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jcascade.policies.base import NonNegative, Positive, Reals, last_queries
 from jcascade.policies.selection import ScorerPolicy
 from jcascade.rope import RoPE
-from jcascade.slots import CacheState, Scores, cached_kv
+from jcascade.cache_state import CacheState, Scores, cached_kv
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jcascade.policies.base import Positioned
 from jcascade.policies.selection import ScorerPolicy
-from jcascade.slots import CacheState, cached_kv
+from jcascade.cache_state import CacheState, cached_kv
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jcascade.policies.base import NonNegative, Positive, Strided, TokenIds
 from jcascade.policies.selection import ScorerPolicy, keep_in_position_order, top_per_head
-from jcascade.slots import CacheState, Scores, cached_kv
+from jcascade.cache_state import CacheState, Scores, cached_kv
 
 MARKED = -2.0  # the score of the held slots the current reconstruction chunk re-reads, until it scores them
 

@@ -15,11 +15,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade import slots
+from jcascade import cache_state, checks
 from jcascade.policies.base import OddPositive, Positioned, Positive, last_queries
 from jcascade.policies.selection import pool
 from jcascade.rope import rotate_chunk
-from jcascade.slots import CacheState, Scores
+from jcascade.cache_state import CacheState, Scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +141,7 @@ class Recycled(Positioned):
         B, T, H, _ = k.shape
         n = lengths
         M, recent = self.regions(state.capacity)
-        slots.check_overflow(self, state.seen, n, M)
+        checks.check_overflow(self, state.seen, n, M)
         since = self._since_refresh(state)
         full = self._full_step_rows(since, T) & (n > 0)
         bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
@@ -153,7 +153,7 @@ class Recycled(Positioned):
         def write(st, dest, score):
             dest = jnp.broadcast_to(dest[:, None, :], (B, H, T))
             put = lambda x, val: x.at[bi, hi, dest].set(val.astype(x.dtype), mode="drop")
-            st = slots.write_kv(st, (bi, hi, dest), ck, cv)
+            st = cache_state.write_kv(st, (bi, hi, dest), ck, cv)
             return dataclasses.replace(st, score=put(st.score, score), pos=put(st.pos, chunk_pos))
 
         if self._branch != "recycled":
@@ -178,10 +178,10 @@ class Recycled(Positioned):
             new_pos = jnp.concatenate([jnp.where(chosen, take(st.pos), -1),
                                        jnp.full((B, H, self.refresh_every), -1)], -1)
             new_score = jnp.concatenate([take(st.score), jnp.zeros((B, H, self.refresh_every), jnp.float32)], -1)
-            old_k, old_v = slots.cached_kv(st)
+            old_k, old_v = cache_state.cached_kv(st)
             new_k = jnp.concatenate([take(old_k), jnp.zeros_like(old_k[..., recent:, :])], -2)
             new_v = jnp.concatenate([take(old_v), jnp.zeros_like(old_v[..., recent:, :])], -2)
-            st = slots.write_kv(st, (slice(None), slice(None), region),
+            st = cache_state.write_kv(st, (slice(None), slice(None), region),
                                 jnp.where(pick[..., None], new_k, old_k[..., region, :]),
                                 jnp.where(pick[..., None], new_v, old_v[..., region, :]))
             return dataclasses.replace(

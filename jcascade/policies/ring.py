@@ -12,10 +12,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jcascade import slots
+from jcascade import checks, slot_order
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import Policy
-from jcascade.slots import CacheState, Scores
+from jcascade.cache_state import CacheState, Scores
 
 
 class RingPolicy(Policy):
@@ -57,10 +57,10 @@ class RingPolicy(Policy):
             return (state.pos[:, :1] if alike else state.pos), state.seen
         if layout.appends:  # held slots come first, in position order
             slot = jnp.arange(state.capacity, dtype=jnp.int32)[None, None, :]
-            return jnp.where(state.pos >= 0, slot, -1), slots.append_fill(state)
+            return jnp.where(state.pos >= 0, slot, -1), slot_order.append_fill(state)
         if layout.heavy:  # heavy slots are not in age order: rank each head's tokens by position
-            return slots.rank_by_position(state.pos), slots.tokens_held(layout, state.seen)
-        return slots.slot_ranks(layout, state.seen)[:, None, :], slots.tokens_held(layout, state.seen)
+            return slot_order.rank_by_position(state.pos), slot_order.tokens_held(layout, state.seen)
+        return slot_order.slot_ranks(layout, state.seen)[:, None, :], slot_order.tokens_held(layout, state.seen)
 
     def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None,
                lengths: jax.Array) -> CacheState:
@@ -74,9 +74,9 @@ class RingPolicy(Policy):
             live = (state.pos >= 0) & (lengths > 0)[:, None, None]
             score = self.accumulate(state.score, scores.cache, live, lengths, layout)
             chunk_score = scores.chunk.astype(jnp.float32)
-        placed = slots.append_fill(state) if layout.appends else state.seen
+        placed = slot_order.append_fill(state) if layout.appends else state.seen
         if layout.appends:
-            slots.check_overflow(self, placed, lengths, state.capacity)
+            checks.check_overflow(self, placed, lengths, state.capacity)
         evicted = self.place_evicted if layout.heavy else None
         new_k, new_v, score, pos = state.kernels.insert(layout, state.k, state.v, state.layer, score, state.pos,
                                                         state.seen, k, v, chunk_score, placed, lengths, evicted)

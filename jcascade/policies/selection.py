@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jcascade.policies.base import Positive, Strided, last_queries
 from jcascade.policies.ring import AppendPolicy
-from jcascade.slots import CacheState
+from jcascade.cache_state import CacheState
 
 Pooling = Literal["max", "avg"]
 

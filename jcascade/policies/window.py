@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import NonNegative, Positioned, Positions, Positive, Strided
 from jcascade.policies.ring import AppendPolicy, RingPolicy
-from jcascade.slots import CacheState, Scores
+from jcascade.cache_state import CacheState, Scores
 
 
 @dataclasses.dataclass(frozen=True)

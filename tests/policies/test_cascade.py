@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jcascade as jc
-from jcascade import slots as C
+from jcascade import slot_order
 from oracle import HEAD_DIM, CascadeOracle, random_scores, tagged_chunk
 
 UPDATE = jax.jit(jc.update, static_argnums=0)
@@ -17,7 +17,7 @@ UPDATE = jax.jit(jc.update, static_argnums=0)
 def assert_matches_oracle(state, oracles, layout):
     pos, score = np.asarray(state.pos), np.asarray(state.score)
     k, v = (np.asarray(x) for x in jc.cached_kv(state))
-    ranks = np.asarray(C.slot_ranks(layout, state.seen))
+    ranks = np.asarray(slot_order.slot_ranks(layout, state.seen))
     S0, W = layout.sinks, layout.ring_size
     for b, row in enumerate(oracles):
         for h, orc in enumerate(row):

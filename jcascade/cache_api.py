@@ -1,7 +1,8 @@
-"""`init_cache`, `update` and `compress`: the cache operations every policy shares (docs/semantics.md §2-3).
+"""The low-level cache API every policy shares (docs/semantics.md §2-4): `init_cache`, `attend` (a chunk's queries
+against the cache and the chunk itself, with EMA-score increments), `update`, `compress` and `cache_occupancy`.
 
-They check their arguments, then call the policy's hooks (`jcascade.policies.base.Policy`); the state
-and the slot machinery live in `jcascade.slots`.
+Each checks its arguments, then calls the policy's hooks (`jcascade.policies.base.Policy`); the state lives in
+`jcascade.cache_state`, and runs on its kernels (`CacheState.kernels`).
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jcascade import slots
+from jcascade import cache_state, checks
+from jcascade.cache_state import CacheState, Scores
 from jcascade.pallas_kernels import Kernels
 from jcascade.policies import Policy, check_policy
-from jcascade.slots import CacheState, Scores
 
 
 def init_cache(
@@ -41,8 +42,8 @@ def init_cache(
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"init_cache: {name} must be a positive int, got {type(value).__name__} {value!r}")
-        if not 1 <= value <= slots.CLOCK_LIMIT:
-            raise ValueError(f"init_cache: {name} must be a positive int (at most {slots.CLOCK_LIMIT}), got {value!r}")
+        if not 1 <= value <= checks.CLOCK_LIMIT:
+            raise ValueError(f"init_cache: {name} must be a positive int (at most {checks.CLOCK_LIMIT}), got {value!r}")
     if not policy.bounded and max_tokens is None:
         raise ValueError(f"init_cache: a {type(policy).__name__} cache needs max_tokens, a positive int; got None")
     if kernels is None:
@@ -52,9 +53,9 @@ def init_cache(
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"init_cache: dtype must be a floating-point dtype (e.g. jnp.bfloat16), got {dtype!r}")
     capacity = policy.cache_slots(max_tokens)
-    if capacity > slots.CLOCK_LIMIT:
+    if capacity > checks.CLOCK_LIMIT:
         raise ValueError(f"init_cache: {policy} with max_tokens={max_tokens} needs {capacity} slots, more than the "
-                         f"{slots.CLOCK_LIMIT} that int32 slot indices address")
+                         f"{checks.CLOCK_LIMIT} that int32 slot indices address")
     lead = () if num_layers is None else (num_layers,)
     shape = (*lead, batch, num_kv_heads, capacity)
     return CacheState(
@@ -65,6 +66,32 @@ def init_cache(
         seen=jnp.zeros((*lead, batch), jnp.int32),
         kernels=kernels,
     )
+
+
+def attend(
+    policy: Policy,
+    state: CacheState,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array | None = None,
+    rope=None,
+) -> tuple[jax.Array, Scores | None]:
+    """Attention of a chunk's queries to every held token and causally to the chunk (docs/semantics.md §2-4).
+
+    state: one layer's cache (a stacked one is refused: index a layer or vmap over them);
+    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] un-rotated chunk keys/values (Hq a multiple of Hkv; B, Hkv, D the
+    state's); lengths: integer [B] valid tokens per row, in [0, T] (a prefix; padding queries return zeros);
+    rope: callable (x, positions) -> rotated x, e.g. `jcascade.RoPE(theta)`; None for no rotation.
+    The attention runs on the state's kernels (`CacheState.kernels`, chosen by `init_cache`).
+    Returns out [B, T, Hq, D] (q.dtype) and `Scores` (None for policies that keep no scores), as the
+    policy's `attend` computes them. Under `Full`, rows that overflowed max_tokens return NaN.
+    """
+    check_policy(policy)
+    B, T = cache_state.check_chunk(state, q, k, v)
+    checks.check_rope(rope)
+    n = checks.check_lengths(lengths, B, T)
+    return policy.attend(state, q, k, v, n, rope)
 
 
 def update(
@@ -83,10 +110,10 @@ def update(
     state's kernels (`Kernels.insert`).
     """
     check_policy(policy)
-    B, T = slots.check_chunk(state, None, k, v)
+    B, T = cache_state.check_chunk(state, None, k, v)
     H = k.shape[2]
-    n = slots.check_lengths(lengths, B, T)
-    slots.check_clock(state.seen, n)
+    n = checks.check_lengths(lengths, B, T)
+    checks.check_clock(state.seen, n)
     cap = state.capacity
     if policy.keeps_scores:
         if not isinstance(scores, Scores):
@@ -109,7 +136,7 @@ def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
     Returns a cache holding, per (row, KV head), the kept tokens in position order followed by empty slots.
     """
     check_policy(policy)
-    slots.check_state(state, stacked_ok=True)
+    cache_state.check_state(state, stacked_ok=True)
     if not policy.observation_window:
         raise TypeError("compress applies to policies with an observation window (those that compress after their "
                         f"prompt), got {type(policy).__name__}")
