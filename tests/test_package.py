@@ -191,3 +191,15 @@ def test_benchmark_results_stay_lean():
     plain = [f"{path.relative_to(ROOT)} ({path.stat().st_size:,} bytes)" for path in files
              if path.suffix == ".json" and path.stat().st_size > PLAIN_JSON_MOST_BYTES]
     assert not plain, f"JSON over {PLAIN_JSON_MOST_BYTES:,} bytes, to keep gzip-compressed as NAME.json.gz: {plain}"
+
+
+def test_the_kernel_choice_is_carried_not_passed_along():
+    """The kernels are a value chosen where a cache or model is made (`jc.Kernels` on `init_cache`, `CausalLM`) and
+    carried as static data: at most 6 functions of the library take it (or its predecessor, `implementation`), none
+    of them a policy hook or the model's layer loop."""
+    takers = [f"{path.relative_to(ROOT)}:{f.name}" for folder in ("jcascade", "models", "pallas_kernels")
+              for path in sorted((ROOT / folder).rglob("*.py"))
+              for f in ast.walk(ast.parse(path.read_text())) if isinstance(f, ast.FunctionDef)
+              if {"implementation", "kernels"} & {a.arg for a in f.args.args + f.args.kwonlyargs}]
+    assert len(takers) <= 6, takers
+    assert not [t for t in takers if "policies/" in t or t.endswith(("__call__", "_layers"))], takers
