@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile(
     "default",
     deadline=None,
-    max_examples=40,
+    max_examples=25,  # each example of the cache properties compiles its own programs
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
