@@ -77,6 +77,11 @@ class Kernels:
                    if f.init and getattr(self, f.name) != f.default]
         return f"Kernels({', '.join([repr(self.backend), *changed])})"
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether this is a GPU backend (Triton or Mosaic GPU, which share the Triton decode and insertion)."""
+        return NATIVE.get(self.backend) == "gpu"
+
     @classmethod
     def default(cls) -> Kernels:
         """The default platform's kernels: Mosaic GPU (with Triton for the rest) on a Hopper GPU, Triton on other
@@ -103,7 +108,7 @@ class Kernels:
                 raise ValueError(f"Kernels(backend='mosaic_gpu', fallback=False) runs chunks with q and the cache in "
                                  f"bfloat16 or float16 and head_dim in {mosaic_gpu.HEAD_DIMS}, got {q.dtype}, "
                                  f"{k_cache.dtype} and {q.shape[-1]}")
-        if self.backend in ("triton", "mosaic_gpu"):
+        if self.on_gpu:
             return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
                                           query_weights, head_reduction, rope, layer, first_slot, config=self.triton,
                                           interpret=self.interpret)
@@ -120,7 +125,7 @@ class Kernels:
         otherwise the Triton multi-query kernel. On TPU it runs the XLA reference. The Mosaic GPU path needs
         finite keys and values in empty slots (`SharedPrefix` stores zeros there)."""
         args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
-        if self.backend not in ("triton", "mosaic_gpu"):
+        if not self.on_gpu:
             return reference.prefix_attention(*args)
         if self.backend == "mosaic_gpu" and rope is None and mosaic_gpu.supports_prefix(q, k_cache, self.mosaic_gpu):
             return mosaic_gpu.prefix_attention(q, k_cache, v_cache, cache_valid, config=self.mosaic_gpu,
@@ -132,7 +137,7 @@ class Kernels:
         """`ring_insertion.insert_chunk` (same arguments and result) on this backend: a single-token chunk on a
         GPU backend runs the in-place Triton kernel (layouts without heavy slots); everything else runs the
         vectorised XLA formulation."""
-        if k.shape[1] == 1 and self.backend in ("triton", "mosaic_gpu") and not layout.heavy:
+        if k.shape[1] == 1 and self.on_gpu and not layout.heavy:
             score, pos, k_cache, v_cache = insert_one(layout, score, pos, k_cache, v_cache, chunk_score, k, v, placed,
                                                       n, seen, layer=layer, interpret=self.interpret)
             return k_cache, v_cache, score, pos
