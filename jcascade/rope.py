@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama/Qwen2), with Llama-3 scaling."""
+"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama/Qwen2), with Llama-3 scaling and
+partial rotation (Qwen3.5's partial, Gemma 4's proportional)."""
 
 from __future__ import annotations
 
@@ -38,23 +39,33 @@ class Llama3Scaling:
 class RoPE:
     """`rope(x, positions)` rotates x [..., D] by integer positions of shape x.shape[:-1] (broadcastable).
 
-    Frequencies theta**(-2i/D) as in Hugging Face, optionally rescaled by `Llama3Scaling`. The rotation
-    is computed in float32 and cast back to x.dtype.
+    Frequencies theta**(-2i/D) as in Hugging Face, optionally rescaled by `Llama3Scaling`. With `rotary_dim`
+    (< D), only the first rotary_dim / 2 frequencies are nonzero (the other pairs pass unrotated): those of a
+    RoPE of width rotary_dim (theta**(-2i/rotary_dim)), or with `proportional` (Gemma 4) the first ones of
+    width D. Pairs are always (i, i + D/2). The rotation is computed in float32 and cast back to x.dtype.
     """
 
     theta: float = 10000.0
     scaling: Llama3Scaling | None = None
+    rotary_dim: int | None = None
+    proportional: bool = False
 
     def __post_init__(self):
         if not self.theta > 1:
             raise ValueError(f"RoPE.theta must be > 1, got {self.theta}")
+        if self.rotary_dim is not None and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ValueError(f"RoPE.rotary_dim must be an even int >= 2 or None, got {self.rotary_dim}")
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """float32 [head_dim // 2] inverse frequencies."""
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        rotary = head_dim if self.rotary_dim is None else self.rotary_dim
+        if rotary > head_dim:
+            raise ValueError(f"RoPE.rotary_dim ({rotary}) exceeds the head_dim ({head_dim})")
+        width = head_dim if self.proportional else rotary
         # float32 throughout, as Hugging Face computes it (parity of positions up to ~1M).
-        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+        exponent = np.arange(0, rotary, 2, dtype=np.float32) / np.float32(width)
         inv = np.float32(1.0) / np.float32(self.theta) ** exponent
         if self.scaling is not None:
             s = self.scaling
@@ -66,7 +77,7 @@ class RoPE:
             )
             mid = (1 - smooth) * inv / s.factor + smooth * inv
             inv = np.where(wavelen > low_wavelen, inv / s.factor, np.where(wavelen < high_wavelen, inv, mid))
-        return inv.astype(np.float32)
+        return np.concatenate([inv, np.zeros((head_dim - rotary) // 2)]).astype(np.float32)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         inv = jnp.asarray(self.inv_freq(x.shape[-1]))

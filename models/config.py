@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3 and Gemma 3 decoders, read from
-Hugging Face `config.json` files or GGUF metadata."""
+"""Model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 3 and Gemma 4
+decoders, read from Hugging Face `config.json` files or GGUF metadata."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ from typing import Any
 from jcascade.rope import Llama3Scaling, RoPE
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
-SLIDING, GLOBAL = "sliding", "global"  # layer types
+                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3_5ForCausalLM": "qwen3_5",
+                 "Qwen3_5ForConditionalGeneration": "qwen3_5", "Gemma4ForCausalLM": "gemma4",
+                 "Gemma4ForConditionalGeneration": "gemma4"}
+# Layer types: GLOBAL layers hold the user's policy's KV cache, SLIDING ones a window cache of their own (Gemma 3
+# and 4), LINEAR ones (Qwen3.5's Gated DeltaNet) a fixed-size recurrent state.
+GLOBAL, SLIDING, LINEAR = "global", "sliding", "linear"
 
 
 def required(fields: dict[str, Any], name: str, source, kind: type = int):
@@ -35,7 +39,7 @@ def required(fields: dict[str, Any], name: str, source, kind: type = int):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3" or "gemma3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma3" or "gemma4"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,10 +55,27 @@ class ModelConfig:
     o_bias: bool  # Llama and Qwen3 with attention_bias
     max_position_embeddings: int
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's features of q and k, before the rotation
-    layer_types: tuple[str, ...] = ()  # Gemma 3: SLIDING or GLOBAL per layer; () for all global
+    layer_types: tuple[str, ...] = ()  # GLOBAL, SLIDING or LINEAR per layer; () for all global
     sliding_window: int | None = None  # the tokens a sliding layer's query sees, itself included
     rope_local_theta: float | None = None  # RoPE base of the sliding layers
     query_scale: float | None = None  # attention scale (Gemma 3: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    partial_rotary_factor: float = 1.0  # the share of a global layer's head dims that rotate (Qwen3.5, Gemma 4)
+    # Qwen3.5: a sigmoid gate on the attention output; its Gated DeltaNet layers' heads, head dims and kernel
+    attention_output_gate: bool = False
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    # Gemma 4: the global layers' head_dim and KV heads (None: as the sliding ones), keys reused as values on the
+    # global layers, the last layers reading the caches of earlier ones, per-layer input embeddings of this width
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    k_eq_v: bool = False
+    kv_shared_layers: int = 0
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -68,9 +89,26 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, GLOBAL}):
-            raise ValueError(f"ModelConfig.layer_types must name {SLIDING!r} or {GLOBAL!r} for each of the "
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or set(self.layer_types) - {SLIDING, GLOBAL, LINEAR}):
+            raise ValueError(f"ModelConfig.layer_types must name {GLOBAL!r}, {SLIDING!r} or {LINEAR!r} for each of the "
                              f"{self.num_layers} layers, got {self.layer_types!r}")
+        if LINEAR in self.layer_types and min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
+                                              self.linear_value_dim, self.linear_conv_kernel) < 1:
+            raise ValueError("linear layers need positive ModelConfig.linear_key_heads, linear_value_heads, "
+                             "linear_key_dim, linear_value_dim and linear_conv_kernel")
+        if LINEAR in self.layer_types and self.linear_value_heads % self.linear_key_heads:
+            raise ValueError(f"linear_value_heads ({self.linear_value_heads}) must be a multiple of linear_key_heads "
+                             f"({self.linear_key_heads})")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"ModelConfig.partial_rotary_factor must lie in (0, 1], got {self.partial_rotary_factor}")
+        if not 0 <= self.kv_shared_layers < self.num_layers:
+            raise ValueError(f"ModelConfig.kv_shared_layers must lie in [0, {self.num_layers}), got "
+                             f"{self.kv_shared_layers}")
+        owners = set(self.layer_types[: self.num_layers - self.kv_shared_layers] or [GLOBAL])
+        if self.kv_shared_layers and set(self.layer_types[-self.kv_shared_layers:] or [GLOBAL]) - owners:
+            raise ValueError("every layer type among the last kv_shared_layers needs an earlier layer of its type "
+                             "whose cache it reads")
         if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window >= 2
                                                   and self.rope_local_theta):
             raise ValueError("sliding layers need ModelConfig.sliding_window (an int >= 2) and rope_local_theta, got "
@@ -78,13 +116,46 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """Gemma's layer: embeddings scaled by sqrt(hidden), (1 + w) norms, norms after attention and MLP too,
-        a GeLU-tanh MLP."""
-        return self.architecture == "gemma3"
+        """Gemma's layer: embeddings scaled by sqrt(hidden), norms after attention and MLP too, a GeLU-tanh MLP."""
+        return self.architecture in ("gemma3", "gemma4")
+
+    @property
+    def norm_plus_one(self) -> bool:
+        """Norms that scale by (1 + w) (Gemma 3, Qwen3.5) instead of w."""
+        return self.architecture in ("gemma3", "qwen3_5")
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """Every layer's type (GLOBAL for all when `layer_types` is empty)."""
+        return self.layer_types or (GLOBAL,) * self.num_layers
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING)
+        return tuple(i for i, t in enumerate(self.types) if t == SLIDING)
+
+    @property
+    def state_types(self) -> tuple[str, ...]:
+        """The layer types with a state, in the order of a model's cache tuple: GLOBAL (the policy's KV cache)
+        first, then SLIDING (a window cache), then LINEAR (recurrent states)."""
+        return tuple(t for t in (GLOBAL, SLIDING, LINEAR) if t in self.types)
+
+    def reads_from(self, layer: int) -> int:
+        """The layer whose cache `layer` attends to: itself, or for one of the last `kv_shared_layers` the last
+        earlier layer of its type that keeps a cache."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        return max(i for i in range(first_shared) if self.types[i] == self.types[layer])
+
+    def layers_with_state(self, layer_type: str) -> tuple[int, ...]:
+        """The layers of `layer_type` that keep a state of their own (in the order of its stack)."""
+        return tuple(i for i, t in enumerate(self.types) if t == layer_type and self.reads_from(i) == i)
+
+    def kv_heads(self, layer_type: str) -> int:
+        return self.global_kv_heads or self.num_kv_heads if layer_type == GLOBAL else self.num_kv_heads
+
+    def head_size(self, layer_type: str) -> int:
+        return self.global_head_dim or self.head_dim if layer_type == GLOBAL else self.head_dim
 
     @property
     def local_rope(self) -> RoPE:
@@ -92,7 +163,16 @@ class ModelConfig:
 
     @property
     def rope(self) -> RoPE:
-        return RoPE(self.rope_theta, self.rope_scaling)
+        """The global layers' RoPE. Partial (Qwen3.5): the first `partial_rotary_factor` of the head dims rotate
+        as a RoPE of that width (the decoder moves them into rotate-half pairs, `rotary_permutation`); proportional
+        (Gemma 4): that share of the head's frequencies, the rest 0."""
+        if self.partial_rotary_factor == 1:
+            return RoPE(self.rope_theta, self.rope_scaling)
+        head_dim = self.head_size(GLOBAL)
+        if self.architecture == "gemma4":
+            return RoPE(self.rope_theta, self.rope_scaling, rotary_dim=2 * int(self.partial_rotary_factor * head_dim // 2),
+                        proportional=True)
+        return RoPE(self.rope_theta, self.rope_scaling, rotary_dim=int(head_dim * self.partial_rotary_factor))
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -106,9 +186,17 @@ class ModelConfig:
                 f"jcascade supports {sorted(ARCHITECTURES)}"
             )
         arch = known[0]
+        if names[0].endswith("ForConditionalGeneration"):  # the text model of a multimodal checkpoint
+            if not isinstance(config.get("text_config"), dict):
+                raise ValueError(f"{source}: the required field 'text_config' is missing")
+            config, source = config["text_config"], f"{source} (text_config)"
         field = lambda name, kind=int: required(config, name, source, kind)  # noqa: E731
         if arch == "gemma3":
             return cls._gemma3(config, field, source)
+        if arch == "gemma4":
+            return cls._gemma4(config, field, source)
+        if arch == "qwen3_5":
+            return cls._qwen3_5(config, field, source)
         rope_params = dict(config.get("rope_parameters") or {})
         theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         scaling = config.get("rope_scaling") or rope_params or None
@@ -200,3 +288,99 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )
+
+    @classmethod
+    def _qwen3_5(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
+        """Qwen3.5's text config (model_type qwen3_5_text): Gated DeltaNet layers and gated full-attention ones by
+        `layer_types` (default: every `full_attention_interval`-th layer full)."""
+        rope = {"rope_theta": config.get("rope_theta", 1e7), "partial_rotary_factor":
+                config.get("partial_rotary_factor", 0.25), **(config.get("rope_parameters") or {})}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"unsupported rope scaling {rope.get('rope_type', rope.get('type'))!r} in {source} "
+                             "(supported for Qwen3.5: default)")
+        for name, supported in (("attention_bias", False), ("hidden_act", "silu")):
+            if config.get(name, supported) != supported:
+                raise ValueError(f"unsupported {source}: {name}={config[name]!r} (supported: {supported!r})")
+        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
+        interval = config.get("full_attention_interval", 4)
+        names = config.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                              for i in range(layers)]
+        _check_layer_types(names, {"full_attention": GLOBAL, "linear_attention": LINEAR}, source)
+        eos = config.get("eos_token_id")
+        return cls(
+            architecture="qwen3_5", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim") or 256,
+            rope_theta=required(rope, "rope_theta", f"{source} (rope_parameters)", float), rope_scaling=None,
+            partial_rotary_factor=required(rope, "partial_rotary_factor", f"{source} (rope_parameters)", float),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=False, o_bias=False,
+            max_position_embeddings=config.get("max_position_embeddings", 32768), qk_norm=True,
+            layer_types=tuple(GLOBAL if n == "full_attention" else LINEAR for n in names), attention_output_gate=True,
+            linear_key_heads=config.get("linear_num_key_heads", 16),
+            linear_value_heads=config.get("linear_num_value_heads", 32),
+            linear_key_dim=config.get("linear_key_head_dim", 128), linear_value_dim=config.get("linear_value_head_dim", 128),
+            linear_conv_kernel=config.get("linear_conv_kernel_dim", 4),
+            bos_token_id=config.get("bos_token_id"), eos_token_ids=_eos(config),
+        )
+
+    @classmethod
+    def _gemma4(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
+        """Gemma 4's text config (model_type gemma4_text), dense: sliding and full layers by `layer_types` (the
+        last always full), the full layers' own head_dim and KV heads, k = v, KV sharing, per-layer inputs."""
+        for name in ("enable_moe_block", "use_double_wide_mlp", "use_bidirectional_attention", "attention_bias"):
+            if config.get(name):
+                raise ValueError(f"unsupported {source}: {name}={config[name]!r} (jcascade runs Gemma 4's dense text "
+                                 "model: no MoE block, no double-wide MLP, causal attention, no attention bias)")
+        if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported {source}: hidden_activation={config['hidden_activation']!r} "
+                             "(supported: gelu_pytorch_tanh)")
+        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
+        names = list(config.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                   for i in range(layers)])
+        names[-1] = "full_attention"  # as transformers forces it
+        _check_layer_types(names, {"full_attention": GLOBAL, "sliding_attention": SLIDING}, source)
+        per_type = config.get("rope_parameters") or {}
+        full = per_type.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1e6}
+        local = per_type.get("sliding_attention") or {"rope_type": "default", "rope_theta": 1e4}
+        for kind, params, supported in (("full_attention", full, ("proportional", "default")),
+                                        ("sliding_attention", local, ("default",))):
+            if params.get("rope_type", "default") not in supported or params.get("factor", 1.0) != 1.0:
+                raise ValueError(f"unsupported rope parameters {params!r} of the {kind} layers in {source}")
+        full_overrides = [o for i, o in (config.get("per_layer_config") or {}).items() if names[int(i)] == "full_attention"]
+        global_head_dim = (full_overrides[0] if full_overrides else {}).get("head_dim", config.get("global_head_dim", 512))
+        global_kv = (full_overrides[0] if full_overrides else {}).get(
+            "num_key_value_heads", config.get("num_global_key_value_heads") if config.get("attention_k_eq_v") else None)
+        per_layer = config.get("hidden_size_per_layer_input") or 0
+        return cls(
+            architecture="gemma4", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim") or 256,
+            rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
+            rope_scaling=None,
+            partial_rotary_factor=float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)), qkv_bias=False, o_bias=False,
+            max_position_embeddings=config.get("max_position_embeddings", 131072), qk_norm=True,
+            layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
+            sliding_window=config.get("sliding_window", 512),
+            rope_local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
+            query_scale=1.0, global_head_dim=global_head_dim, global_kv_heads=global_kv,
+            k_eq_v=bool(config.get("attention_k_eq_v", False)), kv_shared_layers=config.get("num_kv_shared_layers", 0),
+            per_layer_input_size=per_layer,
+            per_layer_vocab_size=config.get("vocab_size_per_layer_input", field("vocab_size")) if per_layer else 0,
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+            bos_token_id=config.get("bos_token_id"), eos_token_ids=_eos(config),
+        )
+
+
+def _eos(config: dict[str, Any]) -> tuple[int, ...]:
+    eos = config.get("eos_token_id")
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _check_layer_types(names: list[str], known: dict[str, str], source: str) -> None:
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown} in {source} (supported: {', '.join(known)})")

@@ -30,17 +30,22 @@ from jcascade import cache_api, cache_state, shared
 from jcascade.pallas_kernels import Kernels
 from jcascade.policies import SlidingWindow, check_policy, policy_names
 from jcascade.models import sharding
-from jcascade.models.config import ModelConfig
+from jcascade.models import delta_net
+from jcascade.models.config import GLOBAL, LINEAR, SLIDING, ModelConfig
 from jcascade.models.weights import declarations, weight_shapes
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -> jax.Array:
-    """As Hugging Face: normalise in float32, cast back, then scale by weight (Llama); with `gemma`, scale by
-    (1 + weight) in float32, then cast back."""
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, plus_one: bool = False,
+             scale_f32: bool = False) -> jax.Array:
+    """As Hugging Face: normalise in float32, cast back, then scale by weight (Llama); with `plus_one` (Gemma 3,
+    Qwen3.5), scale by (1 + weight) in float32, with `scale_f32` (Gemma 4) by weight in float32, then cast back;
+    weight None: no scale (Gemma 4's value norm)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if gemma:
-        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    if weight is None:
+        return xf.astype(x.dtype)
+    if plus_one or scale_f32:
+        return (xf * (plus_one + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
@@ -118,6 +123,9 @@ class CausalLM(nnx.Module):
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
         self.layers = nnx.Dict({name: nnx.Param(weights[name]) for name, w in declarations(config).items() if w.layer})
+        # Gemma 4's per-layer input table, projection and norm
+        self.per_layer_inputs = nnx.Dict({name: nnx.Param(weights[name]) for name, w in declarations(config).items()
+                                          if not w.layer and name not in ("embed", "final_norm", "lm_head")})
 
     @classmethod
     def random(cls, config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02,
@@ -145,7 +153,8 @@ class CausalLM(nnx.Module):
     def weights(self) -> dict[str, jax.Array]:
         """Every weight by name (the names and shapes of `weight_shapes`)."""
         weights = {"embed": self.embed[...], "final_norm": self.final_norm[...],
-                   **{name: p[...] for name, p in self.layers.items()}}
+                   **{name: p[...] for name, p in self.layers.items()},
+                   **{name: p[...] for name, p in self.per_layer_inputs.items()}}
         if self.lm_head is not None:
             weights["lm_head"] = self.lm_head[...]
         return weights
@@ -177,138 +186,123 @@ class CausalLM(nnx.Module):
         return dataclasses.replace(self.sliding_policy, stride=policy.stride)
 
     def init_cache(self, policy, batch: int, max_tokens: int | None = None):
-        """An empty cache for every layer (leading layer axis), in the model's dtype, with the model's kernels; on a
-        sharded model's mesh, rows over "data" and KV heads over "model". A model with sliding layers (Gemma 3) gets a pair:
-        (`policy`'s cache of its global layers, the window cache of its sliding layers, `window_policy`)."""
+        """An empty state for every layer, in the model's dtype, with the model's kernels; on a sharded model's mesh,
+        rows over "data" and KV heads over "model". One stack per layer type with a state (`ModelConfig.state_types`,
+        leading axis over its layers that keep one): `policy`'s cache of the global layers, the window cache of the
+        sliding ones (`window_policy`), the recurrent states of the linear ones (`delta_net.LinearState`, rows over
+        "data"). A model of global layers alone gets its cache; others a tuple in that order (global first)."""
         cfg = self.config
-        sliding = len(cfg.sliding_layers)
 
-        def make(policy, layers):
-            state = cache_api.init_cache(policy, batch, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                     max_tokens=max_tokens, num_layers=layers, kernels=self.kernels)
-            if self.mesh is None:
-                return state
-            return sharding.place(state, sharding.cache_specs(state, self.mesh), self.mesh)
+        def make(layer_type):
+            layers = len(cfg.layers_with_state(layer_type))
+            if layer_type == LINEAR:
+                state = delta_net.init_linear_state(
+                    batch, num_value_heads=cfg.linear_value_heads, key_dim=cfg.linear_key_dim,
+                    value_dim=cfg.linear_value_dim, conv_channels=2 * cfg.linear_key_heads * cfg.linear_key_dim
+                    + cfg.linear_value_heads * cfg.linear_value_dim, kernel=cfg.linear_conv_kernel, dtype=self.dtype,
+                    num_layers=layers)
+                specs = None if self.mesh is None else sharding.linear_state_specs(state, self.mesh)
+            else:
+                state = cache_api.init_cache(policy if layer_type == GLOBAL else self.window_policy(policy), batch,
+                                             cfg.kv_heads(layer_type), cfg.head_size(layer_type), self.dtype,
+                                             max_tokens=max_tokens, num_layers=layers, kernels=self.kernels)
+                specs = None if self.mesh is None else sharding.cache_specs(state, self.mesh)
+            return state if specs is None else sharding.place(state, specs, self.mesh)
 
-        if not sliding:
-            return make(policy, cfg.num_layers)
-        return make(policy, cfg.num_layers - sliding), make(self.window_policy(policy), sliding)
+        states = tuple(make(t) for t in cfg.state_types)
+        return states if len(states) > 1 else states[0]
 
     def layer_cache(self, state, layer: int) -> tuple[cache_state.CacheState, int]:
-        """The stacked cache of `init_cache`'s `state` that holds model layer `layer` (an int), and the layer's
-        index in it (its place among the layers of its type)."""
-        sliding = self.config.sliding_layers
-        if not sliding:
-            return state, layer
-        if layer in sliding:
-            return state[1], sliding.index(layer)
-        return state[0], layer - sum(1 for s in sliding if s < layer)
+        """The stacked cache of `init_cache`'s `state` that model layer `layer` (an int) attends to, and that
+        cache's index in it (a layer reading an earlier layer's cache gets that one). A ValueError for a linear
+        layer (it keeps no KV cache)."""
+        cfg = self.config
+        layer_type = cfg.types[layer]
+        if layer_type == LINEAR:
+            raise ValueError(f"layer {layer} is a linear-attention layer: it keeps a recurrent state, no KV cache")
+        stack = dict(zip(cfg.state_types, state if isinstance(state, tuple) else (state,)))[layer_type]
+        return stack, cfg.layers_with_state(layer_type).index(cfg.reads_from(layer))
 
     def compress(self, policy, state, room: int):
-        """`jcascade.compress` of the cache after a prompt (a policy with an observation window): of the global layers' cache only
-        when the model has sliding layers."""
+        """`jcascade.compress` of the cache after a prompt (a policy with an observation window): of the global
+        layers' cache (the other layer types' states are kept as they are)."""
         if isinstance(state, tuple):
-            return cache_api.compress(policy, state[0], room), state[1]
+            return cache_api.compress(policy, state[0], room), *state[1:]
         return cache_api.compress(policy, state, room)
+
+    def _norm(self, x: jax.Array, weight: jax.Array | None) -> jax.Array:
+        cfg = self.config
+        return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, scale_f32=cfg.gemma)
 
     def __call__(self, policy, state, tokens: jax.Array, lengths: jax.Array,
                  prefixes: tuple = ()) -> tuple[jax.Array, cache_state.CacheState]:
         """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row;
         prefixes: `jcascade.SharedPrefix` levels (layers stacked) that the rows' histories begin with.
-        Returns the final-norm hidden states [B, T, hidden] and the updated cache (`init_cache`'s). The attention
+        Returns the final-norm hidden states [B, T, hidden] and the updated state (`init_cache`'s). The attention
         runs on the cache's kernels (`CacheState.kernels`)."""
         cfg = self.config
-        B, T = tokens.shape
-        if prefixes and cfg.sliding_layers:
-            raise ValueError("shared prefixes (num_samples) are not supported yet for models with sliding layers")
+        if prefixes and (cfg.state_types != (GLOBAL,) or cfg.kv_shared_layers):
+            raise ValueError("shared prefixes (num_samples, context=) are not supported for models with sliding or "
+                             "linear layers or shared caches (Gemma 3 and 4, Qwen3.5)")
         x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
         if cfg.gemma:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
-        layers = functools.partial(self._layers, lengths=lengths, prefixes=tuple(prefixes))
-        branch = policy.step_branch(_layer_view(state[0] if isinstance(state, tuple) else state, jnp.int32(0)), T,
-                                    lengths)
+        per_layer = self._per_layer_inputs(tokens, x) if cfg.per_layer_input_size else None
+        layers = functools.partial(self._layers, lengths=lengths, prefixes=tuple(prefixes), per_layer=per_layer)
+        branch = policy.step_branch(_layer_view(state[0] if isinstance(state, tuple) else state, jnp.int32(0)),
+                                    tokens.shape[1], lengths)
         if branch is None:
             x, state = layers(policy, x, state)
         else:
             index, branch_policies = branch
             x, state = jax.lax.switch(index, [functools.partial(layers, p) for p in branch_policies], x, state)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma), state
+        return self._norm(x, self.final_norm[...]), state
 
-    def _layers(self, policy, x: jax.Array, state, *, lengths: jax.Array, prefixes: tuple) -> tuple[jax.Array, cache_state.CacheState]:
-        """x [B, T, hidden] (embedded) through every layer under `lax.scan`; returns it and the cache. With
-        sliding layers the scan's carry holds both caches and each layer picks its attention with `lax.cond`
-        on its type, so each layer type compiles once."""
+    def _per_layer_inputs(self, tokens: jax.Array, x: jax.Array) -> jax.Array:
+        """Gemma 4's per-layer inputs [L, B, T, P] for tokens [B, T] with embeddings x [B, T, hidden] (scaled): a
+        table lookup (scaled by sqrt(P)) and a normed projection of x (scaled by hidden ** -0.5), averaged (sum /
+        sqrt(2))."""
         cfg = self.config
-        B, T = x.shape[:2]
-        rope = cfg.rope
+        B, T = tokens.shape
+        L, P = cfg.num_layers, cfg.per_layer_input_size
+        table = self.per_layer_inputs["embed_per_layer"][...]
+        looked_up = jnp.take(table, tokens, axis=0) * jnp.asarray(P**0.5, table.dtype)
+        projected = (x @ self.per_layer_inputs["per_layer_projection"][...]) * jnp.asarray(cfg.hidden_size**-0.5, x.dtype)
+        projected = self._norm(projected.reshape(B, T, L, P), self.per_layer_inputs["per_layer_projection_norm"][...])
+        combined = (projected + looked_up.reshape(B, T, L, P)) * jnp.asarray(2**-0.5, x.dtype)
+        return combined.transpose(2, 0, 1, 3)
+
+    def _layers(self, policy, x: jax.Array, state, *, lengths: jax.Array, prefixes: tuple,
+                per_layer: jax.Array | None) -> tuple[jax.Array, cache_state.CacheState]:
+        """x [B, T, hidden] (embedded) through every layer under `lax.scan`; returns it and the cache. Each layer
+        runs the mixer of its type and role (`_mixers`) under `lax.switch`, so each compiles once; the states of
+        all types ride in the scan's carry. per_layer: Gemma 4's per-layer inputs [L, B, T, P] (or None)."""
+        cfg = self.config
+        decl = declarations(cfg)
         weights = {name: p[...] for name, p in self.layers.items()}
-        norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, gemma=cfg.gemma)
-        scale = 1.0 if cfg.query_scale is None else cfg.query_scale * cfg.head_dim**0.5
-
-        def attend_and_update(layer_state, q, k, v, lengths, layer_prefixes):
-            if layer_prefixes:  # requests' own caches keep no scores under shared prefixes
-                out, scores = shared.attend_shared(policy, layer_state, q, k, v, layer_prefixes, lengths, rope), None
-            else:
-                out, scores = cache_api.attend(policy, layer_state, q, k, v, lengths, rope)
-            out, layer_state = _ordered(out, layer_state)
-            return out, cache_api.update(policy, layer_state, k, v, scores, lengths)
-
-        specs = None if self.mesh is None else sharding.layer_specs(
-            state[0] if isinstance(state, tuple) else state, self.mesh, prefixes)
-        if specs is not None:
-            # every cache decision is per (row, KV head): each device runs attend and update (and so the
-            # Pallas kernels) on its own rows and heads, with no communication
-            attend_and_update = jax.shard_map(
-                attend_and_update, mesh=self.mesh, check_vma=False,
-                in_specs=(specs["state"], specs["chunk"], specs["chunk"], specs["chunk"], specs["lengths"],
-                          specs["prefixes"]),
-                out_specs=(specs["chunk"], specs["state"]))
-
-        def global_layer(state, index, q, k, v, layer_prefixes):
-            out, layer_state = attend_and_update(_layer_view(state, index), q, k, v, lengths, layer_prefixes)
-            return out, _written_back(state, layer_state, index)
-
-        window_policy = self.window_policy(policy) if cfg.sliding_layers else None
-
-        def sliding_layer(state, index, q, k, v):
-            layer_state = _layer_view(state, index)
-            out, scores = window_attention(window_policy, layer_state, q, k, v, lengths, cfg.local_rope,
-                                           cfg.sliding_window)
-            (out, scores), layer_state = _ordered((out, scores), layer_state)
-            layer_state = cache_api.update(window_policy, layer_state, k, v, scores, lengths)
-            return out, _written_back(state, layer_state, index)
+        scanned = {name: w for name, w in weights.items() if decl[name].layers == "all"}
+        stacks = {name: w for name, w in weights.items() if decl[name].layers != "all"}
+        ranks = {}  # each layer's place in the stack of each layer set (0 where it has none)
+        for name in stacks:
+            held = decl[name].layer_indices(cfg)
+            ranks[decl[name].layers] = jnp.asarray([held.index(i) if i in held else 0 for i in range(cfg.num_layers)],
+                                                   jnp.int32)
+        norm = self._norm
+        states = dict(zip(cfg.state_types, state if isinstance(state, tuple) else (state,)))
+        mixers, pending = self._mixers(policy, states, x, lengths, prefixes)
+        roles = [_role(cfg, i) for i in range(cfg.num_layers)]
+        branch = jnp.asarray([list(mixers).index(r) for r in roles], jnp.int32)
+        slot = jnp.asarray([cfg.layers_with_state(t).index(cfg.reads_from(i)) for i, (t, _) in enumerate(roles)],
+                           jnp.int32)  # the state a layer reads, in its type's stack
 
         def layer(carry, inputs):
-            x, state = carry
-            w, index, sliding, layer_prefixes = inputs
+            x, states, pending = carry
+            w, rank, branch_index, index, layer_prefixes, extra = inputs
+            fetch = lambda name: w[name] if name in w else stacks[name][rank[decl[name].layers]]  # noqa: E731
             h = norm(x, w["attn_norm"])
-            # three views of h, as for the MLP below: XLA would merge the projections into one product over
-            # [wq | wk | wv], concatenated anew in every layer of every step (1.1 ms of an 8B batch-16 step on an H100)
-            h_q, h_k, h_v = jax.lax.optimization_barrier((h, h, h))
-            q, k, v = h_q @ w["wq"], _product(h_k, w["wk"]), _product(h_v, w["wv"])
-            if cfg.qkv_bias:
-                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-            q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
-            if scale != 1.0:  # the attention scales by head_dim ** -0.5
-                q = q * jnp.asarray(scale, q.dtype)
-            if cfg.sliding_layers:
-                def on_sliding(caches):
-                    out, window_cache = sliding_layer(caches[1], index, q, k, v)
-                    return out, (caches[0], window_cache)
-
-                def on_global(caches):
-                    out, global_cache = global_layer(caches[0], index, q, k, v, layer_prefixes)
-                    return out, (global_cache, caches[1])
-
-                out, state = jax.lax.cond(sliding, on_sliding, on_global, state)
-            else:
-                out, state = global_layer(state, index, q, k, v, layer_prefixes)
-            o = out.reshape(B, T, -1) @ w["wo"]
-            o = o + w["bo"] if cfg.o_bias else o
+            o, states, pending = jax.lax.switch(
+                branch_index, [functools.partial(m, fetch) for m in mixers.values()], h, states, pending, index,
+                layer_prefixes)
             x = x + (norm(o, w["post_attn_norm"]) if cfg.gemma else o)
             h = norm(x, w["mlp_norm"])
             # two views of h: XLA would merge the two products into one over [w_gate | w_up], concatenated
@@ -317,20 +311,193 @@ class CausalLM(nnx.Module):
             gate = jax.nn.gelu(h_gate @ w["w_gate"], approximate=True) if cfg.gemma else jax.nn.silu(h_gate @ w["w_gate"])
             m = (gate * (h_up @ w["w_up"])) @ w["w_down"]
             x = x + (norm(m, w["post_mlp_norm"]) if cfg.gemma else m)
-            return (x, state), None
+            if extra is not None:  # Gemma 4's per-layer input
+                g = jax.nn.gelu(x @ w["ple_gate"], approximate=True) * extra
+                x = x + norm(g @ w["ple_proj"], w["ple_norm"])
+            if "layer_scalar" in w:
+                x = x * w["layer_scalar"].astype(x.dtype)
+            return (x, states, pending), None
 
-        sliding = jnp.asarray([i in cfg.sliding_layers for i in range(cfg.num_layers)])
-        index = jnp.cumsum(jnp.where(sliding, 1, 0)) - 1  # each layer's place among the layers of its type
-        index = jnp.where(sliding, index, jnp.arange(cfg.num_layers) - index - 1).astype(jnp.int32)
-        (x, state), _ = jax.lax.scan(layer, (x, state), (weights, index, sliding, prefixes))
-        return x, state
+        (x, states, pending), _ = jax.lax.scan(layer, (x, states, pending),
+                                               (scanned, ranks, branch, slot, prefixes, per_layer))
+        for layer_type, (k, v, scores) in pending.items():  # the cache that later layers read, updated last
+            index = cfg.layers_with_state(layer_type).index(roles.index((layer_type, "store")))
+            layer_policy = policy if layer_type == GLOBAL else self.window_policy(policy)
+            view = _layer_view(states[layer_type], jnp.int32(index))
+            states[layer_type] = _written_back(states[layer_type], cache_api.update(layer_policy, view, k, v, scores,
+                                                                                     lengths), jnp.int32(index))
+        out = tuple(states[t] for t in cfg.state_types)
+        return x, out if len(out) > 1 else out[0]
+
+    def _mixers(self, policy, states: dict, x: jax.Array, lengths: jax.Array, prefixes: tuple):
+        """The token mixers of the model's layers by role (`_role`: a layer type, and "own" for a layer with a
+        state of its own, "store" for one whose cache later layers read, "read" for those), each
+        `mixer(fetch, h, states, pending, index, layer_prefixes) -> (out [B, T, hidden], states, pending)`: `fetch`
+        gives the layer's weights by name, `index` is its state's place in its type's stack. A "store" layer
+        attends and leaves its chunk's keys, values and scores in `pending` (by layer type); its update is applied
+        after every layer has read that cache (`_layers`). Returns ({role: mixer}, the initial pending)."""
+        cfg = self.config
+        B, T = x.shape[:2]
+        window_policy = self.window_policy(policy) if SLIDING in cfg.types else None
+        specs = None if self.mesh is None else sharding.layer_specs(states[GLOBAL], self.mesh, prefixes)
+
+        norm = self._norm
+
+        def attend(layer_type, view, q, k, v, lengths, layer_prefixes):
+            if layer_type == SLIDING:
+                return window_attention(window_policy, view, q, k, v, lengths, cfg.local_rope, cfg.sliding_window)
+            if layer_prefixes:  # requests' own caches keep no scores under shared prefixes
+                return shared.attend_shared(policy, view, q, k, v, layer_prefixes, lengths, cfg.rope), None
+            return cache_api.attend(policy, view, q, k, v, lengths, cfg.rope)
+
+        def attend_and_update(layer_type, view, q, k, v, lengths, layer_prefixes):
+            out, view = _ordered(attend(layer_type, view, q, k, v, lengths, layer_prefixes), view)
+            return out[0], cache_api.update(policy if layer_type == GLOBAL else window_policy, view, k, v, out[1],
+                                            lengths)
+
+        global_attend_and_update = functools.partial(attend_and_update, GLOBAL)
+        if specs is not None:
+            # every cache decision is per (row, KV head): each device runs attend and update (and so the
+            # Pallas kernels) on its own rows and heads, with no communication
+            global_attend_and_update = jax.shard_map(
+                global_attend_and_update, mesh=self.mesh, check_vma=False,
+                in_specs=(specs["state"], specs["chunk"], specs["chunk"], specs["chunk"], specs["lengths"],
+                          specs["prefixes"]),
+                out_specs=(specs["chunk"], specs["state"]))
+
+        def projections(layer_type, fetch, h):
+            """q [B, T, H, D], k, v [B, T, Hkv, D] (un-rotated; q scaled for the kernels' D ** -0.5) and the output
+            gate (None without one) of an attention layer of `layer_type`, from its input h [B, T, hidden]."""
+            suffix = "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
+            D, Hkv = cfg.head_size(layer_type), cfg.kv_heads(layer_type)
+            q = h @ fetch("wq" + suffix)
+            q = (q + fetch("bq") if cfg.qkv_bias else q).reshape(B, T, cfg.num_heads, D)
+            q = norm(q, fetch("q_norm" + suffix)) if cfg.qk_norm else q
+            gate = h @ fetch("w_attn_gate") if cfg.attention_output_gate else None
+            scale = 1.0 if cfg.query_scale is None else cfg.query_scale * D**0.5
+            if scale != 1.0:  # the attention scales by head_dim ** -0.5
+                q = q * jnp.asarray(scale, q.dtype)
+            return _rotary_order(cfg, layer_type, q), gate
+
+        def keys_values(layer_type, fetch, h):
+            suffix = "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
+            D, Hkv = cfg.head_size(layer_type), cfg.kv_heads(layer_type)
+            # two views of h, as for the MLP: XLA would merge the projections into one product over [wk | wv],
+            # concatenated anew in every layer of every step
+            h_k, h_v = jax.lax.optimization_barrier((h, h))
+            k = _product(h_k, fetch("wk" + suffix))
+            k_eq_v = cfg.k_eq_v and layer_type == GLOBAL
+            v = k if k_eq_v else _product(h_v, fetch("wv" + suffix))
+            if cfg.qkv_bias:
+                k, v = k + fetch("bk"), v + fetch("bv")
+            k, v = k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
+            k = norm(k, fetch("k_norm" + suffix)) if cfg.qk_norm else k
+            if cfg.architecture == "gemma4":
+                v = norm(v, None)
+            return _rotary_order(cfg, layer_type, k), v
+
+        def output(fetch, layer_type, out, gate):
+            suffix = "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
+            out = out.reshape(B, T, -1)
+            if gate is not None:
+                out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+            o = out @ fetch("wo" + suffix)
+            return o + fetch("bo") if cfg.o_bias else o
+
+        def own(layer_type):
+            def mixer(fetch, h, states, pending, index, layer_prefixes):
+                q, gate = projections(layer_type, fetch, h)
+                k, v = keys_values(layer_type, fetch, h)
+                view = _layer_view(states[layer_type], index)
+                if layer_type == GLOBAL:
+                    out, view = global_attend_and_update(view, q, k, v, lengths, layer_prefixes)
+                else:
+                    out, view = attend_and_update(layer_type, view, q, k, v, lengths, layer_prefixes)
+                return output(fetch, layer_type, out, gate), {**states, layer_type: _written_back(states[layer_type],
+                                                                                                  view, index)}, pending
+            return mixer
+
+        def store(layer_type):
+            def mixer(fetch, h, states, pending, index, layer_prefixes):
+                q, gate = projections(layer_type, fetch, h)
+                k, v = keys_values(layer_type, fetch, h)
+                out, scores = attend(layer_type, _layer_view(states[layer_type], index), q, k, v, lengths,
+                                     layer_prefixes)
+                return output(fetch, layer_type, out, gate), states, {**pending, layer_type: (k, v, scores)}
+            return mixer
+
+        def read(layer_type):
+            def mixer(fetch, h, states, pending, index, layer_prefixes):
+                q, gate = projections(layer_type, fetch, h)
+                k, v, _ = pending[layer_type]
+                out, _ = attend(layer_type, _layer_view(states[layer_type], index), q, k, v, lengths, layer_prefixes)
+                return output(fetch, layer_type, out, gate), states, pending
+            return mixer
+
+        def linear(fetch, h, states, pending, index, layer_prefixes):
+            w = {name: fetch(name) for name in ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt_bias",
+                                                "lin_a_log", "lin_norm", "lin_out")}
+            view = jax.tree.map(lambda a: a[index], states[LINEAR])
+            out, view = delta_net.gated_delta_net(
+                w, h, view, lengths, num_key_heads=cfg.linear_key_heads, num_value_heads=cfg.linear_value_heads,
+                key_dim=cfg.linear_key_dim, value_dim=cfg.linear_value_dim, eps=cfg.rms_norm_eps)
+            written = jax.tree.map(lambda a, b: a.at[index].set(b), states[LINEAR], view)
+            return out, {**states, LINEAR: written}, pending
+
+        roles = dict.fromkeys(_role(cfg, i) for i in range(cfg.num_layers))
+        build = {"own": own, "store": store, "read": read}
+        mixers = {(t, r): linear if t == LINEAR else build[r](t) for t, r in roles}
+        pending = {}
+        for t, r in roles:
+            if r == "store":  # zeros of what its attend returns, to carry through the layers before it
+                shapes = jax.eval_shape(lambda h, s: store(t)(self._fetch_first(t), h, s, {}, jnp.int32(0), ())[2][t],
+                                        x, states)
+                pending[t] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        return mixers, pending
+
+    def _fetch_first(self, layer_type: str):
+        """A `fetch` of the weights of the first layer of `layer_type` (for shapes)."""
+        decl = declarations(self.config)
+        first = self.config.types.index(layer_type)
+
+        def fetch(name):
+            held = decl[name].layer_indices(self.config)
+            return self.layers[name][...][held.index(first) if first in held else 0]
+        return fetch
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 [..., vocab] from final hidden states [..., hidden]."""
+        """float32 [..., vocab] from final hidden states [..., hidden] (Gemma 4: soft-capped, cap * tanh(x / cap))."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         # one row would be a matrix-vector product, which XLA on GPUs runs by first converting the whole head to
         # float32 (1 ms of an 8B batch-1 decode step on an H200): `_product` keeps one bf16 product
-        return _product(hidden, head, jnp.float32)
+        logits = _product(hidden, head, jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _role(cfg: ModelConfig, layer: int) -> tuple[str, str]:
+    """(layer type, role): "own" for a layer with a state of its own, "store" for one whose cache later layers
+    read (`ModelConfig.reads_from`), "read" for those."""
+    layer_type = cfg.types[layer]
+    if cfg.reads_from(layer) != layer:
+        return layer_type, "read"
+    readers = any(cfg.reads_from(i) == layer for i in range(layer + 1, cfg.num_layers))
+    return layer_type, "store" if readers else "own"
+
+
+def _rotary_order(cfg: ModelConfig, layer_type: str, x: jax.Array) -> jax.Array:
+    """x [..., D] (queries or keys) with a global layer's partially rotated head dims (Qwen3.5: the first r = D *
+    partial_rotary_factor dims rotate in pairs (i, i + r/2)) moved to the rotate-half pairs (i, i + D/2) that
+    the kernels rotate (`ModelConfig.rope` gives the other pairs frequency 0); the attention's q . k is unchanged
+    by the same order on both. Other layers: x."""
+    if cfg.architecture != "qwen3_5" or layer_type != GLOBAL or cfg.partial_rotary_factor == 1:
+        return x
+    D = x.shape[-1]
+    r = int(D * cfg.partial_rotary_factor)
+    rest = list(range(r, D))
+    half = D // 2 - r // 2
+    order = list(range(r // 2)) + rest[:half] + list(range(r // 2, r)) + rest[half:]
+    return x[..., jnp.asarray(order)]
 
 
 def _product(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:

@@ -13,7 +13,7 @@ import numpy as np
 
 from jcascade.models.config import GLOBAL, SLIDING, ModelConfig, required
 from jcascade.models.decoder import CausalLM, on_mesh
-from jcascade.models.weights import WEIGHTS, declarations, weight_shapes
+from jcascade.models.weights import WEIGHTS, Weight, declarations, weight_shapes
 from jcascade.rope import Llama3Scaling
 
 CONVERTED_CONFIG = "jcascade-config.json"
@@ -22,23 +22,28 @@ def _collect(cfg: ModelConfig, files: dict[str, str], read, source: str) -> dict
     """Our weights (`models.weights`), read by their `source` ("hf" or "gguf") names, checking presence and
     shape of every tensor; `files` maps each source name to the file holding it (for the errors)."""
 
-    def get(name: str, target_shape: tuple[int, ...], transposed: bool, ours: str) -> np.ndarray:
+    def get(name: str, w: Weight, ours: str) -> np.ndarray:
         if name not in files:
             raise ValueError(f"missing tensor {name!r} (needed for {ours}) in {', '.join(sorted(set(files.values())))}")
         array = read(name)
-        want = target_shape[::-1] if transposed else target_shape
+        want = w.shape(cfg)[::-1] if w.transposed else w.shape(cfg)
+        if source == "hf" and w.hf_half is not None:  # rows [heads, 2, rows per head, ...]: one half of each head
+            want = (2 * want[0], *want[1:]) if w.transposed else (*want[:-1], 2 * want[-1])
+        if w.squeezed and array.size == np.prod(want) and tuple(d for d in array.shape if d != 1) == want:
+            array = array.reshape(want)
         if array.shape != want:
             raise ValueError(f"{files[name]}: tensor {name!r} has shape {array.shape}, the config needs {want}")
-        return array.T if transposed else array
+        if source == "hf" and w.hf_half is not None:
+            array = array.reshape(cfg.num_heads, 2, -1, array.shape[-1])[:, w.hf_half].reshape(-1, array.shape[-1])
+        return array.T if w.transposed else array
 
     weights = {}
     for ours, w in declarations(cfg).items():
         name = getattr(w, source)
         if w.layer:
-            weights[ours] = np.stack([get(name.format(i=i), w.shape(cfg), w.transposed, ours)
-                                      for i in range(cfg.num_layers)])
+            weights[ours] = np.stack([get(name.format(i=i), w, ours) for i in w.layer_indices(cfg)])
         else:
-            weights[ours] = get(name, w.shape(cfg), w.transposed, ours)
+            weights[ours] = get(name, w, ours)
     return weights
 
 
@@ -115,7 +120,10 @@ def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
         for key, name in weight_map.items():
             if key not in tensors:
                 raise ValueError(f"{index} names {name} for tensor {key!r}, which {name} does not hold")
-    return cfg, _collect(cfg, {key: where[key] for key in tensors}, lambda name: np.asarray(tensors[name]), "hf")
+    # the text model of a multimodal checkpoint: model.language_model.* (its towers' tensors are not read)
+    text = {key.replace("model.language_model.", "model.", 1): key for key in tensors}
+    return cfg, _collect(cfg, {ours: where[key] for ours, key in text.items()},
+                         lambda name: np.asarray(tensors[text[name]]), "hf")
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -138,7 +146,7 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         t = tensors[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         heads = interleaved.get(name.split(".")[-2]) if cfg.architecture == "llama" else None
-        if cfg.gemma and name.endswith("norm.weight"):
+        if cfg.norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0
         return w if heads is None else _unpermute(w, cfg.num_heads if heads == "q" else cfg.num_kv_heads)
 

@@ -76,7 +76,8 @@ def weight_specs(config: ModelConfig, mesh: Mesh, rules: dict[str, tuple] | None
     replicated along it, with one warning naming it."""
     check_mesh(mesh)
     m = mesh.shape["model"]
-    splits = {"attention": config.num_heads % m == 0 and config.num_kv_heads % m == 0,
+    splits = {"attention": config.num_heads % m == 0 and config.num_kv_heads % m == 0
+                           and config.kv_heads("global") % m == 0,
               "MLP": config.intermediate_size % m == 0, "vocabulary": config.vocab_size % m == 0}
     replicated = [f"{group} ({size})" for group, size in
                   (("attention", f"{config.num_heads} / {config.num_kv_heads} heads"),
@@ -104,6 +105,13 @@ def cache_specs(state: cache_state.CacheState, mesh: Mesh) -> cache_state.CacheS
     slot = PartitionSpec(None, rows, heads, None)
     stack = PartitionSpec(None, rows, heads, None, None)
     return dataclasses.replace(state, k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec(None, rows))
+
+
+def linear_state_specs(state, mesh: Mesh):
+    """PartitionSpecs of stacked linear-layer states (`delta_net.LinearState`): rows over "data" (replicated along
+    it when they do not divide), the rest replicated: the Gated DeltaNet's weights are replicated along "model"."""
+    rows = "data" if state.recurrent.shape[1] % mesh.shape["data"] == 0 else None
+    return jax.tree.map(lambda a: PartitionSpec(None, rows, *(None,) * (a.ndim - 2)), state)
 
 
 def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ()) -> dict | None:

@@ -5,7 +5,7 @@ mesh axes) and both loaders (`models.loading`) derive from these declarations: a
 here and its use in the decoder.
 
 Our layout: x @ W (W is [in, out], the transpose of a PyTorch Linear weight); layer weights are stacked on a
-leading layer axis (not part of a declaration's shape or axes).
+leading axis over the layers that have them (`Weight.layers`; not part of a declaration's shape or axes).
 """
 
 from __future__ import annotations
@@ -13,27 +13,41 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from jcascade.models.config import ModelConfig
+from jcascade.models.config import GLOBAL, LINEAR, SLIDING, ModelConfig
 
 # Logical axes: "vocab" (vocabulary), "embed" (hidden size), "q" (query heads x head_dim), "kv" (KV heads x
-# head_dim), "mlp" (intermediate size), "head_dim" (one head's features).
+# head_dim), "mlp" (intermediate size), "head_dim" (one head's features); None: replicated.
 
 
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """One weight. shape(config) and axes are one layer's for layer weights (`layer`); hf / gguf: tensor names
-    ("{i}" is the layer); transposed: stored [out, in] as a PyTorch Linear weight; gguf_interleaved: llama.cpp
-    interleaves the rotary halves of each head's rows ("q" or "kv" heads) in llama GGUF files; needed: whether a
-    config has this weight."""
+    """One weight. shape(config) and axes are one layer's for layer weights (`layer`); layers: which layers have
+    it ("all", a layer type, or "<type> kv": the layers of that type keeping a cache of their own); hf / gguf:
+    tensor names ("{i}" is the layer); transposed: stored [out, in] as a PyTorch Linear weight; hf_half: the
+    first (0) or second (1) half of each head's rows of the Hugging Face tensor (Qwen3.5's q_proj holds each
+    head's query then its gate); squeezed: the stored tensor has singleton dims ours drops; gguf_interleaved:
+    llama.cpp interleaves the rotary halves of each head's rows ("q" or "kv" heads) in llama GGUF files;
+    needed: whether a config has this weight."""
 
     shape: Callable[[ModelConfig], tuple[int, ...]]
     axes: tuple[str | None, ...]
     hf: str
     gguf: str
     layer: bool = True
+    layers: str = "all"
     transposed: bool = False
+    hf_half: int | None = None
+    squeezed: bool = False
     gguf_interleaved: str | None = None
     needed: Callable[[ModelConfig], bool] = lambda cfg: True
+
+    def layer_indices(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """The model layers this weight's stack holds, in order."""
+        if self.layers == "all":
+            return tuple(range(cfg.num_layers))
+        if self.layers.endswith(" kv"):
+            return cfg.layers_with_state(self.layers.removesuffix(" kv"))
+        return tuple(i for i, t in enumerate(cfg.types) if t == self.layers)
 
 
 def _q(cfg: ModelConfig) -> int:
@@ -95,15 +109,100 @@ GEMMA3: dict[str, Weight] = {
 }
 
 
+
+def _on(layers: str, names: tuple[str, ...], table=WEIGHTS) -> dict[str, Weight]:
+    return {name: dataclasses.replace(table[name], layers=layers) for name in names}
+
+
+_LINEAR = "model.layers.{i}.linear_attn."
+
+
+def _lin(c: ModelConfig) -> int:
+    """The Gated DeltaNet's q | k | v channels."""
+    return 2 * c.linear_key_heads * c.linear_key_dim + c.linear_value_heads * c.linear_value_dim
+
+
+# Qwen3.5: gated full attention on its GLOBAL layers (q_proj holds each head's query, then its output gate), Gated
+# DeltaNet on the LINEAR ones (llama.cpp's qwen35 names); every layer's norms and MLP as Llama's.
+QWEN3_5: dict[str, Weight] = {
+    **_on(GLOBAL, ("wq", "wk", "wv", "wo", "q_norm", "k_norm")),
+    "wq": dataclasses.replace(WEIGHTS["wq"], layers=GLOBAL, hf_half=0, gguf_interleaved=None),
+    "w_attn_gate": Weight(lambda c: (c.hidden_size, _q(c)), ("embed", "q"), _ATTN + "q_proj.weight",
+                          "blk.{i}.attn_q.weight", layers=GLOBAL, transposed=True, hf_half=1),
+    "lin_qkv": Weight(lambda c: (c.hidden_size, _lin(c)), ("embed", None), _LINEAR + "in_proj_qkv.weight",
+                      "blk.{i}.attn_qkv.weight", layers=LINEAR, transposed=True),
+    "lin_z": Weight(lambda c: (c.hidden_size, c.linear_value_heads * c.linear_value_dim), ("embed", None),
+                    _LINEAR + "in_proj_z.weight", "blk.{i}.attn_gate.weight", layers=LINEAR, transposed=True),
+    "lin_b": Weight(lambda c: (c.hidden_size, c.linear_value_heads), ("embed", None), _LINEAR + "in_proj_b.weight",
+                    "blk.{i}.ssm_beta.weight", layers=LINEAR, transposed=True),
+    "lin_a": Weight(lambda c: (c.hidden_size, c.linear_value_heads), ("embed", None), _LINEAR + "in_proj_a.weight",
+                    "blk.{i}.ssm_alpha.weight", layers=LINEAR, transposed=True),
+    "lin_conv": Weight(lambda c: (_lin(c), c.linear_conv_kernel), (None, None), _LINEAR + "conv1d.weight",
+                       "blk.{i}.ssm_conv1d.weight", layers=LINEAR, squeezed=True),
+    "lin_dt_bias": Weight(lambda c: (c.linear_value_heads,), (None,), _LINEAR + "dt_bias", "blk.{i}.ssm_dt.bias",
+                          layers=LINEAR),
+    "lin_a_log": Weight(lambda c: (c.linear_value_heads,), (None,), _LINEAR + "A_log", "blk.{i}.ssm_a",
+                        layers=LINEAR),
+    "lin_norm": Weight(lambda c: (c.linear_value_dim,), (None,), _LINEAR + "norm.weight", "blk.{i}.ssm_norm.weight",
+                       layers=LINEAR),
+    "lin_out": Weight(lambda c: (c.linear_value_heads * c.linear_value_dim, c.hidden_size), (None, "embed"),
+                      _LINEAR + "out_proj.weight", "blk.{i}.ssm_out.weight", layers=LINEAR, transposed=True),
+}
+
+
+def _global_q(c: ModelConfig) -> int:
+    return c.num_heads * c.head_size(GLOBAL)
+
+
+def _global_kv(c: ModelConfig) -> int:
+    return c.kv_heads(GLOBAL) * c.head_size(GLOBAL)
+
+
+_PLE = "model.layers.{i}."
+# Gemma 4: Gemma 3's layer with a head_dim and KV heads of their own on the GLOBAL layers (their weights apart), no
+# k/v weights on the layers that read an earlier layer's cache (nor v on global layers with k = v), per-layer inputs
+# (a gate and projection per layer from a table and a projection of the embeddings) and a scalar per layer.
+GEMMA4: dict[str, Weight] = {
+    **_on(SLIDING, ("wq", "wo", "q_norm")), **_on("sliding kv", ("wk", "wv", "k_norm")),
+    "wq_global": dataclasses.replace(WEIGHTS["wq"], shape=lambda c: (c.hidden_size, _global_q(c)), layers=GLOBAL),
+    "wk_global": dataclasses.replace(WEIGHTS["wk"], shape=lambda c: (c.hidden_size, _global_kv(c)), layers="global kv"),
+    "wv_global": dataclasses.replace(WEIGHTS["wv"], shape=lambda c: (c.hidden_size, _global_kv(c)), layers="global kv",
+                                     needed=lambda c: not c.k_eq_v),
+    "wo_global": dataclasses.replace(WEIGHTS["wo"], shape=lambda c: (_global_q(c), c.hidden_size), layers=GLOBAL),
+    "q_norm_global": dataclasses.replace(WEIGHTS["q_norm"], shape=lambda c: (c.head_size(GLOBAL),), layers=GLOBAL),
+    "k_norm_global": dataclasses.replace(WEIGHTS["k_norm"], shape=lambda c: (c.head_size(GLOBAL),),
+                                         layers="global kv"),
+    "embed_per_layer": Weight(lambda c: (c.per_layer_vocab_size, c.num_layers * c.per_layer_input_size),
+                              ("vocab", None), "model.embed_tokens_per_layer.weight", "per_layer_token_embd.weight",
+                              layer=False, needed=lambda c: c.per_layer_input_size > 0),
+    "per_layer_projection": Weight(lambda c: (c.hidden_size, c.num_layers * c.per_layer_input_size), ("embed", None),
+                                   "model.per_layer_model_projection.weight", "per_layer_model_proj.weight",
+                                   layer=False, transposed=True, needed=lambda c: c.per_layer_input_size > 0),
+    "per_layer_projection_norm": Weight(lambda c: (c.per_layer_input_size,), (None,),
+                                        "model.per_layer_projection_norm.weight", "per_layer_proj_norm.weight",
+                                        layer=False, needed=lambda c: c.per_layer_input_size > 0),
+    "ple_gate": Weight(lambda c: (c.hidden_size, c.per_layer_input_size), ("embed", None),
+                       _PLE + "per_layer_input_gate.weight", "blk.{i}.inp_gate.weight", transposed=True,
+                       needed=lambda c: c.per_layer_input_size > 0),
+    "ple_proj": Weight(lambda c: (c.per_layer_input_size, c.hidden_size), (None, "embed"),
+                       _PLE + "per_layer_projection.weight", "blk.{i}.proj.weight", transposed=True,
+                       needed=lambda c: c.per_layer_input_size > 0),
+    "ple_norm": Weight(lambda c: (c.hidden_size,), (None,), _PLE + "post_per_layer_input_norm.weight",
+                       "blk.{i}.post_norm.weight", needed=lambda c: c.per_layer_input_size > 0),
+    "layer_scalar": Weight(lambda c: (1,), (None,), _PLE + "layer_scalar", "blk.{i}.layer_output_scale.weight"),
+}
+
+
 def declarations(cfg: ModelConfig) -> dict[str, Weight]:
     """The weights a config has, by our name, in a fixed order."""
-    table = WEIGHTS | (GEMMA3 if cfg.gemma else {})
+    table = WEIGHTS | {"gemma3": GEMMA3, "gemma4": GEMMA3 | GEMMA4, "qwen3_5": QWEN3_5}.get(cfg.architecture, {})
     return {name: w for name, w in table.items() if w.needed(cfg)}
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of every weight the config has (layer weights with their leading layer axis)."""
-    return {name: ((cfg.num_layers,) if w.layer else ()) + w.shape(cfg) for name, w in declarations(cfg).items()}
+    """Shape of every weight the config has (layer weights with their leading axis over `Weight.layer_indices`)."""
+    return {name: ((len(w.layer_indices(cfg)),) if w.layer else ()) + w.shape(cfg)
+            for name, w in declarations(cfg).items()}
 
 
 def logical_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:

