@@ -135,7 +135,8 @@ def causal_conv(x, weight, tail, lengths) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal convolution with SiLU: y[t, c] = silu(sum_j weight[c, j] h[t + j, c]) over the history
     h = tail ++ x. x [B, T, C] (pre-convolution qkv), weight [C, K], tail [B, K - 1, C] (the inputs before x),
     lengths int32 [B] (valid tokens of each row, right padding). Returns y [B, T, C] in x.dtype (summed in
-    float32) and the new tail: the last K - 1 valid inputs of each row's history (tail ++ x[:lengths])."""
+    float32, then cast and activated) and the new tail: the last K - 1 valid inputs of each row's history
+    (tail ++ x[:lengths])."""
     if x.ndim != 3 or weight.ndim != 2:
         raise ValueError(f"x must be [B, T, C] and weight [C, K], got {x.shape} and {weight.shape}")
     B, T, C = x.shape
@@ -145,7 +146,7 @@ def causal_conv(x, weight, tail, lengths) -> tuple[jax.Array, jax.Array]:
     _check_shape("lengths", lengths, "B", (B,))
     history = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
     hf, wf = _f32(history, weight)
-    y = jax.nn.silu(sum(hf[:, j:j + T] * wf[:, j] for j in range(K))).astype(x.dtype)
+    y = jax.nn.silu(sum(hf[:, j:j + T] * wf[:, j] for j in range(K)).astype(x.dtype))
     index = lengths[:, None] + jnp.arange(K - 1)  # the history positions lengths .. lengths + K - 2
     new_tail = jnp.take_along_axis(history, index[:, :, None], axis=1).astype(tail.dtype)
     return y, new_tail
