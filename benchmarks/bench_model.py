@@ -1,6 +1,9 @@
 """Whole-model benchmarks on a Llama-3.1-8B-shaped (or `--shape 70b`: Llama-3-70B-shaped; `--shape gemma-3-270m`:
-Gemma 3 270M, 15 sliding layers of a 512-token window beside 3 global ones) model with random bf16 weights made on
-the device(s), on one device or a `--mesh data=D,model=M` (tensor parallelism).
+Gemma 3 270M, 15 sliding layers of a 512-token window beside 3 global ones; `--shape qwen3.5` / `gemma-4`: the
+default configs of transformers' Qwen3.5 and Gemma 4 text models, see QWEN3_5 and GEMMA4) model with random bf16
+weights made on the device(s), on one device or a `--mesh data=D,model=M` (tensor parallelism). Every run also
+prints the state a row holds by layer type (Full at 128K and 1M tokens, the Cascade at 1M) and, for Qwen3.5,
+the Gated DeltaNet mixer's time per prefill chunk.
 
   a  strided prefill (Cascade: 16K + 64 sinks, 4 cascades, stride 4K) streamed over 1M tokens, with the
      elapsed time read at 32K, 128K and 1M tokens; throughput and model FLOP utilisation (MFU) against a
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import tempfile
@@ -36,7 +40,8 @@ import jax.numpy as jnp
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
-from jcascade.models import CausalLM, ModelConfig, sharding
+from jcascade.models import CausalLM, ModelConfig, delta_net, sharding
+from jcascade.models.weights import weight_shapes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import decode_breakdown  # noqa: E402
@@ -55,7 +60,27 @@ GEMMA3_270M = ModelConfig(
     layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(18)), rope_local_theta=1e4,
     query_scale=256**-0.5,
 )
-SHAPES = {"8b": LLAMA31_8B, "70b": LLAMA3_70B, "gemma-3-270m": GEMMA3_270M}
+# transformers' Qwen3_5TextConfig defaults: 24 Gated DeltaNet layers (16 key / 32 value heads of 128) and 8 gated
+# global ones (16 heads, 4 KV heads of 256, a quarter of each rotated), hidden 4096
+QWEN3_5 = ModelConfig(
+    architecture="qwen3_5", vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_layers=32, num_heads=16,
+    num_kv_heads=4, head_dim=256, rope_theta=1e7, rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    qkv_bias=False, o_bias=False, max_position_embeddings=262144, qk_norm=True,
+    layer_types=tuple("global" if (i + 1) % 4 == 0 else "linear" for i in range(32)), partial_rotary_factor=0.25,
+    attention_output_gate=True, linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128,
+    linear_conv_kernel=4,
+)
+# transformers' Gemma4TextConfig defaults: 25 sliding layers (window 512, 4 KV heads of 256) and 5 global ones (4 KV
+# heads of 512, proportional RoPE), per-layer inputs of 256, hidden 2304
+GEMMA4 = ModelConfig(
+    architecture="gemma4", vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_layers=30, num_heads=8,
+    num_kv_heads=4, head_dim=256, rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    qkv_bias=False, o_bias=False, max_position_embeddings=131072, qk_norm=True, sliding_window=512,
+    layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(30)), rope_local_theta=1e4,
+    query_scale=1.0, partial_rotary_factor=0.25, global_head_dim=512, per_layer_input_size=256,
+    per_layer_vocab_size=262144,
+)
+SHAPES = {"8b": LLAMA31_8B, "70b": LLAMA3_70B, "gemma-3-270m": GEMMA3_270M, "qwen3.5": QWEN3_5, "gemma-4": GEMMA4}
 TINY = ModelConfig(
     architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
@@ -96,16 +121,17 @@ def stream_bandwidths(n: int) -> tuple[float, float]:
 
 
 def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
-    """Matmul FLOPs per token: the projections and MLP (2 per weight), attention (QK^T and PV at 4 per
-    key and head dim, plus the scores pass's QK^T at 2; a sliding layer's query at 4 per key of its window),
-    the LM head is not run during prefill."""
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    dense = 2 * L * (H * q + 2 * H * kv + q * H + 3 * H * I)
-    sliding = len(cfg.sliding_layers)
-    attention = cfg.num_heads * cfg.head_dim * ((L - sliding) * keys_per_query * (4 + 2)
-                                                + sliding * (cfg.sliding_window or 0) * 4)
-    return dense + attention
+    """Matmul FLOPs per token: every layer weight matrix (2 per weight), attention (QK^T and PV at 4 per
+    key and head dim, plus the scores pass's QK^T at 2; a sliding layer's query at 4 per key of its window), a
+    Gated DeltaNet layer's chunked delta rule (64-token chunks: per value head about 4 * 64 * dk + 2 * 64 * dv +
+    6 * dk * dv); the LM head is not run during prefill."""
+    dense = 2 * sum(math.prod(shape) for shape in weight_shapes(cfg).values() if len(shape) == 3)
+    types = cfg.types
+    attention = cfg.num_heads * (cfg.head_size("global") * types.count("global") * keys_per_query * (4 + 2)
+                                 + cfg.head_dim * types.count("sliding") * (cfg.sliding_window or 0) * 4)
+    dk, dv = cfg.linear_key_dim, cfg.linear_value_dim
+    linear = types.count("linear") * cfg.linear_value_heads * (4 * 64 * dk + 2 * 64 * dv + 6 * dk * dv)
+    return dense + attention + linear
 
 
 def bench_prefill(a, model, policy, peak):
@@ -134,8 +160,45 @@ def bench_prefill(a, model, policy, peak):
     return dict(compile_s=compile_s, segment=segment, rows=rows)
 
 
+def delta_rule_ms(model, tokens: int) -> float:
+    """ms of one Gated DeltaNet layer's mixer (`delta_net.gated_delta_net`, XLA) over a chunk of `tokens` tokens of
+    one row, with the first linear layer's weights: the median of 10 calls."""
+    cfg = model.config
+    first = cfg.types.index("linear")
+    w = {name: p[...][cfg.layers_with_state("linear").index(first)] for name, p in model.layers.items()
+         if name.startswith("lin_")}
+    state = delta_net.init_linear_state(1, num_value_heads=cfg.linear_value_heads, key_dim=cfg.linear_key_dim,
+                                        value_dim=cfg.linear_value_dim, conv_channels=w["lin_conv"].shape[0],
+                                        kernel=cfg.linear_conv_kernel, dtype=model.dtype)
+    x = jax.random.normal(jax.random.key(3), (1, tokens, cfg.hidden_size), model.dtype)
+    run = jax.jit(lambda w, x, state: delta_net.gated_delta_net(
+        w, x, state, jnp.array([tokens], jnp.int32), num_key_heads=cfg.linear_key_heads,
+        num_value_heads=cfg.linear_value_heads, key_dim=cfg.linear_key_dim, value_dim=cfg.linear_value_dim,
+        eps=cfg.rms_norm_eps))
+    block(run(w, x, state))
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        block(run(w, x, state))
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[5] * 1e3
+
+
 def is_cache(x) -> bool:
     return isinstance(x, jc.CacheState)
+
+
+def is_linear(x) -> bool:
+    return isinstance(x, delta_net.LinearState)
+
+
+def state_memory(cfg: ModelConfig, policy, tokens: int) -> dict:
+    """Bytes of a model's state per row (bf16 K/V; scores, positions and recurrent states as stored) holding
+    `tokens` tokens under `policy` (Full: every token), by layer type, from shapes alone (nothing is allocated)."""
+    state = jax.eval_shape(lambda: CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16).init_cache(
+        policy, 1, max_tokens=tokens))
+    states = dict(zip(cfg.state_types, state if isinstance(state, tuple) else (state,)))
+    return {t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s)) for t, s in states.items()}
 
 
 def decode_bytes(model, policy, batch: int) -> dict:
@@ -146,21 +209,23 @@ def decode_bytes(model, policy, batch: int) -> dict:
     on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731 (the shards are equal)
     state = jax.eval_shape(lambda: model.init_cache(policy, batch))
     cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // devices
-    kv = sum(2 * c.k.size * c.k.dtype.itemsize for c in jax.tree.leaves(state, is_leaf=is_cache)) // devices
+    kv = sum(2 * c.k.size * c.k.dtype.itemsize for c in jax.tree.leaves(state, is_leaf=is_cache) if is_cache(c)) // devices
+    recurrent = sum(x.size * x.dtype.itemsize for s in jax.tree.leaves(state, is_leaf=is_linear) if is_linear(s)
+                    for x in jax.tree.leaves(s)) // devices  # read and written by each step
     weights = sum(on_one_device(x) for x in jax.tree.leaves(model))
-    unread = on_one_device(model.embed[...]) if model.lm_head is not None else 0
-    return dict(weights=weights, weights_read=weights - unread, cache=cache, kv=kv)
+    unread = (on_one_device(model.embed[...]) if model.lm_head is not None else 0) + sum(  # tables a step reads a row of
+        on_one_device(p[...]) for name, p in model.per_layer_inputs.items() if name == "embed_per_layer")
+    return dict(weights=weights, weights_read=weights - unread, cache=cache, kv=kv + 2 * recurrent)
 
 
 def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> dict:
     """ms per greedy step at `batch` over a full cache, against the weights + K/V roofline of one device (`held`:
     `decode_bytes`)."""
-    cfg = model.config
 
     def full(state):  # a full cache, as after a long prompt, made in place on its devices
         cap, shape = state.k.shape[-2], state.k.shape
         k1, k2 = jax.random.split(jax.random.key(batch))
-        rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, cfg.head_dim), state.k.dtype), shape)
+        rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, shape[-1]), state.k.dtype), shape)
         state = dataclasses.replace(
             state, k=rows(k1), v=rows(k2), score=jnp.full(state.score.shape, 1e-4, jnp.float32),
             pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
@@ -169,8 +234,9 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
             return state
         return sharding.place(state, sharding.cache_specs(state, model.mesh), model.mesh)
 
-    # (global layers' cache, sliding layers' window cache) for a model with sliding layers
-    state = jax.jit(lambda: jax.tree.map(full, model.init_cache(policy, batch), is_leaf=is_cache))()
+    # every KV cache full (a model with sliding or linear layers has a tuple of states; recurrent states stay zero)
+    state = jax.jit(lambda: jax.tree.map(lambda s: full(s) if is_cache(s) else s, model.init_cache(policy, batch),
+                                         is_leaf=lambda s: is_cache(s) or is_linear(s)))()
 
     def step(model, state, last):
         hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32))
@@ -234,7 +300,7 @@ def main():
     p.add_argument("--only", default="ab", help="a: prefill, b: decode (compile times come with each)")
     p.add_argument("--batches", default="1,16,32", help="decode batch sizes")
     p.add_argument("--cache-size", type=int, default=16384, help="Cascade cache size (64: weights and fixed costs only)")
-    p.add_argument("--shape", choices=SHAPES, default="8b", help="Llama-3.1-8B, Llama-3-70B or Gemma 3 270M shapes")
+    p.add_argument("--shape", choices=SHAPES, default="8b", help="Llama-3.1-8B, Llama-3-70B, Gemma 3 270M, Qwen3.5 or Gemma 4 shapes")
     p.add_argument("--mesh", type=sharding.parse_mesh, default=(1, 1), metavar="data=D,model=M",
                    help="devices (default: one)")
     p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
@@ -246,8 +312,16 @@ def main():
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
-    if a.tiny:
+    if a.tiny:  # the --shape's family at a tiny size (Llama for the Llama shapes)
         cfg, policy = TINY, jc.Cascade(cache_size=64, sinks=4, num_cascades=4, stride=32)
+        if SHAPES[a.shape].layer_types:
+            big = SHAPES[a.shape]
+            cfg = dataclasses.replace(
+                big, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
+                head_dim=16, layer_types=big.layer_types[-6:], global_head_dim=big.global_head_dim and 32,
+                per_layer_input_size=big.per_layer_input_size and 8, per_layer_vocab_size=big.per_layer_vocab_size and 256,
+                **{f"linear_{n}": min(getattr(big, f"linear_{n}"), 4 if "heads" in n else 8)
+                   for n in ("key_heads", "value_heads", "key_dim", "value_dim")})
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
         peak, (copy, read) = matmul_peak(256), stream_bandwidths(1 << 20)
     else:
@@ -269,8 +343,13 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e9:.0f} GB/s, read {read / 1e9:.0f} GB/s",
           flush=True)
+    result["state_bytes_per_row"] = {f"{name} {tokens}": state_memory(cfg, p, tokens) for name, p, tokens in (
+        ("Full", jc.Full(stride=policy.stride), 1 << 17), ("Full", jc.Full(stride=policy.stride), 1 << 20),
+        (f"Cascade {policy.cache_size}", policy, 1 << 20))}
     if "a" in a.only:
         result["prefill"] = bench_prefill(a, model, policy, peak)
+        if "linear" in cfg.types:
+            result["prefill"]["delta_rule_ms_per_chunk_and_layer"] = delta_rule_ms(model, policy.stride)
         out.write_text(json.dumps(result, indent=2))
     result["decode"] = bench_decode(a, model, policy, bandwidth) if "b" in a.only else []
     out.write_text(json.dumps(result, indent=2))
@@ -279,6 +358,14 @@ def main():
         print(f"\nprefill ({policy.stride}-token chunks, compile {pre['compile_s']:.0f} s): tokens, seconds, tokens/s, MFU")
         for r in pre["rows"]:
             print(f"   {r['tokens']:>8} {r['seconds']:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.2f}")
+        if "delta_rule_ms_per_chunk_and_layer" in pre:
+            chunk_ms = pre["rows"][-1]["seconds"] / (pre["rows"][-1]["tokens"] / policy.stride) * 1e3
+            share = pre["delta_rule_ms_per_chunk_and_layer"] * cfg.types.count("linear") / chunk_ms
+            print(f"   Gated DeltaNet mixer (XLA): {pre['delta_rule_ms_per_chunk_and_layer']:.2f} ms per "
+                  f"{policy.stride}-token chunk and layer, {share:.0%} of a chunk's {chunk_ms:.0f} ms")
+    print("state per row by layer type, MB: " + "; ".join(
+        f"{k}: " + ", ".join(f"{t} {b / 1e6:.1f}" for t, b in v.items()) + f" (all {sum(v.values()) / 1e6:.1f})"
+        for k, v in result["state_bytes_per_row"].items()))
     print("decode: batch, ms/step, tokens/s, roofline ms, fraction of roofline, compile s")
     for r in result["decode"]:
         if "error" in r:

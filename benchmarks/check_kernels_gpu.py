@@ -4,13 +4,14 @@ The CPU tests run the kernels in interpret mode, which shares their logic but no
 behaviour (NaN handling of Triton's max, masked loads, tiling at real sizes). This script runs
 `Kernels.chunk_attention` on each GPU backend ("triton"; "mosaic_gpu", for chunks, on a Hopper GPU, refusing what
 it cannot run; and `Kernels.default()`, the platform's, which must pick a kernel that takes the shape) at a layer shape (`--shape`: Llama-3.1-8B's 32
-query heads, 8 KV heads, D = 128, or Gemma 3 270M's 4 / 1 / D = 256; bf16, RoPE fused) and compares out, lse and
+query heads, 8 KV heads, D = 128, or Gemma 3 270M's 4 / 1 / D = 256, Qwen3.5's global layers' 16 / 4 / D = 256, Gemma
+4's 8 / 4 / D = 512; bf16, RoPE fused) and compares out, lse and
 both score increments with the XLA reference's: decode at batch 1 and 32 over a 16K + 64 cache read in
 place from a stacked cache (and at batch 2 with positions near 1M), chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
 caches that hold a NaN key (the NaN pattern must match on the valid slots). Relative error (norm over the
 finite entries) must stay under 1e-2, the bf16 tolerance; exits 1 otherwise.
 
-    python benchmarks/check_kernels_gpu.py [--shape gemma-3-270m] [--out benchmarks/results/check-kernels-<device>.json]
+    python benchmarks/check_kernels_gpu.py [--shape gemma-3-270m|qwen3.5|gemma-4] [--out benchmarks/results/check-kernels-<device>.json]
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import numpy as np
 import jcascade as jc
 from jcascade import pallas_kernels as pk
 
-SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma-3-270m": (4, 1, 256)}  # query heads, KV heads, head_dim
+# query heads, KV heads, head_dim (the global layers of Qwen3.5's and Gemma 4's default configs)
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma-3-270m": (4, 1, 256), "qwen3.5": (16, 4, 256), "gemma-4": (8, 4, 512)}
 HQ, HKV, D = SHAPES["llama-3.1-8b"]  # set by --shape
 LAYERS, LAYER = 4, 2
 TOLERANCE = 1e-2

@@ -81,13 +81,14 @@ def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None
 def check_sharing(argument: str, policy=None, config: ModelConfig | None = None) -> None:
     """Refuses, naming `argument` (num_samples=, context=, --protocol query-agnostic), what cannot hold a prompt's
     cache as a frozen shared prefix: a `policy` that is not `shareable` (Recycled), a model `config` with sliding
-    layers (Gemma 3). Either may be None (not checked), so that a command checks them before loading a model."""
+    or linear layers (Gemma 3 and 4, Qwen3.5). Either may be None (not checked), so that a command checks them
+    before loading a model."""
     if policy is not None and not policy.shareable:
         raise ValueError(f"{argument} does not support {type(policy).__name__} (its cache is chosen per request: it "
                          "cannot be one frozen prefix shared by the rows)")
-    if config is not None and config.sliding_layers:
-        raise ValueError(f"{argument} is not supported yet for models with sliding layers (Gemma 3): it holds the "
-                         "prompt's cache as a shared prefix")
+    if config is not None and (config.state_types != ("global",) or config.kv_shared_layers):
+        raise ValueError(f"{argument} is not supported yet for models with sliding or linear layers (Gemma 3 and 4, "
+                         "Qwen3.5): it holds the prompt's cache as a shared prefix")
 
 
 def _check_context(model: CausalLM, policy, context, context_lengths, batch: int):

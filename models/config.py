@@ -306,7 +306,6 @@ class ModelConfig:
         names = config.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                               for i in range(layers)]
         _check_layer_types(names, {"full_attention": GLOBAL, "linear_attention": LINEAR}, source)
-        eos = config.get("eos_token_id")
         return cls(
             architecture="qwen3_5", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
             intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,

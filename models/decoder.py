@@ -369,11 +369,14 @@ class CausalLM(nnx.Module):
             """q [B, T, H, D], k, v [B, T, Hkv, D] (un-rotated; q scaled for the kernels' D ** -0.5) and the output
             gate (None without one) of an attention layer of `layer_type`, from its input h [B, T, hidden]."""
             suffix = "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
-            D, Hkv = cfg.head_size(layer_type), cfg.kv_heads(layer_type)
+            D = cfg.head_size(layer_type)
+            # a view of h of its own for the gate: XLA would merge the two products into one over [wq | gate],
+            # concatenated anew in every layer of every step (as for k and v below)
+            h, h_gate = jax.lax.optimization_barrier((h, h)) if cfg.attention_output_gate else (h, None)
             q = h @ fetch("wq" + suffix)
             q = (q + fetch("bq") if cfg.qkv_bias else q).reshape(B, T, cfg.num_heads, D)
             q = norm(q, fetch("q_norm" + suffix)) if cfg.qk_norm else q
-            gate = h @ fetch("w_attn_gate") if cfg.attention_output_gate else None
+            gate = h_gate @ fetch("w_attn_gate") if cfg.attention_output_gate else None
             scale = 1.0 if cfg.query_scale is None else cfg.query_scale * D**0.5
             if scale != 1.0:  # the attention scales by head_dim ** -0.5
                 q = q * jnp.asarray(scale, q.dtype)

@@ -177,6 +177,9 @@ def gated_delta_net(w: dict, x, state: LinearState, lengths, *, num_key_heads: i
     _check_shape("state.conv", state.conv, "B, K - 1, C", (B, K - 1, C))
 
     valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B, T]
+    # four views of x: XLA would merge the four products into one over [qkv | z | b | a], concatenated anew in every
+    # layer of every step (1.6 ms of a 16 ms batch-16 decode step of Qwen3.5's default shape on an H100)
+    x, x_z, x_b, x_a = jax.lax.optimization_barrier((x, x, x, x))
     qkv, conv_tail = causal_conv(x @ w["lin_qkv"], w["lin_conv"], state.conv, lengths)
     q, k, v = jnp.split(qkv, [Hk * dk, 2 * Hk * dk], axis=-1)
 
@@ -187,8 +190,8 @@ def gated_delta_net(w: dict, x, state: LinearState, lengths, *, num_key_heads: i
         return t * jax.lax.rsqrt(jnp.sum(t * t, axis=-1, keepdims=True) + 1e-6)
 
     q, k, v = l2_normalised(heads(q, Hk, dk)) * dk ** -0.5, l2_normalised(heads(k, Hk, dk)), heads(v, Hv, dv)
-    beta = jnp.where(valid[..., None], jax.nn.sigmoid(x @ w["lin_b"]).astype(jnp.float32), 0.0)
-    a = (x @ w["lin_a"]).astype(jnp.float32) + w["lin_dt_bias"].astype(jnp.float32)
+    beta = jnp.where(valid[..., None], jax.nn.sigmoid(x_b @ w["lin_b"]).astype(jnp.float32), 0.0)
+    a = (x_a @ w["lin_a"]).astype(jnp.float32) + w["lin_dt_bias"].astype(jnp.float32)
     g = jnp.where(valid[..., None], -jnp.exp(w["lin_a_log"].astype(jnp.float32)) * jax.nn.softplus(a), 0.0)
     if T == 1:
         o, recurrent = delta_rule_reference(q, k, v, g, beta, state.recurrent)
@@ -198,7 +201,7 @@ def gated_delta_net(w: dict, x, state: LinearState, lengths, *, num_key_heads: i
     # the gated RMSNorm per head: normalised in float32, cast, scaled by its weight, gated by silu(z) in float32
     o = o.astype(x.dtype).astype(jnp.float32)
     normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    z = (x @ w["lin_z"]).reshape(B, T, Hv, dv).astype(jnp.float32)
+    z = (x_z @ w["lin_z"]).reshape(B, T, Hv, dv).astype(jnp.float32)
     gated = ((w["lin_norm"] * normed) * jax.nn.silu(z)).astype(x.dtype)
     gated = jnp.where(valid[..., None, None], gated, 0).reshape(B, T, Hv * dv)
     return gated @ w["lin_out"], LinearState(recurrent=recurrent, conv=conv_tail)

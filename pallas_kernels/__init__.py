@@ -24,7 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import attention_state, mosaic_gpu, reference, ring_insertion, schedule, tpu, triton
 from .mosaic_gpu import MosaicGpuConfig
 from .tpu import TpuConfig
-from .triton import TritonConfig
+from .triton import WIDE as TRITON_WIDE, TritonConfig
 from .triton_insert import insert_one
 
 BACKENDS = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
@@ -44,7 +44,8 @@ class Kernels:
                  own, or the CPU, where it runs in interpret mode).
     fallback:    "mosaic_gpu" only: chunks its kernels cannot run (f32, other head_dims) go to Triton; False
                  refuses them (tests that must exercise Mosaic GPU).
-    triton, mosaic_gpu, tpu: the block sizes of each backend (validated by their classes).
+    triton, mosaic_gpu, tpu: the block sizes of each backend (validated by their classes); triton_wide: the Triton
+                 tiles for head_dim above `triton.WIDE_HEAD_DIM` (Gemma 4's global layers: 512; `triton.WIDE`).
     interpret:   (derived) whether the Pallas kernels run in interpret mode: a Pallas backend on the CPU.
     `Kernels.default()` is the platform's choice.
     """
@@ -53,6 +54,7 @@ class Kernels:
     _: dataclasses.KW_ONLY
     fallback: bool = True
     triton: TritonConfig = TritonConfig()
+    triton_wide: TritonConfig = TRITON_WIDE
     mosaic_gpu: MosaicGpuConfig = MosaicGpuConfig()
     tpu: TpuConfig = TpuConfig()
     interpret: bool = dataclasses.field(init=False)
@@ -67,7 +69,8 @@ class Kernels:
                              f"Kernels.default() is {default_backend()!r} here")
         if not isinstance(self.fallback, bool):
             raise ValueError(f"Kernels.fallback must be a bool, got {self.fallback!r}")
-        for name, cls in (("triton", TritonConfig), ("mosaic_gpu", MosaicGpuConfig), ("tpu", TpuConfig)):
+        for name, cls in (("triton", TritonConfig), ("triton_wide", TritonConfig), ("mosaic_gpu", MosaicGpuConfig),
+                          ("tpu", TpuConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"Kernels.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         object.__setattr__(self, "interpret", platform == "cpu" and native is not None)
@@ -76,6 +79,10 @@ class Kernels:
         changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:]
                    if f.init and getattr(self, f.name) != f.default]
         return f"Kernels({', '.join([repr(self.backend), *changed])})"
+
+    def triton_tiles(self, head_dim: int) -> TritonConfig:
+        """The Triton tiles for heads of `head_dim`: `triton`, or `triton_wide` past `triton.WIDE_HEAD_DIM`."""
+        return self.triton if head_dim <= triton.WIDE_HEAD_DIM else self.triton_wide
 
     @property
     def on_gpu(self) -> bool:
@@ -110,8 +117,8 @@ class Kernels:
                                  f"{k_cache.dtype} and {q.shape[-1]}")
         if self.on_gpu:
             return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
-                                          query_weights, head_reduction, rope, layer, first_slot, config=self.triton,
-                                          interpret=self.interpret)
+                                          query_weights, head_reduction, rope, layer, first_slot,
+                                          config=self.triton_tiles(q.shape[-1]), interpret=self.interpret)
         k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
         args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
         if self.backend == "xla":
@@ -130,7 +137,7 @@ class Kernels:
         if self.backend == "mosaic_gpu" and rope is None and mosaic_gpu.supports_prefix(q, k_cache, self.mosaic_gpu):
             return mosaic_gpu.prefix_attention(q, k_cache, v_cache, cache_valid, config=self.mosaic_gpu,
                                                interpret=self._mosaic_interpret())
-        return triton.prefix_attention(*args, config=self.triton, interpret=self.interpret)
+        return triton.prefix_attention(*args, config=self.triton_tiles(q.shape[-1]), interpret=self.interpret)
 
     def insert(self, layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n,
                place_evicted=None):

@@ -180,5 +180,5 @@ def test_refusals_name_the_argument(model):
         jc.score(model, QUESTIONS, SNAPKV, context=CONTEXT, prefix=2)
     gemma = tiny.model(VOCAB, architecture="gemma3", qk_norm=True, num_layers=2, sliding_window=8,
                        layer_types=("sliding", "global"), rope_local_theta=10000.0)
-    with pytest.raises(ValueError, match="context= is not supported yet for models with sliding layers"):
+    with pytest.raises(ValueError, match="context= is not supported yet for models with sliding or linear layers"):
         jc.generate(gemma, QUESTIONS, jc.Full(stride=8), max_new_tokens=2, context=CONTEXT)

@@ -286,6 +286,10 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
         return np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,
                                       eos_id=eos_id)), None
     config = model.config
+    if "linear" in config.types or config.kv_heads("global") != config.num_kv_heads:
+        raise ValueError(f"retention is recorded per layer and KV head of every layer's KV cache; this "
+                         f"{config.architecture} model has linear layers (no KV cache) or global layers with KV heads "
+                         "of their own")
     counts = np.array([len(p.key_positions) for p in prompts], np.float32)
     if cache_capacity(policy) is None:
         out = np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,

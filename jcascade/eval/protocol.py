@@ -25,7 +25,7 @@ PROTOCOLS = (QUERY_AWARE, QUERY_AGNOSTIC)
 def check(protocol: str, policies: Iterable = (), config=None) -> str:
     """`protocol` once checked: one of PROTOCOLS. Query-agnostic also refuses (ValueError) what cannot hold a
     context's cache as a frozen prefix: a policy that is not `shareable` (Recycled), a model config (ModelConfig)
-    with sliding layers (Gemma 3); both can be checked before any model time."""
+    with sliding or linear layers (Gemma 3 and 4, Qwen3.5); both can be checked before any model time."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     if protocol == QUERY_AGNOSTIC:

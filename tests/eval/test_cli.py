@@ -183,7 +183,7 @@ def test_query_agnostic_refusals_come_before_any_model_time(model_dir, tmp_path,
     monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     for argv, message in [
             (["ruler", "--model", str(gemma)], "--protocol: protocol query-agnostic is not supported yet for models "
-                                               "with sliding layers"),
+                                               "with sliding or linear layers"),
             (["passkey", "--model", model_dir, "--retention"],
              "--retention: recorded under --protocol query-aware only"),
             (["passkey", "--model", model_dir, "--policy", "recycled:top_k=16,refresh_every=4"],

@@ -48,7 +48,7 @@ def test_sliding_layers_get_a_window_cache_of_their_own():
     alone = np.asarray(jc.score(model, tokens[1:, :23], policy))
     np.testing.assert_allclose(both[1, :22], alone[0], atol=1e-5)
     assert not both[1, 22:].any()
-    with pytest.raises(ValueError, match="num_samples is not supported yet for models with sliding layers"):
+    with pytest.raises(ValueError, match="num_samples is not supported yet for models with sliding or linear layers"):
         jc.generate(model, tokens[:1], policy, max_new_tokens=4, num_samples=2)
 
 

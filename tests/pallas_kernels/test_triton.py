@@ -9,7 +9,7 @@ import pytest
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
-from kernel_inputs import LOWERING_SHAPES, abstract_inputs, h100_mesh
+from kernel_inputs import LOWERING_SHAPES, abstract_inputs, assert_close, h100_mesh, random_inputs
 
 ROPE = jc.RoPE(100.0)
 
@@ -47,3 +47,16 @@ def test_prefix_kernel_matches_the_reference(P, R, Hq, Hkv, D, S, dtype):
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=tol, rtol=tol)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_wide_heads_run_their_own_tiles_and_match_the_reference(T):
+    """Gemma 4's global layers (head_dim 512) take `Kernels.triton_wide` (the default tiles exceed a GPU's shared
+    memory); the kernels with those tiles (interpret mode) give the reference's numbers."""
+    kernels = pk.Kernels("triton")
+    assert kernels.triton_tiles(256) == kernels.triton and kernels.triton_tiles(512) == pk.triton.WIDE != kernels.triton
+    args = random_inputs(np.random.default_rng(0), 1, T, 2, 1, 512, 40, jnp.float32)
+    want = pk.Kernels("xla").chunk_attention(**args, head_reduction="max", rope=ROPE)
+    got = kernels.chunk_attention(**args, head_reduction="max", rope=ROPE)
+    for name, g, w in zip(("out", "lse", "cache scores", "chunk scores"), got, want):
+        assert_close(g, w, jnp.float32, name)
