@@ -433,7 +433,8 @@ def _check_out(out: pathlib.Path, files: list[str]) -> None:
 def _check(args) -> None:
     """The checks that need no model, before any work: the paths of --model, --words-file, --book (a file
     path; a packaged book's name is checked when it loads) and --out, and options that must agree (--protocol
-    query-agnostic refuses --retention, a Recycled --policy and, by its config, a --model with sliding layers)."""
+    query-agnostic refuses --retention, a Recycled --policy and, by its config, a --model with sliding or linear
+    layers)."""
     if args.model is not None and not pathlib.Path(args.model).exists():
         raise ValueError(f"--model: no such model directory or .gguf file: {args.model}")
     if getattr(args, "words_file", None) is not None and not pathlib.Path(args.words_file).is_file():

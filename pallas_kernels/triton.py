@@ -611,8 +611,9 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
 
 # Tiles for heads wider than WIDE_HEAD_DIM (Gemma 4's global layers: 512), where the default ones ask for more shared
 # memory than a Hopper GPU has (283 KB of 227 KB, H100). Measured on an H100 at 8 query / 4 KV heads of 512
-# (RESULTS.md, "Qwen3.5 and Gemma 4"): decode over 16K + 64 slots 0.35 / 2.30 ms at batch 1 / 16 (the XLA reference:
-# 0.52 / 3.38 ms), a 4096-token chunk 4.5 ms (XLA: 14.9 ms); 8 decode warps (4 spill at batch 16: 10.9 ms).
+# (benchmarks/bench_wide_heads.py, RESULTS.md "Qwen3.5 and Gemma 4"): decode over 16K + 64 slots 0.40 / 2.26 ms at
+# batch 1 / 16 (the XLA reference: 0.47 / 3.30 ms; 4 decode warps spill at batch 16: 10.8 ms), a 4096-token chunk
+# 4.4 ms (XLA: 14.9 ms).
 WIDE_HEAD_DIM = 256
 WIDE = TritonConfig(block_q=32, block_k=32, score_block_q=32, score_block_k=32, decode_block_k=32,
                     decode_num_stages=2, decode_num_warps=8)

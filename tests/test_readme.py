@@ -79,7 +79,7 @@ NAMES = {
     "policies": lambda body: [" ".join(row) for row in re.findall(r"^\| `jc\.(\w+)` \| `(\w+)` \|", body, re.M)],
     "commands": lambda body: re.findall(r"^jcascade ([\w-]+)", body, re.M),
     "packaged models": lambda body: re.findall(r"`(?:jc\.models\.)?([A-Z][A-Z0-9_]+)`", body),
-    "architectures": lambda body: re.findall(r"`(\w+ForCausalLM)`", body),
+    "architectures": lambda body: re.findall(r"`(\w+For(?:CausalLM|ConditionalGeneration))`", body),
 }
 
 
