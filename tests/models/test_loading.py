@@ -177,17 +177,6 @@ def test_a_config_json_lacking_a_required_field_names_it_and_the_file(kind, tmp_
              for field in HF_REQUIRED]
     cases.append(("vocab_size", lambda c: c.update(vocab_size="101"),
                   r"config.json: field 'vocab_size' must be a positive int, got '101'"))
-    if kind == "qwen3_5":  # Gated DeltaNet layers beside a gated full-attention one
-        return transformers.Qwen3_5TextConfig(**common | dict(num_hidden_layers=3), head_dim=16,
-                                              layer_types=["linear_attention", "full_attention", "linear_attention"],
-                                              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                              linear_value_head_dim=16, tie_word_embeddings=False)
-    if kind == "gemma4":  # k = v on the global layers, the last two layers reading earlier caches, per-layer inputs
-        return transformers.Gemma4TextConfig(
-            **common | dict(num_hidden_layers=4), head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-            attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
-            num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-            final_logit_softcapping=30.0)
     if kind == "llama3-tied":
         for field in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             cases.append((field, lambda c, f=field: c["rope_parameters"].pop(f),
