@@ -211,7 +211,8 @@ def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
     arch = required(meta, "general.architecture", path, str)
     if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: {', '.join(_GGUF_ARCHITECTURES)})")
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: "
+                         f"{', '.join(_GGUF_ARCHITECTURES)})")
     field = lambda key, kind=int: required(meta, f"{arch}.{key}", path, kind)  # noqa: E731
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}

@@ -24,10 +24,10 @@ class Weight:
     """One weight. shape(config) and axes are one layer's for layer weights (`layer`); layers: which layers have
     it ("all", a layer type, or "<type> kv": the layers of that type keeping a cache of their own); hf / gguf:
     tensor names ("{i}" is the layer); transposed: stored [out, in] as a PyTorch Linear weight; hf_half: the
-    first (0) or second (1) half of each head's rows of the stored tensor (Qwen3.5's q_proj, and llama.cpp's
-    attn_q, hold each head's query then its gate); squeezed: the stored tensor has singleton dims ours drops; gguf_interleaved:
-    llama.cpp interleaves the rotary halves of each head's rows ("q" or "kv" heads) in llama GGUF files;
-    needed: whether a config has this weight."""
+    first (0) or second (1) half of each head's rows of the stored tensor (Qwen3.5's q_proj and llama.cpp's attn_q
+    hold each head's query then its gate); squeezed: the stored tensor has singleton dims ours drops;
+    gguf_interleaved: llama.cpp interleaves the rotary halves of each head's rows ("q" or "kv" heads) in llama GGUF
+    files; needed: whether a config has this weight."""
 
     shape: Callable[[ModelConfig], tuple[int, ...]]
     axes: tuple[str | None, ...]

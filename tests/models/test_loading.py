@@ -272,7 +272,8 @@ def llama_cpp_gguf(c, tensors: dict[str, np.ndarray]) -> tuple[str, dict, dict[s
             "embedding_length_per_layer_input": c.per_layer_input_size, "rope.freq_base_swa": c.rope_local_theta,
             "rope.dimension_count": global_hd, "rope.dimension_count_swa": hd,
             "final_logit_softcapping": c.final_logit_softcapping,
-        }, tensors | {"rope_freqs.weight": np.array([1.0] * rotating + [1e30] * (global_hd // 2 - rotating), np.float32)}
+        }, tensors | {"rope_freqs.weight": np.array([1.0] * rotating + [1e30] * (global_hd // 2 - rotating),
+                                                    np.float32)}
     qk = 2 * c.linear_key_heads * c.linear_key_dim
     tiled = {"attn_qkv": (0, qk), "ssm_conv1d": (0, qk), "attn_gate": (0, 0), "ssm_beta": (0, 0), "ssm_alpha": (0, 0),
              "ssm_a": (0, 0), "ssm_dt": (0, 0), "ssm_out": (1, 0)}
