@@ -11,29 +11,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade.models.config import GLOBAL, SLIDING, ModelConfig, required
+from jcascade.models.config import GLOBAL, LINEAR, SLIDING, ModelConfig, required
 from jcascade.models.decoder import CausalLM, on_mesh
-from jcascade.models.weights import WEIGHTS, Weight, declarations, weight_shapes
+from jcascade.models.weights import Weight, declarations, weight_shapes
 from jcascade.rope import Llama3Scaling
 
 CONVERTED_CONFIG = "jcascade-config.json"
 
 def _collect(cfg: ModelConfig, files: dict[str, str], read, source: str) -> dict[str, np.ndarray]:
-    """Our weights (`models.weights`), read by their `source` ("hf" or "gguf") names, checking presence and
-    shape of every tensor; `files` maps each source name to the file holding it (for the errors)."""
+    """Our weights (`models.weights`), read by their `source` ("hf" or "gguf") names (`read(name, ours)`),
+    checking presence and shape of every tensor; `files` maps each source name to the file holding it (for the
+    errors)."""
 
     def get(name: str, w: Weight, ours: str) -> np.ndarray:
         if name not in files:
             raise ValueError(f"missing tensor {name!r} (needed for {ours}) in {', '.join(sorted(set(files.values())))}")
-        array = read(name)
+        array = read(name, ours)
         want = w.shape(cfg)[::-1] if w.transposed else w.shape(cfg)
-        if source == "hf" and w.hf_half is not None:  # rows [heads, 2, rows per head, ...]: one half of each head
+        if w.hf_half is not None:  # rows [heads, 2, rows per head, ...]: one half of each head
             want = (2 * want[0], *want[1:]) if w.transposed else (*want[:-1], 2 * want[-1])
         if w.squeezed and array.size == np.prod(want) and tuple(d for d in array.shape if d != 1) == want:
             array = array.reshape(want)
         if array.shape != want:
             raise ValueError(f"{files[name]}: tensor {name!r} has shape {array.shape}, the config needs {want}")
-        if source == "hf" and w.hf_half is not None:
+        if w.hf_half is not None:
             array = array.reshape(cfg.num_heads, 2, -1, array.shape[-1])[:, w.hf_half].reshape(-1, array.shape[-1])
         return array.T if w.transposed else array
 
@@ -123,7 +124,7 @@ def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
     # the text model of a multimodal checkpoint: model.language_model.* (its towers' tensors are not read)
     text = {key.replace("model.language_model.", "model.", 1): key for key in tensors}
     return cfg, _collect(cfg, {ours: where[key] for ours, key in text.items()},
-                         lambda name: np.asarray(tensors[text[name]]), "hf")
+                         lambda name, ours: np.asarray(tensors[text[name]]), "hf")
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -132,22 +133,44 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, out // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Qwen3.5's Gated DeltaNet weights whose value heads llama.cpp's converter reorders (when there are fewer key heads
+# than value heads): the axis of the heads in the stored [out, in] tensor, and whether the q and k channels
+# (2 * key heads * key dim, not reordered) come first on it
+_QWEN35_VALUE_HEADS = {"lin_qkv": (0, True), "lin_conv": (0, True), "lin_z": (0, False), "lin_b": (0, False),
+                       "lin_a": (0, False), "lin_a_log": (0, False), "lin_dt_bias": (0, False), "lin_out": (1, False)}
+
+
+def _untile_value_heads(w: np.ndarray, cfg: ModelConfig, axis: int, after_qk: bool) -> np.ndarray:
+    """llama.cpp stores the value heads tiled (head j * Hk + g of the file is Hugging Face's head g * r + j, r value
+    heads per key head g); back to Hugging Face's grouped order."""
+    w = np.moveaxis(w, axis, 0)
+    start = 2 * cfg.linear_key_heads * cfg.linear_key_dim if after_qk else 0
+    v = w[start:]
+    v = v.reshape(cfg.linear_value_heads // cfg.linear_key_heads, cfg.linear_key_heads, -1, *v.shape[1:])
+    return np.moveaxis(np.concatenate([w[:start], v.swapaxes(0, 1).reshape(w[start:].shape)]), 0, axis)
+
+
 def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """A llama, qwen2, qwen3 or gemma3 GGUF file, dequantised to float32 (gemma3's norm weights: llama.cpp's
-    converter stores 1 + w, the scale it multiplies by; ours are w)."""
+    """A llama, qwen2, qwen3, gemma3, qwen35 or gemma4 GGUF file, dequantised to float32, with llama.cpp's
+    converter's changes undone: llama's Q/K rows interleaved, gemma3's and qwen35's norm weights stored as 1 + w
+    (but Qwen3.5's Gated DeltaNet norm), qwen35's A_log stored as -exp(A_log) and its value heads reordered."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
     cfg = _gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
-    interleaved = {w.gguf.split(".")[-2]: w.gguf_interleaved for w in WEIGHTS.values() if w.gguf_interleaved}
+    declared = declarations(cfg)
 
-    def read(name: str) -> np.ndarray:
+    def read(name: str, ours: str) -> np.ndarray:
         t = tensors[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        heads = interleaved.get(name.split(".")[-2]) if cfg.architecture == "llama" else None
-        if cfg.norm_plus_one and name.endswith("norm.weight"):
+        if cfg.norm_plus_one and name.endswith("norm.weight") and ours != "lin_norm":
             w = w - 1.0
+        if ours == "lin_a_log":
+            w = np.log(-w)
+        if ours in _QWEN35_VALUE_HEADS and cfg.linear_key_heads != cfg.linear_value_heads:
+            w = _untile_value_heads(w, cfg, *_QWEN35_VALUE_HEADS[ours])
+        heads = declared[ours].gguf_interleaved if cfg.architecture == "llama" else None
         return w if heads is None else _unpermute(w, cfg.num_heads if heads == "q" else cfg.num_kv_heads)
 
     return cfg, _collect(cfg, dict.fromkeys(tensors, path.name), read, "gguf")
@@ -180,42 +203,102 @@ def _gguf_reader(path: pathlib.Path):
         raise ValueError(f"{path}: not readable as a GGUF file ({size} bytes): {e}") from e
 
 
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen35": "qwen3_5",
+                       "gemma4": "gemma4"}  # GGUF's name -> ours
+
+
 def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
     arch = required(meta, "general.architecture", path, str)
-    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama, qwen2, qwen3, gemma3)")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: "
+                         f"{', '.join(_GGUF_ARCHITECTURES)})")
     field = lambda key, kind=int: required(meta, f"{arch}.{key}", path, kind)  # noqa: E731
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
+    experts = sorted(name for name in tensors if "_exps" in name or "ffn_gate_inp" in name)
+    if experts:
+        raise ValueError(f"{path}: mixture-of-experts layers ({experts[0]}, ...) are not supported")
+    if "rope_freqs.weight" in tensors and arch != "gemma4":
         raise ValueError(f"{path}: GGUF rope frequency factors (llama3 scaling) are not supported")
+    family = {"gemma3": _gemma3_fields, "qwen35": _qwen35_fields, "gemma4": _gemma4_fields}.get(arch)
+    fields = family(field, get, tensors, path) if family else {}
     heads = field("attention.head_count")
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     hidden = field("embedding_length")
     vocab_tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(meta.get(f"{arch}.vocab_size") or (field("vocab_size") if vocab_tokens is None else
-                                                     len(vocab_tokens.data)))
+    vocab = int(get("vocab_size") or (field("vocab_size") if vocab_tokens is None else len(vocab_tokens.data)))
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(**{
+        "architecture": _GGUF_ARCHITECTURES[arch], "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": field("feed_forward_length"), "num_layers": field("block_count"),
+        "num_heads": heads, "num_kv_heads": get("attention.head_count_kv", heads),
+        "head_dim": int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_scaling": None,
+        "rms_norm_eps": field("attention.layer_norm_rms_epsilon", float),
+        "tie_word_embeddings": "output.weight" not in tensors, "qkv_bias": "blk.0.attn_q.bias" in tensors,
+        "o_bias": "blk.0.attn_output.bias" in tensors, "qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "bos_token_id": None if bos is None else int(bos.contents()),
+        "eos_token_ids": () if eos is None else (int(eos.contents()),), **fields})
+
+
+def _gemma3_fields(field, get, tensors, path) -> dict:
+    """As llama.cpp runs Gemma 3: every 6th layer global, RoPE base 10K on the sliding ones."""
     layers = field("block_count")
-    gemma = {}
-    if arch == "gemma3":  # as llama.cpp runs it: every 6th layer global, RoPE base 10K on the sliding ones
-        gemma = dict(layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)),
-                     sliding_window=field("attention.sliding_window"), rope_local_theta=10000.0)
-    return ModelConfig(**gemma,
-        architecture=arch, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=field("feed_forward_length"), num_layers=layers,
-        num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-                     or hidden // heads),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=None,
-        rms_norm_eps=field("attention.layer_norm_rms_epsilon", float),
-        tie_word_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors,
-        o_bias="blk.0.attn_output.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        bos_token_id=None if bos is None else int(bos.contents()),
-        eos_token_ids=() if eos is None else (int(eos.contents()),),
-    )
+    return dict(layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)),
+                sliding_window=field("attention.sliding_window"), rope_local_theta=10000.0)
+
+
+def _qwen35_fields(field, get, tensors, path) -> dict:
+    """Qwen3.5: the layers without the multi-token-prediction ones llama.cpp counts in block_count, Gated DeltaNet
+    layers by attention.recurrent_layers (else all but every full_attention_interval-th), the rotating share of
+    the head dims as rope.dimension_count, the Gated DeltaNet's dims as ssm.*."""
+    layers = field("block_count") - int(get("nextn_predict_layers", 0))
+    recurrent = get("attention.recurrent_layers") or [(i + 1) % field("full_attention_interval") != 0
+                                                       for i in range(layers)]
+    head_dim, value_heads = field("attention.key_length"), field("ssm.time_step_rank")
+    return dict(num_layers=layers, layer_types=tuple(LINEAR if r else GLOBAL for r in recurrent[:layers]),
+                head_dim=head_dim, partial_rotary_factor=field("rope.dimension_count") / head_dim, qk_norm=True,
+                attention_output_gate=True, linear_key_heads=field("ssm.group_count"), linear_value_heads=value_heads,
+                linear_key_dim=field("ssm.state_size"), linear_value_dim=field("ssm.inner_size") // value_heads,
+                linear_conv_kernel=field("ssm.conv_kernel"))
+
+
+def _gemma4_fields(field, get, tensors, path) -> dict:
+    """Gemma 4 (dense): layer types by attention.sliding_window_pattern, each type's head_dim and KV heads (the
+    global layers' own only with k = v, as transformers reads them), k = v where the first global layer has no
+    attn_v, the rotating share of the global head dims from rope_freqs (llama.cpp's form of the proportional RoPE:
+    1 for each rotating frequency, 1e30 for the others)."""
+    if isinstance(get("feed_forward_length"), list):
+        raise ValueError(f"{path}: gemma4.feed_forward_length per layer ({get('feed_forward_length')}) is not "
+                         "supported (a double-wide MLP on the shared layers)")
+    types = [SLIDING if s else GLOBAL for s in field("attention.sliding_window_pattern", list)]
+    kv = get("attention.head_count_kv", field("attention.head_count"))
+    kv = kv if isinstance(kv, list) else [kv] * len(types)
+    first_global, global_dim = types.index(GLOBAL) if GLOBAL in types else None, field("attention.key_length")
+    k_eq_v = first_global is not None and f"blk.{first_global}.attn_v.weight" not in tensors
+    freqs = tensors.get("rope_freqs.weight")
+    rotating = global_dim // 2
+    if freqs is not None:
+        from gguf.quants import dequantize
+
+        factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+        rotating = int(np.sum(factors == 1.0))
+        if factors.shape != (global_dim // 2,) or np.any(factors[rotating:] != np.float32(1e30)):
+            raise ValueError(f"{path}: unsupported rope_freqs.weight (gemma4: {global_dim // 2} factors, 1.0 "
+                             f"then 1e30), got {factors.size} factors valued {np.unique(factors).tolist()}")
+    ple = int(get("embedding_length_per_layer_input", 0))
+    table = tensors.get("per_layer_token_embd.weight")
+    softcap = get("final_logit_softcapping")
+    return dict(layer_types=tuple(types), head_dim=field("attention.key_length_swa"),
+                num_kv_heads=kv[types.index(SLIDING) if SLIDING in types else 0], global_head_dim=global_dim,
+                global_kv_heads=kv[first_global] if k_eq_v else None, k_eq_v=k_eq_v,
+                partial_rotary_factor=2 * rotating / global_dim, qk_norm=True, query_scale=1.0,
+                sliding_window=field("attention.sliding_window"), rope_local_theta=field("rope.freq_base_swa", float),
+                kv_shared_layers=int(get("attention.shared_kv_layers", 0)), per_layer_input_size=ple,
+                per_layer_vocab_size=int(table.shape[-1]) if ple and table is not None else 0,
+                final_logit_softcapping=None if softcap is None else float(softcap))
 
 
 def _default_dtype():

@@ -24,10 +24,10 @@ class Weight:
     """One weight. shape(config) and axes are one layer's for layer weights (`layer`); layers: which layers have
     it ("all", a layer type, or "<type> kv": the layers of that type keeping a cache of their own); hf / gguf:
     tensor names ("{i}" is the layer); transposed: stored [out, in] as a PyTorch Linear weight; hf_half: the
-    first (0) or second (1) half of each head's rows of the Hugging Face tensor (Qwen3.5's q_proj holds each
-    head's query then its gate); squeezed: the stored tensor has singleton dims ours drops; gguf_interleaved:
-    llama.cpp interleaves the rotary halves of each head's rows ("q" or "kv" heads) in llama GGUF files;
-    needed: whether a config has this weight."""
+    first (0) or second (1) half of each head's rows of the stored tensor (Qwen3.5's q_proj and llama.cpp's attn_q
+    hold each head's query then its gate); squeezed: the stored tensor has singleton dims ours drops;
+    gguf_interleaved: llama.cpp interleaves the rotary halves of each head's rows ("q" or "kv" heads) in llama GGUF
+    files; needed: whether a config has this weight."""
 
     shape: Callable[[ModelConfig], tuple[int, ...]]
     axes: tuple[str | None, ...]
@@ -123,8 +123,10 @@ def _lin(c: ModelConfig) -> int:
 
 
 # Qwen3.5: gated full attention on its GLOBAL layers (q_proj holds each head's query, then its output gate), Gated
-# DeltaNet on the LINEAR ones (llama.cpp's qwen35 names); every layer's norms and MLP as Llama's.
+# DeltaNet on the LINEAR ones (llama.cpp's qwen35 names); every layer's norms and MLP as Llama's (llama.cpp names the
+# MLP's norm post_attention_norm, as Hugging Face does).
 QWEN3_5: dict[str, Weight] = {
+    "mlp_norm": dataclasses.replace(WEIGHTS["mlp_norm"], gguf="blk.{i}.post_attention_norm.weight"),
     **_on(GLOBAL, ("wq", "wk", "wv", "wo", "q_norm", "k_norm")),
     "wq": dataclasses.replace(WEIGHTS["wq"], layers=GLOBAL, hf_half=0, gguf_interleaved=None),
     "w_attn_gate": Weight(lambda c: (c.hidden_size, _q(c)), ("embed", "q"), _ATTN + "q_proj.weight",

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 import jcascade as jc
-from jcascade.models.weights import WEIGHTS
+from jcascade.models.weights import WEIGHTS, declarations
 from jcascade.eval.passkey import INTRO, NEEDLE, PRIME, QUESTION
 from jcascade.eval.texts import REPEAT_SENTENCES
 
@@ -58,10 +58,30 @@ def save(directory: pathlib.Path) -> pathlib.Path:
     return directory
 
 
+def _split(declared, w: np.ndarray, source: str, layers) -> dict[str, np.ndarray]:
+    parts = [(getattr(declared, source).format(i=i), part) for i, part in zip(layers, w)] if declared.layer else \
+        [(getattr(declared, source), w)]
+    return {key: part.T if declared.transposed else part for key, part in parts}
+
+
 def source_tensors(name: str, weight, source: str, num_layers: int) -> dict[str, np.ndarray]:
     """Our weight `name` (layers stacked) as the tensors of a Hugging Face ("hf") or GGUF ("gguf") file, by
     their names there (`models.weights`; without llama.cpp's Q/K row interleaving)."""
-    w, declared = np.asarray(weight), WEIGHTS[name]
-    parts = [(getattr(declared, source).format(i=i), w[i]) for i in range(num_layers)] if declared.layer else \
-        [(getattr(declared, source), w)]
-    return {key: part.T if declared.transposed else part for key, part in parts}
+    return _split(WEIGHTS[name], np.asarray(weight), source, range(num_layers))
+
+
+def file_tensors(config: jc.ModelConfig, weights: dict, source: str) -> dict[str, np.ndarray]:
+    """All the weights of a model of any family as the tensors of a Hugging Face ("hf") or GGUF ("gguf") file
+    (`models.weights`: each stack split over the layers it holds, the two halves of each head's rows of a
+    Qwen3.5 q_proj in one tensor; without llama.cpp's converter's changes of values and order)."""
+    tensors, halves = {}, {}
+    for ours, declared in declarations(config).items():
+        split = _split(declared, np.asarray(weights[ours]), source, declared.layer_indices(config))
+        for name, part in split.items():
+            if declared.hf_half is None:
+                tensors[name] = part
+            else:
+                halves.setdefault(name, {})[declared.hf_half] = part.reshape(config.num_heads, -1, part.shape[-1])
+    for name, half in halves.items():  # [heads, 2, rows per head, in]
+        tensors[name] = np.stack([half[0], half[1]], 1).reshape(-1, half[0].shape[-1])
+    return tensors

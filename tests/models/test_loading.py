@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 
 import jcascade as jc
+from jcascade.models.config import LINEAR, SLIDING
+from jcascade.models.loading import read_gguf
+from jcascade.models.weights import weight_shapes
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -232,3 +235,110 @@ def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
     assert dataclasses.replace(loaded.config, rms_norm_eps=c.rms_norm_eps) == c
     for name, w in model.weights().items():
         np.testing.assert_array_equal(np.asarray(loaded.weights()[name]), np.asarray(w), err_msg=name)
+
+
+def llama_cpp_tiled(w: np.ndarray, axis: int, start: int, c) -> np.ndarray:
+    """Qwen3.5's value heads along `axis` (from `start`) as llama.cpp's converter reorders them: Hugging Face's
+    heads grouped by key head (head g * r + j) become tiled (head j * key heads + g)."""
+    w = np.moveaxis(w, axis, 0)
+    v = w[start:].reshape(c.linear_key_heads, c.linear_value_heads // c.linear_key_heads, -1, *w.shape[1:])
+    return np.moveaxis(np.concatenate([w[:start], v.swapaxes(0, 1).reshape(w[start:].shape)]), 0, axis)
+
+
+def llama_cpp_gguf(c, tensors: dict[str, np.ndarray]) -> tuple[str, dict, dict[str, np.ndarray]]:
+    """The architecture, metadata (without its prefix) and tensors that llama.cpp's converter writes for a Qwen3.5
+    (with one multi-token-prediction layer appended) or Gemma 4 model: `tensors` by their GGUF names, unconverted."""
+    common = {"embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+              "attention.head_count": c.num_heads, "attention.layer_norm_rms_epsilon": c.rms_norm_eps,
+              "context_length": c.max_position_embeddings, "rope.freq_base": c.rope_theta}
+    if c.architecture == "gemma4":
+        hd, global_hd, rotating = c.head_dim, c.global_head_dim, int(c.global_head_dim * c.partial_rotary_factor / 2)
+        return "gemma4", common | {
+            "block_count": c.num_layers, "attention.head_count_kv": [c.kv_heads(t) for t in c.types],
+            "attention.key_length": global_hd, "attention.value_length": global_hd, "attention.key_length_swa": hd,
+            "attention.value_length_swa": hd, "attention.sliding_window_pattern": [t == SLIDING for t in c.types],
+            "attention.shared_kv_layers": c.kv_shared_layers, "attention.sliding_window": c.sliding_window,
+            "embedding_length_per_layer_input": c.per_layer_input_size, "rope.freq_base_swa": c.rope_local_theta,
+            "rope.dimension_count": global_hd, "rope.dimension_count_swa": hd,
+            "final_logit_softcapping": c.final_logit_softcapping,
+        }, tensors | {"rope_freqs.weight": np.array([1.0] * rotating + [1e30] * (global_hd // 2 - rotating),
+                                                    np.float32)}
+    qk = 2 * c.linear_key_heads * c.linear_key_dim
+    tiled = {"attn_qkv": (0, qk), "ssm_conv1d": (0, qk), "attn_gate": (0, 0), "ssm_beta": (0, 0), "ssm_alpha": (0, 0),
+             "ssm_a": (0, 0), "ssm_dt": (0, 0), "ssm_out": (1, 0)}
+    converted = {}
+    for name, w in tensors.items():
+        part = name.split(".")[2] if name.startswith("blk.") else name
+        w = w + 1 if name.endswith("norm.weight") and part != "ssm_norm" else w  # (1 + w) norms, but the DeltaNet's
+        w = -np.exp(w) if part == "ssm_a" else w
+        converted[name] = llama_cpp_tiled(w, *tiled[part], c) if part in tiled else w
+    mtp = c.num_layers  # skipped by the loader
+    converted |= {f"blk.{mtp}.attn_norm.weight": np.ones(c.hidden_size, np.float32),
+                  f"blk.{mtp}.nextn.eh_proj.weight": np.ones((c.hidden_size, 2 * c.hidden_size), np.float32)}
+    return "qwen35", common | {
+        "block_count": c.num_layers + 1, "nextn_predict_layers": 1,
+        "attention.recurrent_layers": [t == LINEAR for t in c.types] + [False], "full_attention_interval": 2,
+        "attention.head_count_kv": c.num_kv_heads, "attention.key_length": c.head_dim,
+        "attention.value_length": c.head_dim, "rope.dimension_count": int(c.head_dim * c.partial_rotary_factor),
+        "rope.dimension_sections": [11, 11, 10, 0], "ssm.conv_kernel": c.linear_conv_kernel,
+        "ssm.state_size": c.linear_key_dim, "ssm.group_count": c.linear_key_heads,
+        "ssm.time_step_rank": c.linear_value_heads, "ssm.inner_size": c.linear_value_heads * c.linear_value_dim,
+    }, converted
+
+
+def write_gguf(path, arch: str, meta: dict, tensors: dict[str, np.ndarray], vocab_size: int):
+    from gguf import GGUFValueType, GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        writer.add_key_value(f"{arch}.{key}", value, GGUFValueType.get_type(value))
+    writer.add_token_list([f"t{i}" for i in range(vocab_size)])
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma4"])
+def test_a_qwen35_or_gemma4_gguf_file_loads_the_config_and_weights_written(kind, tmp_path):
+    """A GGUF file as llama.cpp's converter writes one of the test's Qwen3.5 (6 value heads on 2 key heads, so
+    reordered) or Gemma 4 configs (k = v, shared caches, per-layer inputs) loads back to the config that
+    config.json gives and to the weights written (each converter change undone: (1 + w) norms, -exp(A_log), the
+    value heads' order, q and gate rows in one tensor, Gemma 4's RoPE in rope_freqs); transformers' own qwen35
+    GGUF reader reads the file to the same Hugging Face tensors. What jcascade does not run is refused."""
+    import tiny
+
+    hf_json = hf_config(kind).to_dict() | {"architectures": [FAMILIES[kind]]}
+    c = jc.ModelConfig.from_hf(hf_json | ({"linear_num_value_heads": 6} if kind == "qwen3_5" else {}))
+    rng = np.random.default_rng(5)  # multiples of 1/128, so that (1 + w) - 1 is w exactly
+    weights = {name: (rng.integers(-256, 256, shape) / 128).astype(np.float32)
+               for name, shape in weight_shapes(c).items()}
+    arch, meta, tensors = llama_cpp_gguf(c, tiny.file_tensors(c, weights, "gguf"))
+    config, loaded = read_gguf(write_gguf(tmp_path / "model.gguf", arch, meta, tensors, c.vocab_size))
+    assert config.rms_norm_eps == pytest.approx(c.rms_norm_eps)  # GGUF holds it as float32
+    assert dataclasses.replace(config, rms_norm_eps=c.rms_norm_eps, bos_token_id=c.bos_token_id,
+                               eos_token_ids=c.eos_token_ids) == c
+    assert loaded.keys() == weights.keys()
+    for name, w in weights.items():  # log(exp(x)) in float32 is x within an ulp or two
+        np.testing.assert_allclose(loaded[name], w, rtol=1e-6 if name == "lin_a_log" else 0, err_msg=name)
+    if kind == "qwen3_5":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf")
+        theirs = {name: t.numpy() for name, t in hf.state_dict().items()}
+        ours = tiny.file_tensors(c, weights, "hf")
+        assert theirs.keys() == ours.keys()
+        for name, w in ours.items():
+            np.testing.assert_allclose(theirs[name].reshape(w.shape), w, rtol=1e-6, err_msg=name)
+        return
+    freqs = tensors["rope_freqs.weight"]
+    for name, meta_change, tensors_change, match in [
+        ("double-wide", {"feed_forward_length": [c.intermediate_size] * 2 + [2 * c.intermediate_size] * 2}, {},
+         "feed_forward_length per layer"),
+        ("moe", {}, {"blk.0.ffn_gate_inp.weight": np.ones((4, c.hidden_size), np.float32)}, "mixture-of-experts"),
+        ("rope", {}, {"rope_freqs.weight": np.concatenate([freqs[1:], freqs[:1]])}, "unsupported rope_freqs"),
+    ]:
+        path = write_gguf(tmp_path / f"{name}.gguf", arch, meta | meta_change, tensors | tensors_change, c.vocab_size)
+        with pytest.raises(ValueError, match=match):
+            read_gguf(path)
