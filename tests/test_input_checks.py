@@ -217,13 +217,9 @@ def write_gguf(path, model, intermediate_size=None, omit=None):
     ]:
         if name != omit:
             add(value)
-    for ours, w in model.weights().items():  # GGUF's (llama.cpp's) row permutation of Q/K does not matter here
-        for name, tensor in tiny.source_tensors(ours, w, "gguf", c.num_layers).items():
-            writer.add_tensor(name, np.ascontiguousarray(tensor))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    # GGUF's (llama.cpp's) row permutation of Q/K does not matter here
+    tiny.write_gguf(writer, {name: tensor for ours, w in model.weights().items()
+                             for name, tensor in tiny.source_tensors(ours, w, "gguf", c.num_layers).items()})
     return path
 
 

@@ -85,3 +85,13 @@ def file_tensors(config: jc.ModelConfig, weights: dict, source: str) -> dict[str
     for name, half in halves.items():  # [heads, 2, rows per head, in]
         tensors[name] = np.stack([half[0], half[1]], 1).reshape(-1, half[0].shape[-1])
     return tensors
+
+
+def write_gguf(writer, tensors: dict) -> None:
+    """Adds `tensors` ({GGUF name: array}) to a gguf GGUFWriter whose metadata is set, then writes and closes it."""
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jcascade as jc
+import tiny
 from jcascade.models.config import LINEAR, SLIDING
 from jcascade.models.loading import read_gguf
 from jcascade.models.weights import weight_shapes
@@ -211,8 +212,6 @@ def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
     norms and a head_dim of its own as attention.key_length) load back to the same weights."""
     from gguf import GGUFWriter
 
-    import tiny
-
     model = tiny.model(VOCAB, seed=4, **family)
     c = model.config
     writer = GGUFWriter(str(tmp_path / "model.gguf"), c.architecture)
@@ -222,15 +221,13 @@ def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
                        (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_vocab_size, c.vocab_size),
                        (writer.add_rope_freq_base, c.rope_theta), (writer.add_context_length, 4096)]:
         add(value)
+    tensors = {}
     for ours, w in model.weights().items():
         for name, tensor in tiny.source_tensors(ours, w, "gguf", c.num_layers).items():
             if c.architecture == "llama" and ours in ("wq", "wk"):
                 tensor = llama_cpp_interleaved(tensor, c.num_heads if ours == "wq" else c.num_kv_heads)
-            writer.add_tensor(name, np.ascontiguousarray(tensor))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            tensors[name] = tensor
+    tiny.write_gguf(writer, tensors)
     loaded = jc.load_pretrained(tmp_path / "model.gguf", dtype=jnp.float32)
     assert loaded.config.rms_norm_eps == pytest.approx(c.rms_norm_eps)  # GGUF holds it as float32
     assert dataclasses.replace(loaded.config, rms_norm_eps=c.rms_norm_eps) == c
@@ -294,12 +291,7 @@ def write_gguf(path, arch: str, meta: dict, tensors: dict[str, np.ndarray], voca
     for key, value in meta.items():
         writer.add_key_value(f"{arch}.{key}", value, GGUFValueType.get_type(value))
     writer.add_token_list([f"t{i}" for i in range(vocab_size)])
-    for name, tensor in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(tensor))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    tiny.write_gguf(writer, tensors)
     return path
 
 
@@ -310,7 +302,6 @@ def test_a_qwen35_or_gemma4_gguf_file_loads_the_config_and_weights_written(kind,
     config.json gives and to the weights written (each converter change undone: (1 + w) norms, -exp(A_log), the
     value heads' order, q and gate rows in one tensor, Gemma 4's RoPE in rope_freqs); transformers' own qwen35
     GGUF reader reads the file to the same Hugging Face tensors. What jcascade does not run is refused."""
-    import tiny
 
     hf_json = hf_config(kind).to_dict() | {"architectures": [FAMILIES[kind]]}
     c = jc.ModelConfig.from_hf(hf_json | ({"linear_num_value_heads": 6} if kind == "qwen3_5" else {}))
