@@ -2,14 +2,13 @@
 Full's log-probabilities through a prompt and decode steps, on ragged rows (their parity with transformers under
 Full, Cascade and SnapKV, greedy generation included: test_loading.py; sharded: test_sharding.py)."""
 
-import jax
 import numpy as np
 import pytest
 
 import jcascade as jc
 import tiny
 
-QWEN3_5 = dict(architecture="qwen3_5", num_layers=3, head_dim=16, qk_norm=True, layer_types=("linear", "global", "linear"),
+QWEN3_5 = dict(architecture="qwen3_5", num_layers=3, qk_norm=True, layer_types=("linear", "global", "linear"),
                attention_output_gate=True, partial_rotary_factor=0.25, linear_key_heads=2, linear_value_heads=4,
                linear_key_dim=8, linear_value_dim=8, linear_conv_kernel=4)
 GEMMA4 = dict(architecture="gemma4", num_layers=4, qk_norm=True, layer_types=("sliding", "global") * 2,
@@ -32,35 +31,30 @@ def family_model(name: str) -> jc.CausalLM:
                       **FAMILIES[name])
 
 
-def prompt_then_steps(model, policies, tokens, lengths) -> list[np.ndarray]:
-    """Log-probs of tokens [B, 40] after a 24-token prompt under each policy: the prompt is prefilled (and
-    compressed, for a policy that acts after it) in 16-token chunks, then each token runs as one decode step,
-    teacher-forced: the path `generate` takes (tests/test_generation.py: score with a prefix replays generate, under
-    every policy). One program for all (jc.score nests in a jit): their compilations share its fixed costs (half
-    the time of one program each)."""
-    run = jax.jit(lambda model, tokens, lengths: [jc.score(model, tokens, p, lengths=lengths, prefix=24)
-                                                  for p in policies])
-    return [np.asarray(x) for x in run(model, tokens, lengths)]
+def prompt_then_steps(model, policy, tokens, lengths):
+    """Log-probs of tokens [B, 40] after a 24-token prompt: the prompt is prefilled (and compressed, for a policy
+    that acts after it) in 16-token chunks, then each token runs as one decode step, teacher-forced: the path
+    `generate` takes (tests/test_generation.py: score with a prefix replays generate, under every policy)."""
+    return np.asarray(jc.score(model, tokens, policy, lengths=lengths, prefix=24))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
     model = family_model(request.param)
     tokens = np.random.default_rng(0).integers(0, 96, (2, 40)).astype(np.int32)
-    return model, tokens, np.array([40, 31], np.int32)
+    lengths = np.array([40, 31], np.int32)
+    return model, tokens, lengths, prompt_then_steps(model, jc.Full(stride=16), tokens, lengths)
 
 
-def test_every_policy_that_keeps_the_whole_text_scores_as_full(family):
-    model, tokens, lengths = family
-    want, *got = prompt_then_steps(model, [jc.Full(stride=16), *KEEP_ALL], tokens, lengths)
-    for policy, scores in zip(KEEP_ALL, got):
-        np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-4, err_msg=repr(policy))
+@pytest.mark.parametrize("policy", KEEP_ALL, ids=lambda p: type(p).__name__)
+def test_every_policy_that_keeps_the_whole_text_scores_as_full(family, policy):
+    model, tokens, lengths, want = family
+    np.testing.assert_allclose(prompt_then_steps(model, policy, tokens, lengths), want, rtol=1e-5, atol=1e-4)
 
 
 def test_a_padded_row_scores_as_alone(family):
     """Row 1 (31 of 40 tokens) beside a full row gives what it gives alone: padding reaches no layer's state (the
     Gated DeltaNet's recurrent state and convolution tail, the window caches, the caches later layers read)."""
-    model, tokens, lengths = family
-    (both,), (alone,) = (prompt_then_steps(model, [jc.Cascade(cache_size=64, sinks=2, num_cascades=2, stride=16)], t, n)
-                         for t, n in ((tokens, lengths), (tokens[1:, :31], lengths[1:])))
-    np.testing.assert_allclose(alone[0], both[1, :30], rtol=1e-5, atol=1e-4)
+    model, tokens, lengths, want = family
+    alone = prompt_then_steps(model, jc.Full(stride=16), tokens[1:, :31], lengths[1:])
+    np.testing.assert_allclose(alone[0], want[1, :30], rtol=1e-5, atol=1e-4)

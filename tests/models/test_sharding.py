@@ -97,13 +97,14 @@ GEMMA3 = dict(architecture="gemma3", qk_norm=True, layer_types=("sliding", "glob
               rope_local_theta=10000.0, query_scale=0.3, sliding_policy=jc.H2O(heavy=3, recent=2, positions="original"))
 
 
-@pytest.mark.parametrize("family", [dict(architecture="qwen2", qkv_bias=True), GEMMA3, test_families.QWEN3_5,
-                                    test_families.GEMMA4], ids=["qwen2", "gemma3", "qwen3_5", "gemma4"])
+@pytest.mark.parametrize("family", [dict(architecture="qwen3", qk_norm=True, head_dim=12),
+                                    dict(architecture="qwen2", qkv_bias=True), GEMMA3, test_families.QWEN3_5,
+                                    test_families.GEMMA4], ids=["qwen3", "qwen2", "gemma3", "qwen3_5", "gemma4"])
 def test_each_family_sharded_equals_one_device(family):
-    """The weights a family adds (Qwen2's biases, Gemma 3's norms, Qwen3.5's q/k norms and head_dim of its own, as
-    Qwen3's, and its Gated DeltaNet (replicated, its states' rows over "data"), Gemma 4's global-layer weights and
-    per-layer inputs) follow their logical axes onto the mesh; Gemma 3's sliding layers too, under a policy of their
-    own (H2O; the default window cache is SlidingWindow through the same code)."""
+    """The weights a family adds (Qwen3's q/k norms, Qwen2's biases, Gemma 3's norms, Qwen3.5's Gated DeltaNet
+    (replicated, its states' rows over "data"), Gemma 4's global-layer weights and per-layer inputs) follow their
+    logical axes onto the mesh; Gemma 3's sliding layers too, under a policy of their own (H2O; the default window
+    cache is SlidingWindow through the same code)."""
     family = dict(family)
     sliding_policy = family.pop("sliding_policy", None)
     # Gemma 4's per-layer inputs add a unit-RMS vector in every layer: at the others' weight scale (0.5) its random
