@@ -365,10 +365,13 @@ class CausalLM(nnx.Module):
                           specs["prefixes"]),
                 out_specs=(specs["chunk"], specs["state"]))
 
+        def weight_suffix(layer_type):  # Gemma 4's global layers have attention weights of their own
+            return "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
+
         def projections(layer_type, fetch, h):
             """q [B, T, H, D], k, v [B, T, Hkv, D] (un-rotated; q scaled for the kernels' D ** -0.5) and the output
             gate (None without one) of an attention layer of `layer_type`, from its input h [B, T, hidden]."""
-            suffix = "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
+            suffix = weight_suffix(layer_type)
             D = cfg.head_size(layer_type)
             # a view of h of its own for the gate: XLA would merge the two products into one over [wq | gate],
             # concatenated anew in every layer of every step (as for k and v below)
@@ -383,7 +386,7 @@ class CausalLM(nnx.Module):
             return _rotary_order(cfg, layer_type, q), gate
 
         def keys_values(layer_type, fetch, h):
-            suffix = "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
+            suffix = weight_suffix(layer_type)
             D, Hkv = cfg.head_size(layer_type), cfg.kv_heads(layer_type)
             # two views of h, as for the MLP: XLA would merge the projections into one product over [wk | wv],
             # concatenated anew in every layer of every step
@@ -400,7 +403,7 @@ class CausalLM(nnx.Module):
             return _rotary_order(cfg, layer_type, k), v
 
         def output(fetch, layer_type, out, gate):
-            suffix = "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
+            suffix = weight_suffix(layer_type)
             out = out.reshape(B, T, -1)
             if gate is not None:
                 out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
