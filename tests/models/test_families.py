@@ -8,7 +8,7 @@ import pytest
 import jcascade as jc
 import tiny
 
-QWEN3_5 = dict(architecture="qwen3_5", num_layers=3, qk_norm=True, layer_types=("linear", "global", "linear"),
+QWEN3_5 = dict(architecture="qwen3_5", num_layers=3, qk_norm=True, head_dim=16, layer_types=("linear", "global", "linear"),
                attention_output_gate=True, partial_rotary_factor=0.25, linear_key_heads=2, linear_value_heads=4,
                linear_key_dim=8, linear_value_dim=8, linear_conv_kernel=4)
 GEMMA4 = dict(architecture="gemma4", num_layers=4, qk_norm=True, layer_types=("sliding", "global") * 2,
