@@ -167,9 +167,8 @@ def delta_rule_ms(model, tokens: int) -> float:
     first = cfg.types.index("linear")
     w = {name: p[...][cfg.layers_with_state("linear").index(first)] for name, p in model.layers.items()
          if name.startswith("lin_")}
-    state = delta_net.init_linear_state(1, num_value_heads=cfg.linear_value_heads, key_dim=cfg.linear_key_dim,
-                                        value_dim=cfg.linear_value_dim, conv_channels=w["lin_conv"].shape[0],
-                                        kernel=cfg.linear_conv_kernel, dtype=model.dtype)
+    states = model.init_cache(jc.Full(), 1, max_tokens=1)
+    state = jax.tree.map(lambda a: a[0], states[cfg.state_types.index("linear")])  # the first linear layer's
     x = jax.random.normal(jax.random.key(3), (1, tokens, cfg.hidden_size), model.dtype)
     run = jax.jit(lambda w, x, state: delta_net.gated_delta_net(
         w, x, state, jnp.array([tokens], jnp.int32), num_key_heads=cfg.linear_key_heads,

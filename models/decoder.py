@@ -455,21 +455,14 @@ class CausalLM(nnx.Module):
         mixers = {(t, r): linear if t == LINEAR else build[r](t) for t, r in roles}
         pending = {}
         for t, r in roles:
-            if r == "store":  # zeros of what its attend returns, to carry through the layers before it
-                shapes = jax.eval_shape(lambda h, s: store(t)(self._fetch_first(t), h, s, {}, jnp.int32(0), ())[2][t],
-                                        x, states)
-                pending[t] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+            if r == "store":  # zeros of its chunk's keys, values and scores, carried through the layers before it
+                D, Hkv = cfg.head_size(t), cfg.kv_heads(t)
+                q = jax.ShapeDtypeStruct((B, T, cfg.num_heads, D), x.dtype)
+                kv = jax.ShapeDtypeStruct((B, T, Hkv, D), x.dtype)
+                scores = jax.eval_shape(lambda q, k, v: attend(t, _layer_view(states[t], jnp.int32(0)), q, k, v,
+                                                               lengths, ())[1], q, kv, kv)
+                pending[t] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (kv, kv, scores))
         return mixers, pending
-
-    def _fetch_first(self, layer_type: str):
-        """A `fetch` of the weights of the first layer of `layer_type` (for shapes)."""
-        decl = declarations(self.config)
-        first = self.config.types.index(layer_type)
-
-        def fetch(name):
-            held = decl[name].layer_indices(self.config)
-            return self.layers[name][...][held.index(first) if first in held else 0]
-        return fetch
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 [..., vocab] from final hidden states [..., hidden] (Gemma 4: soft-capped, cap * tanh(x / cap))."""
