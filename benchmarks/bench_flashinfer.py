@@ -6,7 +6,10 @@ request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
     flashinfer decode          BatchDecodeWithPagedKVCacheWrapper (HND pages of 16), keys stored rotated
     flashinfer decode (tc)     the same with use_tensor_cores=True
     flashinfer decode, rope    the same, keys rotated in the kernel (pos_encoding_mode="ROPE_LLAMA")
+    flashinfer decode fp8      the same over float8_e4m3fn pages (a scale per tensor), keys stored rotated
     jcascade decode            `jc.attend` on a Full cache, keys rotated in the kernel
+    jcascade decode int8 / fp8 the same over a quantized cache (Full(kv_dtype=...): codes + a scale per slot,
+                               dequantized in the kernel)
   shared prefix (stored once):
     flashinfer cascade (fa2)   two-level cascade as MultiLevelCascadeAttentionWrapper runs it (a batch-prefill
                                pass per level, then merge_state_in_place) on the FA2 backend
@@ -15,7 +18,8 @@ request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
 Two timings per method: wall = median ms per call with a device sync after each call (host dispatch included);
 device = ms per call inside one loop of --loop calls (a jitted fori_loop for jcascade, one CUDA graph for
 FlashInfer; CUDA events around a plain loop where a graph cannot be captured), i.e. launch gaps but no host.
-GB/s counts the K/V bytes a replicated decode must read. Each library runs in its own process (the caches of
+GB/s counts the K/V bytes a replicated decode must read (with a quantized cache's scales); the 8-bit rows compare
+with FlashInfer's fp8 decode. Each library runs in its own process (the caches of
 B = 256 take 34 GB each); a third process checks that the outputs agree on the same inputs (batches 8 and 64:
 jcascade's shared prefix runs its Triton kernel at 8, its Mosaic GPU kernel at 64 on a Hopper GPU).
 
@@ -52,6 +56,7 @@ def jcascade_rows(a) -> list[dict]:
     import jax.numpy as jnp
 
     import jcascade as jc
+    from jcascade import pallas_kernels as pk
 
     S, own = shapes(a.tiny)
     n = S + own  # held tokens per request; the new token is the chunk
@@ -78,16 +83,23 @@ def jcascade_rows(a) -> list[dict]:
         f = jax.jit(run)
         return wall_ms(f, *args) / a.loop
 
-    def rows_state(B: int, cap: int, held: int) -> jc.CacheState:
-        """B rows of `held` random tokens (row r = one random row + r / 64: distinct, built in one pass)."""
+    def rows_state(B: int, cap: int, held: int, kv_dtype: str = "model") -> jc.CacheState:
+        """B rows of `held` random tokens (row r = one random row + r / 64: distinct, built in one pass; a
+        quantized cache: the codes and scales of one random row in every row)."""
         k1, k2 = jax.random.split(jax.random.fold_in(key, B))
-        offset = (jnp.arange(B, dtype=jnp.bfloat16) / 64)[:, None, None, None]
-        make = jax.jit(lambda k: jnp.broadcast_to(jax.random.normal(k, (1, HKV, cap, D), jnp.bfloat16),
-                                                  (B, HKV, cap, D)) + offset)
         pos = jnp.where(jnp.arange(cap) < held, jnp.arange(cap), -1).astype(jnp.int32)
-        return jc.CacheState(k=make(k1), v=make(k2), score=jnp.zeros((B, HKV, cap), jnp.float32),
-                             pos=jnp.broadcast_to(pos, (B, HKV, cap)), seen=jnp.full((B,), held, jnp.int32),
-                             kernels=jc.Kernels.default())
+        state = dict(score=jnp.zeros((B, HKV, cap), jnp.float32), pos=jnp.broadcast_to(pos, (B, HKV, cap)),
+                     seen=jnp.full((B,), held, jnp.int32), kernels=jc.Kernels.default())
+        if kv_dtype == "model":
+            offset = (jnp.arange(B, dtype=jnp.bfloat16) / 64)[:, None, None, None]
+            make = jax.jit(lambda k: jnp.broadcast_to(jax.random.normal(k, (1, HKV, cap, D), jnp.bfloat16),
+                                                      (B, HKV, cap, D)) + offset)
+            return jc.CacheState(k=make(k1), v=make(k2), **state)
+        dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
+        one_row = lambda k: pk.quantization.quantize(jax.random.normal(k, (1, HKV, cap, D)), dtype)  # noqa: E731
+        make = jax.jit(lambda k: jax.tree.map(lambda x: jnp.broadcast_to(x, (B, *x.shape[1:])), one_row(k)))
+        (k, k_scale), (v, v_scale) = make(k1), make(k2)
+        return jc.CacheState(k=k, v=v, k_scale=k_scale, v_scale=v_scale, **state)
 
     prefix = jc.share_prefix(policy, rows_state(1, S, S), rope=rope)  # keys stored rotated, as generate does
     rows = []
@@ -108,6 +120,12 @@ def jcascade_rows(a) -> list[dict]:
         rows.append(dict(batch=B, method="jcascade decode", wall_ms=wall_ms(jax.jit(decode), q, state, k1, v1),
                          device_ms=device_ms(decode, q, state, k1, v1), kv_bytes=kv_bytes))
         del state
+        for kv_dtype, name in (("int8", "int8"), ("float8_e4m3fn", "fp8")):
+            state = rows_state(B, n + 1, n, kv_dtype)
+            rows.append(dict(batch=B, method=f"jcascade decode {name}", wall_ms=wall_ms(jax.jit(decode), q, state, k1,
+                                                                                        v1),
+                             device_ms=device_ms(decode, q, state, k1, v1), kv_bytes=2 * B * HKV * (n + 1) * (D + 4)))
+            del state
         print(f"   jcascade batch {B}: " + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms"
                                                     for r in rows if r["batch"] == B), flush=True)
     return rows
@@ -179,15 +197,17 @@ def paged(k, v):
 
 
 def decode_wrapper(workspace, B, pages, last, **options):
-    """A planned BatchDecodeWithPagedKVCacheWrapper over B requests of `pages` consecutive pages each."""
+    """A planned BatchDecodeWithPagedKVCacheWrapper over B requests of `pages` consecutive pages each (options:
+    the wrapper's, pos_encoding_mode, and kv_dtype, the pages' torch dtype)."""
     import flashinfer
     import torch
 
     rope = options.pop("pos_encoding_mode", "NONE")
+    kv_dtype = options.pop("kv_dtype", torch.bfloat16)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", **options)
     i32 = dict(dtype=torch.int32, device="cuda")
     w.plan(torch.arange(B + 1, **i32) * pages, torch.arange(B * pages, **i32), torch.full((B,), last, **i32),
-           HQ, HKV, D, PAGE, pos_encoding_mode=rope, rope_theta=THETA, data_type=torch.bfloat16,
+           HQ, HKV, D, PAGE, pos_encoding_mode=rope, rope_theta=THETA, data_type=kv_dtype,
            q_data_type=torch.bfloat16)
     return w
 
@@ -243,6 +263,12 @@ def flashinfer_rows(a) -> list[dict]:
             dev, how = device_ms(fn)
             rows.append(dict(batch=B, method=method, wall_ms=wall_ms(fn), device_ms=dev, timing=how,
                              kv_bytes=2 * B * HKV * n * D * 2))
+        replicated = replicated.to(torch.float8_e4m3fn)
+        w = decode_wrapper(workspace, B, pages, n - (pages - 1) * PAGE, kv_dtype=torch.float8_e4m3fn)
+        fn = lambda w=w: w.run(q, replicated, k_scale=1.0, v_scale=1.0)  # noqa: E731
+        dev, how = device_ms(fn)
+        rows.append(dict(batch=B, method="flashinfer decode fp8", wall_ms=wall_ms(fn), device_ms=dev, timing=how,
+                         kv_bytes=2 * B * HKV * n * D))
         replicated = None  # freed before the next cache (the timed lambdas hold the name, not the tensor)
         shared_pages, own_pages = S // PAGE, -(-(own + 1) // PAGE)
         shared = torch.randn(shared_pages + B * own_pages, 2, HKV, PAGE, D, generator=gen, device="cuda",
@@ -327,13 +353,15 @@ def agreement_at(a, B: int) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    best_decode = {r["batch"]: min((x["device_ms"] for x in rows if x["batch"] == r["batch"]
-                                    and x["method"].startswith("flashinfer decode")), default=None) for r in rows}
+    eight_bit = lambda r: r["method"].endswith(("int8", "fp8"))  # noqa: E731  compared with FlashInfer's fp8
+    best_decode = {(r["batch"], eight_bit(r)): min(
+        (x["device_ms"] for x in rows if x["batch"] == r["batch"] and x["method"].startswith("flashinfer decode")
+         and eight_bit(x) == eight_bit(r)), default=None) for r in rows}
     cascade = {r["batch"]: r["device_ms"] for r in rows if r["method"].startswith("flashinfer cascade")}
     lines = [f"{'batch':>5} {'method':<26} {'wall ms':>8} {'device ms':>9} {'TB/s':>5} {'vs FlashInfer':>13}"]
     for r in sorted(rows, key=lambda r: (r["batch"], r["method"])):
         tbs = f"{r['kv_bytes'] / r['device_ms'] / 1e9:5.2f}" if r.get("kv_bytes") else ""
-        peer = best_decode.get(r["batch"]) if r.get("kv_bytes") else cascade.get(r["batch"])
+        peer = best_decode.get((r["batch"], eight_bit(r))) if r.get("kv_bytes") else cascade.get(r["batch"])
         ratio = f"{r['device_ms'] / peer:13.2f}" if peer else ""
         lines.append(f"{r['batch']:>5} {r['method']:<26} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}")
     return lines

@@ -208,7 +208,8 @@ def decode_bytes(model, policy, batch: int) -> dict:
     on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731 (the shards are equal)
     state = jax.eval_shape(lambda: model.init_cache(policy, batch))
     cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // devices
-    kv = sum(2 * c.k.size * c.k.dtype.itemsize for c in jax.tree.leaves(state, is_leaf=is_cache) if is_cache(c)) // devices
+    kv = sum(2 * c.k.size * c.k.dtype.itemsize + (0 if c.k_scale is None else 2 * c.k_scale.size * 4)
+             for c in jax.tree.leaves(state, is_leaf=is_cache) if is_cache(c)) // devices  # a quantized one's scales too
     recurrent = sum(x.size * x.dtype.itemsize for s in jax.tree.leaves(state, is_leaf=is_linear) if is_linear(s)
                     for x in jax.tree.leaves(s)) // devices  # read and written by each step
     weights = sum(on_one_device(x) for x in jax.tree.leaves(model))
@@ -224,11 +225,19 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
     def full(state):  # a full cache, as after a long prompt, made in place on its devices
         cap, shape = state.k.shape[-2], state.k.shape
         k1, k2 = jax.random.split(jax.random.key(batch))
-        rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, shape[-1]), state.k.dtype), shape)
+        rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, shape[-1]), model.dtype), shape)  # noqa: E731
         state = dataclasses.replace(
-            state, k=rows(k1), v=rows(k2), score=jnp.full(state.score.shape, 1e-4, jnp.float32),
+            state, score=jnp.full(state.score.shape, 1e-4, jnp.float32),
             pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
             seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32))
+        if state.k_scale is None:
+            state = dataclasses.replace(state, k=rows(k1), v=rows(k2))
+        else:  # a quantized cache: codes and scales of random rows
+            (k, k_scale), (v, v_scale) = (pk.quantization.quantize(jax.random.normal(key, (cap, shape[-1])),
+                                                                   state.k.dtype) for key in (k1, k2))
+            state = dataclasses.replace(state, k=jnp.broadcast_to(k, shape), v=jnp.broadcast_to(v, shape),
+                                        k_scale=jnp.broadcast_to(k_scale, shape[:-1]),
+                                        v_scale=jnp.broadcast_to(v_scale, shape[:-1]))
         if model.mesh is None:
             return state
         return sharding.place(state, sharding.cache_specs(state, model.mesh), model.mesh)
@@ -299,6 +308,8 @@ def main():
     p.add_argument("--only", default="ab", help="a: prefill, b: decode (compile times come with each)")
     p.add_argument("--batches", default="1,16,32", help="decode batch sizes")
     p.add_argument("--cache-size", type=int, default=16384, help="Cascade cache size (64: weights and fixed costs only)")
+    p.add_argument("--kv-dtype", default="model", choices=pk.quantization.KV_DTYPES,
+                   help="the cache's storage format (Cascade's kv_dtype)")
     p.add_argument("--shape", choices=SHAPES, default="8b", help="Llama-3.1-8B, Llama-3-70B, Gemma 3 270M, Qwen3.5 or Gemma 4 shapes")
     p.add_argument("--mesh", type=sharding.parse_mesh, default=(1, 1), metavar="data=D,model=M",
                    help="devices (default: one)")
@@ -312,7 +323,7 @@ def main():
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
     if a.tiny:  # the --shape's family at a tiny size (Llama for the Llama shapes)
-        cfg, policy = TINY, jc.Cascade(cache_size=64, sinks=4, num_cascades=4, stride=32)
+        cfg, policy = TINY, jc.Cascade(cache_size=64, sinks=4, num_cascades=4, stride=32, kv_dtype=a.kv_dtype)
         if SHAPES[a.shape].layer_types:
             big = SHAPES[a.shape]
             cfg = dataclasses.replace(
@@ -325,7 +336,7 @@ def main():
         peak, (copy, read) = matmul_peak(256), stream_bandwidths(1 << 20)
     else:
         cfg = SHAPES[a.shape]
-        policy = jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096)
+        policy = jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096, kv_dtype=a.kv_dtype)
         a.segment, a.decode_batches, a.decode_steps = 32768, batches, 20
         a.prefill_marks = sorted({m for m in (32768, 131072) if m < a.prefill_tokens} | {a.prefill_tokens})
         peak, (copy, read) = matmul_peak(8192), stream_bandwidths(1 << 31)

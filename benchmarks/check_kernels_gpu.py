@@ -8,8 +8,11 @@ query heads, 8 KV heads, D = 128, or Gemma 3 270M's 4 / 1 / D = 256, Qwen3.5's g
 4's 8 / 4 / D = 512; bf16, RoPE fused) and compares out, lse and
 both score increments with the XLA reference's: decode at batch 1 and 32 over a 16K + 64 cache read in
 place from a stacked cache (and at batch 2 with positions near 1M), chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
-caches that hold a NaN key (the NaN pattern must match on the valid slots). Relative error (norm over the
-finite entries) must stay under 1e-2, the bf16 tolerance; exits 1 otherwise.
+caches that hold a NaN key (the NaN pattern must match on the valid slots); the same on int8 and float8_e4m3fn
+caches (codes and per-slot scales: the decode kernel dequantizes in registers, the chunk paths in their copy),
+against the reference on the same codes, and the single-token insertion kernel moving a quantized Cascade cache's
+codes and scales exactly as the XLA insertion does. Relative error (norm over the finite entries) must stay under
+1e-2, the bf16 tolerance; exits 1 otherwise.
 
     python benchmarks/check_kernels_gpu.py [--shape gemma-3-270m|qwen3.5|gemma-4] [--out benchmarks/results/check-kernels-<device>.json]
 """
@@ -65,8 +68,35 @@ def relative_error(got, want) -> tuple[float, bool]:
     return float(err), same_pattern
 
 
-def check(name, kernels, batch, T, S, reduction, nan_key=False, ragged=False, far=False) -> dict:
+def quantized(x: dict, kv_dtype: str) -> dict:
+    """`inputs` with the stacked cache as codes of `kv_dtype` and the attended layer's per-slot scales."""
+    dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
+    (k, k_scale), (v, v_scale) = (pk.quantization.quantize(x[n], dtype) for n in ("k_cache", "v_cache"))
+    return x | dict(k_cache=k, v_cache=v, k_scale=k_scale[LAYER], v_scale=v_scale[LAYER])
+
+
+def check_insert(kv_dtype: str, batch: int = 4, steps: int = 40) -> dict:
+    """Single tokens into a quantized Cascade cache (2 sinks, 3 rings of 8) on the Triton insertion kernel and on
+    the XLA insertion: every array of the two states must be equal."""
+    policy = jc.Cascade(cache_size=24, sinks=2, num_cascades=3, stride=1, kv_dtype=kv_dtype)
+    kernels = [jc.Kernels("triton"), jc.Kernels("xla")]
+    states = [jc.init_cache(policy, batch, HKV, D, jnp.bfloat16, kernels=k) for k in kernels]
+    step = jax.jit(lambda s, k, v, sc: jc.update(policy, s, k, v, sc))
+    for i in range(steps):
+        ks = jax.random.split(jax.random.key(i), 4)
+        k, v = (jax.random.normal(key, (batch, 1, HKV, D), jnp.bfloat16) for key in ks[:2])
+        scores = jc.Scores(cache=jax.random.uniform(ks[2], (batch, HKV, 26)),
+                           chunk=jax.random.uniform(ks[3], (batch, HKV, 1)))
+        states = [step(s, k, v, scores) for s in states]
+    same = all(bool(jnp.array_equal(a, b, equal_nan=True)) for a, b in zip(jax.tree.leaves(states[0]),
+                                                                           jax.tree.leaves(states[1])))
+    return dict(case=f"insert {kv_dtype}", implementation="Triton insert_one vs XLA", batch=batch, T=1, S=26,
+                reduction="-", ok=same, out=0.0 if same else 1.0, lse=0.0, inc_cache=0.0, inc_chunk=0.0)
+
+
+def check(name, kernels, batch, T, S, reduction, nan_key=False, ragged=False, far=False, kv_dtype="model") -> dict:
     x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key, ragged, far)
+    x = x if kv_dtype == "model" else quantized(x, kv_dtype)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
 
     def run(kernels, x):
@@ -74,7 +104,8 @@ def check(name, kernels, batch, T, S, reduction, nan_key=False, ragged=False, fa
 
     got = jax.jit(lambda x: run(kernels, x))(x)
     want = jax.jit(lambda x: run(jc.Kernels("xla"), x))(x)
-    row = dict(case=name, implementation=repr(kernels), batch=batch, T=T, S=S, reduction=reduction, ok=True)
+    row = dict(case=name, implementation=repr(kernels), batch=batch, T=T, S=S, reduction=reduction, ok=True,
+               kv_dtype=kv_dtype)
     valid = np.asarray(x["cache_valid"])
     for part, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         if part == "inc_cache":  # empty slots' scores are unused (the kernels give 0 where the reference gives NaN)
@@ -100,6 +131,11 @@ def main():
             check("decode, positions ~1M", triton, 2, 1, S, "max", far=True),
             check("chunk", triton, 1, 512, 4096 + 64, "max"), check("decode, a NaN key", triton, 1, 1, S, "max", nan_key=True),
             check("chunk, default", jc.Kernels.default(), 1, 512, 4096 + 64, "max")]
+    for kv_dtype in pk.quantization.FORMATS:
+        rows += [check(f"decode {kv_dtype}", triton, 32, 1, S, "mean", kv_dtype=kv_dtype),
+                 check(f"decode {kv_dtype}, NaN", triton, 1, 1, S, "max", nan_key=True, kv_dtype=kv_dtype),
+                 check(f"chunk {kv_dtype}", jc.Kernels.default(), 1, 512, 4096 + 64, "max", kv_dtype=kv_dtype),
+                 check_insert(kv_dtype)]
     if pk.is_hopper() and D in pk.mosaic_gpu.HEAD_DIMS:
         rows += [check("chunk", mosaic, 1, 4096, S, "max"),
                  check("chunk, ragged rows", mosaic, 2, 512, 4096 + 64, "mean", ragged=True),
@@ -107,10 +143,10 @@ def main():
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}, {a.shape} (Hq {HQ}, Hkv {HKV}, D {D}): Pallas kernels vs the XLA reference "
           f"(relative error, tolerance {TOLERANCE})")
-    print(f"{'case':<20} {'kernels':<40} {'batch':>5} {'T':>4} {'S':>6} {'out':>9} {'lse':>9} {'inc_cache':>9} "
+    print(f"{'case':<30} {'kernels':<40} {'batch':>5} {'T':>4} {'S':>6} {'out':>9} {'lse':>9} {'inc_cache':>9} "
           f"{'inc_chunk':>9}  ok")
     for r in rows:
-        print(f"{r['case']:<20} {r['implementation']:<40} {r['batch']:>5} {r['T']:>4} {r['S']:>6} {r['out']:9.2e} "
+        print(f"{r['case']:<30} {r['implementation']:<40} {r['batch']:>5} {r['T']:>4} {r['S']:>6} {r['out']:9.2e} "
               f"{r['lse']:9.2e} {r['inc_cache']:9.2e} {r['inc_chunk']:9.2e}  {r['ok']}")
     out = pathlib.Path(a.out or f"benchmarks/results/check-kernels-{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

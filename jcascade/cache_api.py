@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import cache_state, checks
+from jcascade.pallas_kernels import quantization
 from jcascade.cache_state import CacheState, Scores
 from jcascade.pallas_kernels import Kernels
 from jcascade.policies import Policy, check_policy
@@ -32,7 +33,9 @@ def init_cache(
     (not `bounded`) can receive (required there, unused by the bounded policies); a policy that compresses
     after its prompt (an `observation_window`) needs only the prompt's (`jcascade.compress` makes room for decoding).
 
-    With `num_layers`, every array gets a leading layer axis (scan over it to run a model).
+    With `num_layers`, every array gets a leading layer axis (scan over it to run a model). `dtype` is the model's
+    (that of the keys and values attend and update take); the cache stores them in it, or quantized when the
+    policy's `kv_dtype` says so (`jcascade.pallas_kernels.quantization`: codes plus a float32 scale per slot).
     """
     check_policy(policy)
     sizes = (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("max_tokens", max_tokens),
@@ -58,13 +61,17 @@ def init_cache(
                          f"{checks.CLOCK_LIMIT} that int32 slot indices address")
     lead = () if num_layers is None else (num_layers,)
     shape = (*lead, batch, num_kv_heads, capacity)
+    stored = quantization.storage_dtype(policy.kv_dtype, dtype)
+    scale = jnp.zeros(shape, jnp.float32) if quantization.is_quantized(stored) else None
     return CacheState(
-        k=jnp.zeros((*shape, head_dim), dtype),
-        v=jnp.zeros((*shape, head_dim), dtype),
+        k=jnp.zeros((*shape, head_dim), stored),
+        v=jnp.zeros((*shape, head_dim), stored),
         score=jnp.zeros(shape, jnp.float32),
         pos=jnp.full(shape, -1, jnp.int32),
         seen=jnp.zeros((*lead, batch), jnp.int32),
         kernels=kernels,
+        k_scale=scale,
+        v_scale=scale,
     )
 
 

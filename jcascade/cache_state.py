@@ -12,14 +12,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jcascade.pallas_kernels import Kernels
+from jcascade.pallas_kernels import Kernels, quantization
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheState:
     """KV cache of one layer (or of L layers stacked on a leading axis).
 
-    k, v:  [B, Hkv, capacity, D] un-rotated keys/values, in the library's slot order.
+    k, v:  [B, Hkv, capacity, D] un-rotated keys/values, in the library's slot order: in the model's dtype, or
+           8-bit codes (int8, float8_e4m3fn: `jcascade.pallas_kernels.quantization`, the policy's `kv_dtype`).
     score: f32 [B, Hkv, capacity] EMA attention score per slot (0 for policies that keep none).
     pos:   int32 [B, Hkv, capacity] original token index per slot, -1 for an empty slot.
     seen:  int32 [B] number of tokens each row has received.
@@ -28,6 +29,8 @@ class CacheState:
            sees it: k and v are then the whole stack [L, B, Hkv, capacity, D], read and written in place
            at `layer` (`cached_kv`, `write_kv`, the kernels' `layer` argument), and the other fields are
            the layer's own. Nothing is copied out of the stack or back.
+    k_scale, v_scale: f32 [B, Hkv, capacity] the scale of each slot's codes (None for a cache in the model's
+           dtype), per slot like `score` and `pos`: they move with their token.
     """
 
     k: jax.Array
@@ -37,6 +40,8 @@ class CacheState:
     seen: jax.Array
     kernels: Kernels = dataclasses.field(metadata=dict(static=True))
     layer: jax.Array | None = None
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -51,6 +56,12 @@ class Scores:
 
     cache: jax.Array
     chunk: jax.Array
+
+
+def layer_fields(state: CacheState) -> tuple[str, ...]:
+    """The fields that each layer of a stacked cache holds as its own (`CacheState.layer`): all but K and V, which
+    a layer reads and writes in place in the stack."""
+    return ("score", "pos", "seen") + (() if state.k_scale is None else ("k_scale", "v_scale"))
 
 
 def cached_positions(state: CacheState) -> jax.Array:
@@ -69,24 +80,35 @@ def cached_scores(state: CacheState) -> jax.Array:
 
 def cached_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
     """(k, v), each [B, Hkv, capacity, D] (or [L, ...] for a stacked cache), un-rotated, same slot order as
-    `cached_positions` (the state's layer of a stacked cache when `state.layer` is set)."""
+    `cached_positions` (the state's layer of a stacked cache when `state.layer` is set); a quantized cache's
+    dequantized to float32 (code * scale)."""
     check_state(state, stacked_ok=True)
-    if state.layer is None:
-        return state.k, state.v
-    return state.k[state.layer], state.v[state.layer]
+    k, v = (state.k, state.v) if state.layer is None else (state.k[state.layer], state.v[state.layer])
+    if state.k_scale is None:
+        return k, v
+    return quantization.dequantize(k, state.k_scale), quantization.dequantize(v, state.v_scale)
 
 
 def write_kv(state: CacheState, index: tuple, k: jax.Array, v: jax.Array) -> CacheState:
     """The state with its (layer's) k and v set to `k`, `v` at `index` (a NumPy-style index tuple into
     [B, Hkv, capacity, D], `()` for all of it; out-of-range scatter indices are dropped). With `state.layer`
-    set this is one scatter into the stack: only the written rows move. state: one layer (`check_state`)."""
+    set this is one scatter into the stack: only the written rows move. A quantized cache stores k and v
+    quantized, their scales at the same slots. state: one layer (`check_state`)."""
     check_state(state)
     if not isinstance(index, tuple):
         raise TypeError(f"index must be a tuple of indices into [batch, num_kv_heads, capacity, head_dim] (() for "
                         f"all of it), got {type(index).__name__}")
+    if state.k_scale is not None and len(index) > 3:
+        raise ValueError(f"index must address whole slots of a quantized cache (at most 3 indices into [batch, "
+                         f"num_kv_heads, capacity, head_dim]: a slot's scale covers its head_dim), got {len(index)}")
+    slot_index = index
     index = index if state.layer is None else (state.layer, *index)
-    put = lambda x, val: x.at[index].set(val.astype(x.dtype), mode="drop")
-    return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v))
+    put = lambda x, val, at=index: x.at[at].set(val.astype(x.dtype), mode="drop")  # noqa: E731
+    if state.k_scale is None:
+        return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v))
+    (k, k_scale), (v, v_scale) = quantization.quantize(k, state.k.dtype), quantization.quantize(v, state.v.dtype)
+    return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v), k_scale=put(state.k_scale, k_scale,
+                               slot_index), v_scale=put(state.v_scale, v_scale, slot_index))
 
 
 def check_state(state, name: str = "state", *, stacked_ok: bool = False) -> None:
@@ -108,6 +130,15 @@ def check_state(state, name: str = "state", *, stacked_ok: bool = False) -> None
     lead = pos[:-3] if state.layer is None else state.k.shape[:1]  # () or (L,)
     expected = {"k": (*lead, *pos[-3:], state.k.shape[-1]), "v": (*lead, *pos[-3:], state.k.shape[-1]),
                 "score": pos, "seen": pos[:-2]}
+    quantized = quantization.is_quantized(state.k.dtype)
+    if state.v.dtype != state.k.dtype or quantized != (state.k_scale is not None) or (state.k_scale is None) != (
+            state.v_scale is None):
+        raise ValueError(f"{name} must hold k and v of one dtype, with k_scale and v_scale exactly when that is a "
+                         f"quantized format (int8, float8_e4m3fn); got k {state.k.dtype}, v {state.v.dtype}, "
+                         f"k_scale {'None' if state.k_scale is None else 'set'}, v_scale "
+                         f"{'None' if state.v_scale is None else 'set'}")
+    if quantized:
+        expected |= {"k_scale": pos, "v_scale": pos}
     for field, shape in expected.items():
         if getattr(state, field).shape != shape:
             raise ValueError(f"{name}.{field} must have shape {list(shape)} (pos {list(pos)}), got "

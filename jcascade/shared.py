@@ -45,12 +45,15 @@ class SharedPrefix:
     rope: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Array | int = 0, rope=None) -> SharedPrefix:
+def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Array | int = 0, rope=None,
+                 dtype=None) -> SharedPrefix:
     """The cache `state` (one layer; its batch rows become the prefix rows), as `policy` positions it,
     shifted by `offset` (an int, or an integer array [P]: positions of the levels before it, >= 0). rope: the
     RoPE the requests decode with, or None; when given, the keys are stored rotated at their positions (which a
     frozen prefix never changes), so that decoding reads them without rotating them in every step (and, on a
-    Hopper GPU, many requests' queries run on the tensor-core kernel, `Kernels.prefix_attention`)."""
+    Hopper GPU, many requests' queries run on the tensor-core kernel, `Kernels.prefix_attention`). dtype: of the
+    stored keys and values (None: the cache's); a quantized cache's are stored dequantized (to float32 when
+    None: pass the requests' dtype)."""
     check_policy(policy)
     if not policy.shareable:
         raise ValueError(f"{type(policy).__name__} cannot be a shared prefix (its cache is chosen per request)")
@@ -65,7 +68,7 @@ def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Arra
     valid = state.pos >= 0
     held_k, held_v = cache_state.cached_kv(state)
     k = held_k if rope is None else rope(held_k, key_pos)
-    k, v = (jnp.where(valid[..., None], x, 0) for x in (k, held_v))
+    k, v = (jnp.where(valid[..., None], x, 0).astype(dtype or x.dtype) for x in (k, held_v))
     return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, rope=rope)
 
 
@@ -151,7 +154,8 @@ def attend_shared(
     start = start + offset
     q, k = rotate_chunk(rope, q, k, start)
     out, lse, _, _ = state.kernels.chunk_attention(q, k, v, state.k, state.v, state.pos >= 0, key_pos, n, None,
-                                                   "max", rope, layer=state.layer)
+                                                   "max", rope, layer=state.layer, k_scale=state.k_scale,
+                                                   v_scale=state.v_scale)
     out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)  # lse [B, T, Hq]
     Hq = q.shape[2]
     for prefix, per_row in zip(prefixes, fan_out):

@@ -511,15 +511,15 @@ def _product(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arr
 
 def _layer_view(state: cache_state.CacheState, index: jax.Array) -> cache_state.CacheState:
     """Layer `index`'s view of the stacked cache: the whole K/V stack with its layer index, its own small arrays."""
-    return dataclasses.replace(state, score=state.score[index], pos=state.pos[index], seen=state.seen[index], layer=index)
+    return dataclasses.replace(state, layer=index, **{name: getattr(state, name)[index]
+                                                      for name in cache_state.layer_fields(state)})
 
 
 def _written_back(state: cache_state.CacheState, layer_state: cache_state.CacheState, index: jax.Array) -> cache_state.CacheState:
     """The stacked cache after a layer's update: its K/V stack (written in place) and its small arrays set at
     `index`."""
-    return dataclasses.replace(layer_state, score=state.score.at[index].set(layer_state.score),
-                               pos=state.pos.at[index].set(layer_state.pos),
-                               seen=state.seen.at[index].set(layer_state.seen), layer=None)
+    return dataclasses.replace(layer_state, layer=None, **{name: getattr(state, name).at[index].set(
+        getattr(layer_state, name)) for name in cache_state.layer_fields(state)})
 
 
 def _ordered(out: jax.Array, state: cache_state.CacheState) -> tuple[jax.Array, cache_state.CacheState]:

@@ -104,7 +104,8 @@ def cache_specs(state: cache_state.CacheState, mesh: Mesh) -> cache_state.CacheS
     heads = "model" if num_kv_heads % mesh.shape["model"] == 0 else None
     slot = PartitionSpec(None, rows, heads, None)
     stack = PartitionSpec(None, rows, heads, None, None)
-    return dataclasses.replace(state, k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec(None, rows))
+    scales = {} if state.k_scale is None else dict(k_scale=slot, v_scale=slot)
+    return dataclasses.replace(state, k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec(None, rows), **scales)
 
 
 def linear_state_specs(state, mesh: Mesh):
@@ -125,8 +126,8 @@ def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ())
         return None
     num_kv_heads = state.pos.shape[-2]
     own = lambda spec: PartitionSpec(*spec[1:])  # without the layer axis
-    state = dataclasses.replace(stacked, score=own(stacked.score), pos=own(stacked.pos), seen=own(stacked.seen),
-                                layer=PartitionSpec())
+    state = dataclasses.replace(stacked, layer=PartitionSpec(), **{name: own(getattr(stacked, name))
+                                                                   for name in cache_state.layer_fields(stacked)})
     levels = []
     for prefix in prefixes:
         rows = prefix.length.shape[-1]

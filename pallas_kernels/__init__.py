@@ -21,7 +21,7 @@ import dataclasses
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import attention_state, mosaic_gpu, reference, ring_insertion, schedule, tpu, triton
+from . import attention_state, mosaic_gpu, quantization, reference, ring_insertion, schedule, tpu, triton
 from .mosaic_gpu import MosaicGpuConfig
 from .tpu import TpuConfig
 from .triton import WIDE as TRITON_WIDE, TritonConfig
@@ -96,15 +96,24 @@ class Kernels:
         return cls(default_backend())
 
     def chunk_attention(self, q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                        head_reduction="max", rope=None, *, layer=None, first_slot: int = 0):
+                        head_reduction="max", rope=None, *, layer=None, first_slot: int = 0, k_scale=None,
+                        v_scale=None):
         """`reference.chunk_attention` on this backend. layer: None, or an int32 scalar when k_cache and v_cache
         are a model's stacked cache [L, B, Hkv, C, D]: the call attends to that layer. first_slot (a static int):
         the call attends to slots [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1]
         (cache_valid and cache_positions cover those slots alone). The Triton decode kernel reads both in place;
-        the other paths take the slice."""
+        the other paths take the slice. k_scale, v_scale: f32 [B, Hkv, C] when k_cache, v_cache hold a quantized
+        cache's codes (`quantization`): the Triton decode kernel dequantizes them in registers; the other paths
+        dequantize (to q's dtype) in the copy of the attended slots they take (fused with its rotation)."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
+        in_kernel = self.on_gpu and q.shape[1] == 1 and (rope is None or triton.fuses_rope(rope))
+        if k_scale is not None and not in_kernel:
+            k_cache, v_cache = (quantization.dequantize(triton.layer_of(codes, layer, first_slot),
+                                                        scale[..., first_slot:], q.dtype)
+                                for codes, scale in ((k_cache, k_scale), (v_cache, v_scale)))
+            layer, first_slot, k_scale, v_scale = None, 0, None, None
         if self.backend == "mosaic_gpu" and q.shape[1] > 1:
             if mosaic_gpu.supports(q, k_cache):
                 k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
@@ -118,7 +127,8 @@ class Kernels:
         if self.on_gpu:
             return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
                                           query_weights, head_reduction, rope, layer, first_slot,
-                                          config=self.triton_tiles(q.shape[-1]), interpret=self.interpret)
+                                          config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
+                                          k_scale=k_scale, v_scale=v_scale)
         k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
         args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
         if self.backend == "xla":
@@ -140,16 +150,17 @@ class Kernels:
         return triton.prefix_attention(*args, config=self.triton_tiles(q.shape[-1]), interpret=self.interpret)
 
     def insert(self, layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n,
-               place_evicted=None):
+               place_evicted=None, *, scales=None):
         """`ring_insertion.insert_chunk` (same arguments and result) on this backend: a single-token chunk on a
         GPU backend runs the in-place Triton kernel (layouts without heavy slots); everything else runs the
         vectorised XLA formulation."""
         if k.shape[1] == 1 and self.on_gpu and not layout.heavy:
-            score, pos, k_cache, v_cache = insert_one(layout, score, pos, k_cache, v_cache, chunk_score, k, v, placed,
-                                                      n, seen, layer=layer, interpret=self.interpret)
-            return k_cache, v_cache, score, pos
+            score, pos, k_cache, v_cache, scales = insert_one(layout, score, pos, k_cache, v_cache, chunk_score, k, v,
+                                                              placed, n, seen, layer=layer, scales=scales,
+                                                              interpret=self.interpret)
+            return k_cache, v_cache, score, pos, scales
         return ring_insertion.insert_chunk(layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score,
-                                           placed, n, place_evicted)
+                                           placed, n, place_evicted, scales)
 
     def _mosaic_interpret(self):
         return plgpu.InterpretGPUParams() if self.interpret else False
@@ -164,4 +175,4 @@ def default_backend() -> str:
 
 
 __all__ = ["BACKENDS", "Kernels", "MosaicGpuConfig", "TpuConfig", "TritonConfig", "attention_state", "default_backend",
-           "is_hopper", "mosaic_gpu", "reference", "ring_insertion", "schedule", "tpu", "triton"]
+           "is_hopper", "mosaic_gpu", "quantization", "reference", "ring_insertion", "schedule", "tpu", "triton"]

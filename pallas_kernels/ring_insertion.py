@@ -151,12 +151,14 @@ def _gather_items(old: jax.Array, chunk: jax.Array, src: jax.Array) -> jax.Array
 
 def insert_chunk(layout: RingLayout, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | None, score: jax.Array,
                  pos: jax.Array, seen: jax.Array, k: jax.Array, v: jax.Array, chunk_score: jax.Array, placed: jax.Array,
-                 n: jax.Array, place_evicted: PlaceEvicted | None = None):
+                 n: jax.Array, place_evicted: PlaceEvicted | None = None, scales=None):
     """A chunk into a ring cache. k_cache, v_cache [B, H, cap, D], or a stack [L, B, H, cap, D] written at
     `layer` (an int32 scalar; None: not a stack); score f32 [B, H, cap] the residents' scores after step 1;
     pos int32 [B, H, cap]; seen int32 [B] tokens each row has received; k, v [B, T, H, D] un-rotated; chunk_score
     f32 [B, H, T]; placed int32 [B] the row's slot clock (tokens placed so far: `seen`, or the first free slot of
-    an append cache); n int32 [B] valid tokens. Returns the new (k_cache, v_cache, score, pos)."""
+    an append cache); n int32 [B] valid tokens. scales: None, or for a quantized cache (k, v then being codes)
+    ((k_scale, v_scale) f32 [B, H, cap], (the chunk's k_scale, v_scale) f32 [B, T, H]), which move with their
+    tokens. Returns the new (k_cache, v_cache, score, pos, scales), scales the new (k_scale, v_scale) or None."""
     B, T, H, _ = k.shape
     dest, src, mu = _insertions(layout, score, pos >= 0, chunk_score, placed, n, place_evicted)
     index = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], dest)
@@ -168,4 +170,6 @@ def insert_chunk(layout: RingLayout, k_cache: jax.Array, v_cache: jax.Array, lay
         old = cache if layer is None else cache[layer]
         items = _gather_items(old, jnp.swapaxes(chunk, 1, 2).astype(cache.dtype), src)
         moved.append(cache.at[kv_index].set(items, mode="drop"))
-    return moved[0], moved[1], write(score, mu), write(pos, _gather_items(pos, chunk_pos, src))
+    if scales is not None:
+        scales = tuple(write(old, _gather_items(old, jnp.swapaxes(chunk, 1, 2), src)) for old, chunk in zip(*scales))
+    return moved[0], moved[1], write(score, mu), write(pos, _gather_items(pos, chunk_pos, src)), scales

@@ -19,8 +19,15 @@ from jax.experimental.pallas import triton as plgpu
 from .schedule import RingLayout, ring_schedules
 
 
-def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, mu_ref, pos_ref, k_ref,
-                   v_ref, mu_out, pos_out, k_out, v_out, *, layout: RingLayout, barrier: bool):
+def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, *refs,
+                   layout: RingLayout, barrier: bool, per_slot: int):
+    """refs: the new token's `per_slot` - 2 other per-slot values (a quantized cache's k and v scales: [1] each),
+    then the inputs mu, pos, (scales,) k, v and the outputs in the same order. A slot's items are its K and V rows
+    and its per-slot values, mu first."""
+    extra = per_slot - 2
+    new_extra, ins, outs = refs[:extra], refs[extra:extra + per_slot + 2], refs[extra + per_slot + 2:]
+    slot_refs, (k_ref, v_ref) = ins[:per_slot], ins[per_slot:]
+    slot_outs, (k_out, v_out) = outs[:per_slot], outs[per_slot:]
     S0, W = layout.sinks, layout.ring_size
     layer, b, h = layer_ref[0], pl.program_id(0), pl.program_id(1)
     row = lambda ref, slot: ref.at[layer, b, h, slot, :]  # a slot of this program's (layer, row, head) in the stack
@@ -33,68 +40,79 @@ def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k
     # Phase A: read everything that phase B may overwrite (rings occupy disjoint slots).
     oldest = [S0 + i * W + s.writes(t) % W for i, s in enumerate(scheds)]
     newest = [S0 + i * W + (s.writes(t) - 1) % W for i, s in enumerate(scheds)]
-    evicted = [(plgpu.load(row(k_ref, w)), plgpu.load(row(v_ref, w)), mu_ref[w], pos_ref[w]) for w in oldest]
-    newest_mu = [mu_ref[z] for z in newest]
+    evicted = [(plgpu.load(row(k_ref, w)), plgpu.load(row(v_ref, w)), tuple(ref[w] for ref in slot_refs))
+               for w in oldest]
+    newest_mu = [slot_refs[0][z] for z in newest]
     if barrier:
         plgpu.debug_barrier()
 
     def write(slot, item, pred):
-        k, v, mu, pos = item
+        k, v, values = item
         plgpu.store(row(k_out, slot), k, mask=jnp.broadcast_to(pred, (D,)))
         plgpu.store(row(v_out, slot), v, mask=jnp.broadcast_to(pred, (D,)))
-        plgpu.store(mu_out.at[slot], mu, mask=pred)
-        plgpu.store(pos_out.at[slot], pos, mask=pred)
+        for out, value in zip(slot_outs, values):
+            plgpu.store(out.at[slot], value, mask=pred)
 
     # Phase B: the token walks down the rings.
-    item = (new_k_ref[...], new_v_ref[...], chunk_mu_ref[0], position_ref[...])
+    item = (new_k_ref[...], new_v_ref[...], (chunk_mu_ref[0], position_ref[...], *(r[0] for r in new_extra)))
     if S0:
         write(jnp.minimum(seen, S0 - 1), item, present & (seen < S0))
     active = present & (seen >= S0)
     for sched, w, z, y, z_mu in zip(scheds, oldest, newest, evicted, newest_mu):
         fill = sched.arrivals(t) < W
         accept = sched.accepting(t)
-        wins = active & ~fill & ~accept & (item[2] > z_mu)
+        wins = active & ~fill & ~accept & (item[2][0] > z_mu)
         write(jnp.where(wins, z, w), item, (active & (fill | accept)) | wins)
         item = y
         active = active & ~fill & accept
 
 
 def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, new_v, seen, n, position, *,
-               layer=None, interpret: bool = False):
+               layer=None, scales=None, interpret: bool = False):
     """In-place single-token insertion. mu f32 / pos int32 [B, H, cap] (mu after decay and accumulate);
     k_cache, v_cache [B, H, cap, D], or a stack [L, B, H, cap, D] of which layer `layer` (int32 scalar) is
     written; chunk_mu f32 [B, H, 1]; new_k, new_v [B, 1, H, D]; seen int32 [B] the row's slot clock
     (tokens placed so far), n int32 [B] 1 or 0 (padding), position int32 [B] the token's original position
-    (= seen, except in compressed append caches).
-    Returns the new (mu, pos, k_cache, v_cache), k_cache and v_cache of the shape given."""
+    (= seen, except in compressed append caches); scales: None, or for a quantized cache (k, v and new_k, new_v
+    being codes) ((k_scale, v_scale) f32 [B, H, cap], (the token's k_scale, v_scale) f32 [B, 1, H]), moved with
+    their tokens as mu and pos are.
+    Returns the new (mu, pos, k_cache, v_cache, scales), k_cache and v_cache of the shape given, scales the new
+    (k_scale, v_scale) or None."""
     stacked = layer is not None
     if not stacked:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     _, B, H, cap, D = k_cache.shape
+    held, token = ((), ()) if scales is None else scales
+    per_slot = 2 + len(held)
     row = lambda b, h: (b,)
     slots = lambda b, h: (b, h, 0)
-    specs = [
+    slot_spec = pl.BlockSpec((None, None, cap), slots)
+    cache_specs = [slot_spec] * per_slot + [pl.BlockSpec()] * 2  # K, V: the whole stack, each program its own rows
+    in_specs = [
+        pl.BlockSpec(),
         pl.BlockSpec((None,), row),
         pl.BlockSpec((None,), row),
         pl.BlockSpec((None,), row),
         pl.BlockSpec((None, None, 1), slots),
         pl.BlockSpec((None, None, None, D), lambda b, h: (b, 0, h, 0)),
         pl.BlockSpec((None, None, None, D), lambda b, h: (b, 0, h, 0)),
-        pl.BlockSpec((None, None, cap), slots),
-        pl.BlockSpec((None, None, cap), slots),
-        pl.BlockSpec(),  # the whole stack: each program addresses its own (layer, row, head)
-        pl.BlockSpec(),
+        *[pl.BlockSpec((None, None, 1), lambda b, h: (b, 0, h))] * len(token),
+        *cache_specs,
     ]
-    mu, pos, k_cache, v_cache = pl.pallas_call(
-        functools.partial(_insert_kernel, layout=layout, barrier=not interpret),
+    state = (mu, pos, *held, k_cache, v_cache)
+    first = 7 + len(token)
+    out = pl.pallas_call(
+        functools.partial(_insert_kernel, layout=layout, barrier=not interpret, per_slot=per_slot),
         grid=(B, H),
-        in_specs=[pl.BlockSpec(), *specs],
-        out_specs=specs[6:],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mu, pos, k_cache, v_cache)],
-        input_output_aliases={7: 0, 8: 1, 9: 2, 10: 3},
+        in_specs=in_specs,
+        out_specs=cache_specs,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],
+        input_output_aliases={first + i: i for i in range(len(state))},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jcascade_insert_one",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), seen, n, position, chunk_mu, new_k.astype(k_cache.dtype),
-      new_v.astype(v_cache.dtype), mu, pos, k_cache, v_cache)
-    return (mu, pos, k_cache, v_cache) if stacked else (mu, pos, k_cache[0], v_cache[0])
+      new_v.astype(v_cache.dtype), *token, *state)
+    mu, pos, *held, k_cache, v_cache = out
+    scales = tuple(held) if scales is not None else None
+    return (mu, pos, k_cache, v_cache, scales) if stacked else (mu, pos, k_cache[0], v_cache[0], scales)

@@ -26,7 +26,7 @@ class AdaKV(WindowSelection):
     P + (H - 1) * (P - floor(floor * P)) slots (+ the window): `jc.cache_occupancy` reports resident vs
     allocated slots. Decoding appends past the fullest head (the others' empty slots stay masked). Positions
     are the original ones (a scorer with positions="cache" is refused). Other fields (window, kernel, pooling,
-    head_reduction, positions, stride) are the scorer's.
+    head_reduction, positions, stride, kv_dtype) are the scorer's.
     """
 
     scorer: SnapKV | PyramidKV
@@ -45,6 +45,7 @@ class AdaKV(WindowSelection):
     head_reduction = property(lambda self: self.scorer.head_reduction)
     positions = property(lambda self: self.scorer.positions)
     stride = property(lambda self: self.scorer.stride)
+    kv_dtype = property(lambda self: self.scorer.kv_dtype)
 
     @property
     def label(self) -> str:

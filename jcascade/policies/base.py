@@ -21,8 +21,8 @@ most policies are; a policy with another storage rule subclasses `Policy` and wr
 Fields. `Policy.__post_init__` checks every field against its declared type (`check_field`: a `Literal`'s values,
 bools, token ids, policies, ints and floats within the `Ints` or `Reals` rule an `Annotated` type adds, e.g.
 `Positive`); a policy with a rule across fields extends it. The fields that policies share are declared once,
-keyword-only, by the base a policy subclasses: `Strided` (stride: every policy but AdaKV, whose stride is its
-scorer's), `Positioned` (+ positions), `HeadReduced` (+ head_reduction). A policy whose default differs says so
+keyword-only, by the base a policy subclasses: `Strided` (stride and kv_dtype: every policy but AdaKV, whose are
+its scorer's), `Positioned` (+ positions), `HeadReduced` (+ head_reduction). A policy whose default differs says so
 with `dataclasses.field(default=..., kw_only=True)`.
 """
 
@@ -84,6 +84,7 @@ NonNegative = Annotated[int, Ints(0)]
 OddPositive = Annotated[int, Ints(1, odd=True)]  # a pooling kernel: pooling keeps the length
 Positions = Literal["cache", "original"]
 HeadReduction = Literal["max", "mean"]
+KvDtype = Literal["model", "int8", "float8_e4m3fn"]  # jcascade.pallas_kernels.quantization.KV_DTYPES
 TokenIds = tuple[int, ...]
 
 
@@ -144,7 +145,8 @@ class Policy(abc.ABC):
       shareable     its cache after a prompt can serve as a frozen shared prefix (jc.share_prefix,
                     generate's num_samples).
     Defaults of fields a policy may not have: positions "original", head_reduction "max",
-    observation_window 0 (no compression after the prompt).
+    observation_window 0 (no compression after the prompt), kv_dtype "model" (keys and values stored in the
+    model's dtype).
     """
 
     bounded: ClassVar[bool] = True
@@ -155,6 +157,7 @@ class Policy(abc.ABC):
     positions = "original"
     head_reduction = "max"
     observation_window = 0
+    kv_dtype = "model"
 
     def __post_init__(self):
         """Checks every field against its declared type (`check_field`); a policy with a rule across fields
@@ -201,7 +204,7 @@ class Policy(abc.ABC):
         q, k = rotate_chunk(rope, q, k, start)
         out, _, inc_cache, inc_chunk = state.kernels.chunk_attention(
             q, k, v, state.k, state.v, state.pos >= 0, key_pos, lengths, weights, self.head_reduction, rope,
-            layer=state.layer,
+            layer=state.layer, k_scale=state.k_scale, v_scale=state.v_scale,
         )
         return out, None if inc_cache is None else Scores(cache=inc_cache, chunk=inc_chunk)
 
@@ -228,9 +231,12 @@ class Policy(abc.ABC):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strided(Policy):
-    """A policy with `stride`, the tokens per chunk of its strided prefill (docs/semantics.md §9)."""
+    """A policy with `stride`, the tokens per chunk of its strided prefill (docs/semantics.md §9), and `kv_dtype`,
+    the storage format of its cache's keys and values (`jcascade.pallas_kernels.quantization`: "model", "int8",
+    "float8_e4m3fn")."""
 
     stride: Positive = 4096
+    kv_dtype: KvDtype = "model"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

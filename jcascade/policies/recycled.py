@@ -108,7 +108,8 @@ class Recycled(Positioned):
         def run(valid, key_pos, start, k_cache, v_cache, layer, w, first_slot=0):
             qr, kr = rotate_chunk(rope, q, k, start)
             return state.kernels.chunk_attention(qr, kr, v, k_cache, v_cache, valid, key_pos, n, w, "max", rope,
-                                                 layer=layer, first_slot=first_slot)
+                                                 layer=layer, first_slot=first_slot, k_scale=state.k_scale,
+                                                 v_scale=state.v_scale)
 
         def full_attention():
             valid = (state.pos >= 0) & (slot < M)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import checks, slot_order
+from jcascade.pallas_kernels import quantization
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import Policy
 from jcascade.cache_state import CacheState, Scores
@@ -78,9 +79,15 @@ class RingPolicy(Policy):
         if layout.appends:
             checks.check_overflow(self, placed, lengths, state.capacity)
         evicted = self.place_evicted if layout.heavy else None
-        new_k, new_v, score, pos = state.kernels.insert(layout, state.k, state.v, state.layer, score, state.pos,
-                                                        state.seen, k, v, chunk_score, placed, lengths, evicted)
-        return dataclasses.replace(state, k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + lengths)
+        scales = None
+        if state.k_scale is not None:  # a quantized cache: the chunk's codes and scales go in
+            (k, k_scale), (v, v_scale) = (quantization.quantize(x, state.k.dtype) for x in (k, v))
+            scales = ((state.k_scale, state.v_scale), (k_scale, v_scale))
+        new_k, new_v, score, pos, scales = state.kernels.insert(layout, state.k, state.v, state.layer, score,
+                                                                state.pos, state.seen, k, v, chunk_score, placed,
+                                                                lengths, evicted, scales=scales)
+        state = dataclasses.replace(state, k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + lengths)
+        return state if scales is None else dataclasses.replace(state, k_scale=scales[0], v_scale=scales[1])
 
 
 class AppendPolicy(RingPolicy):

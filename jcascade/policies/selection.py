@@ -57,8 +57,11 @@ def keep_in_position_order(state: CacheState, keep: jax.Array, capacity: int) ->
     bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
     moved = lambda x, empty: jnp.full((B, H, capacity, *x.shape[3:]), empty, x.dtype).at[bi, hi, dest].set(  # noqa: E731
         x, mode="drop")
-    return dataclasses.replace(state, k=moved(state.k, 0), v=moved(state.v, 0), score=moved(state.score, 0),
-                               pos=moved(state.pos, -1))
+    state = dataclasses.replace(state, k=moved(state.k, 0), v=moved(state.v, 0), score=moved(state.score, 0),
+                                pos=moved(state.pos, -1))
+    if state.k_scale is None:
+        return state
+    return dataclasses.replace(state, k_scale=moved(state.k_scale, 0), v_scale=moved(state.v_scale, 0))
 
 
 def compress_by_ranking(state: CacheState, ranking, budget: int, room: int) -> CacheState:

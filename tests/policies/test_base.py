@@ -61,7 +61,8 @@ def test_invalid_policies_raise_value_error_naming_the_field(make, field):
     (lambda: jc.ExpectedAttention(budget=8, epsilon=-0.5), "ExpectedAttention.epsilon must be a number >= 0, got -0.5"),
     (lambda: jc.KVzip(budget=8, instruction=(1, True)), "KVzip.instruction must be a tuple of token ids (ints >= 0), "
                                                         "got (1, True)"),
-    (lambda: jc.AdaKV(jc.Full()), "AdaKV.scorer must be a jc.SnapKV or jc.PyramidKV, got Full(stride=4096)"),
+    (lambda: jc.AdaKV(jc.Full()), "AdaKV.scorer must be a jc.SnapKV or jc.PyramidKV, got Full(stride=4096, "
+                                  "kv_dtype='model')"),
     (lambda: jc.AdaKV(jc.SnapKV(budget=64), floor=1.5), "AdaKV.floor must be a number in [0, 1], got 1.5"),
     (lambda: jc.KNorm(budget=8, stride=2**31), "KNorm.stride must be >= 1 (and at most 2147483647), got 2147483648"),
 ])

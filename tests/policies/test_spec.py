@@ -19,24 +19,25 @@ from jcascade.policies import Policy, parse_policy, policy_classes, spec
 
 # every registered policy with every public field away from its default (checked below)
 NON_DEFAULT = {
-    "full": dict(stride=96),
-    "slidingwindow": dict(window=12, positions="original", stride=33),
-    "sink": dict(window=12, sinks=3, positions="original", stride=7),
+    "full": dict(stride=96, kv_dtype="int8"),
+    "slidingwindow": dict(window=12, positions="original", stride=33, kv_dtype="float8_e4m3fn"),
+    "sink": dict(window=12, sinks=3, positions="original", stride=7, kv_dtype="int8"),
     "cascade": dict(cache_size=24, sinks=5, num_cascades=3, gamma=0.1 + 0.2, head_reduction="mean",
-                    positions="original", stride=17),
-    "h2o": dict(heavy=3, recent=5, head_reduction="max", positions="original", stride=9),
-    "tova": dict(cache_size=6, head_reduction="max", positions="cache", stride=11),
-    "snapkv": dict(budget=40, window=5, kernel=3, pooling="avg", head_reduction="max", positions="cache", stride=13),
+                    positions="original", stride=17, kv_dtype="float8_e4m3fn"),
+    "h2o": dict(heavy=3, recent=5, head_reduction="max", positions="original", stride=9, kv_dtype="int8"),
+    "tova": dict(cache_size=6, head_reduction="max", positions="cache", stride=11, kv_dtype="float8_e4m3fn"),
+    "snapkv": dict(budget=40, window=5, kernel=3, pooling="avg", head_reduction="max", positions="cache", stride=13,
+                   kv_dtype="int8"),
     "pyramidkv": dict(budget=30, window=4, beta=7, kernel=5, pooling="avg", head_reduction="max", positions="cache",
-                      stride=19),
+                      stride=19, kv_dtype="float8_e4m3fn"),
     "adakv": dict(scorer=jc.PyramidKV(budget=30, window=4, beta=7, kernel=5, pooling="avg", head_reduction="max",
-                                      stride=19), floor=1 / 3),
-    "knorm": dict(budget=5, positions="cache", stride=21),
+                                      stride=19, kv_dtype="int8"), floor=1 / 3),
+    "knorm": dict(budget=5, positions="cache", stride=21, kv_dtype="float8_e4m3fn"),
     "expectedattention": dict(budget=9, window=3, future=100, sinks=2, covariance=False, value_norm=False,
-                              epsilon=1e-7, stride=23),
+                              epsilon=1e-7, stride=23, kv_dtype="int8"),
     "kvzip": dict(budget=7, instruction=(1, 22, 333), continuation=(0,), turn=(4, 5), chunk=64, overlap=3, sinks=2,
-                  skip=6, allocation="global", stride=29),
-    "recycled": dict(top_k=3, refresh_every=5, kernel=3, positions="cache", stride=31),
+                  skip=6, allocation="global", stride=29, kv_dtype="float8_e4m3fn"),
+    "recycled": dict(top_k=3, refresh_every=5, kernel=3, positions="cache", stride=31, kv_dtype="int8"),
 }
 
 
@@ -102,10 +103,10 @@ def test_the_policy_table_of_the_docs_lists_every_registered_policy_once():
     assert sorted(rows) == sorted(cls.__name__ for cls in policy_classes().values())
 
 
-def test_a_spec_writes_a_policy_s_own_fields_then_head_reduction_positions_stride():
+def test_a_spec_writes_a_policy_s_own_fields_then_head_reduction_positions_stride_kv_dtype():
     """The shared fields, which the bases declare keyword-only, come last in a spec and in this order (as the specs
     of earlier versions wrote them); the others in the constructor's order."""
-    shared = ["head_reduction", "positions", "stride"]
+    shared = ["head_reduction", "positions", "stride", "kv_dtype"]
     for name, cls in policy_classes().items():
         written = [item.partition("=")[0] for item in _top_level(spec(cls(**NON_DEFAULT[name])))]
         own = [p for p in inspect.signature(cls).parameters if p not in shared and not p.startswith("_")]
@@ -127,7 +128,7 @@ def test_every_registered_policy_round_trips_with_every_field_off_its_default():
         assert text.startswith(name + ":") and parse_policy(text) == policy, text
     assert spec(jc.AdaKV(jc.SnapKV(budget=512, window=32), floor=0.25)) == (
         "adakv:scorer=snapkv(budget=512,window=32,kernel=7,pooling=max,head_reduction=mean,positions=original,"
-        "stride=4096),floor=0.25")
+        "stride=4096,kv_dtype=model),floor=0.25")
     assert spec(jc.KVzip(budget=4, turn=(7,))).startswith("kvzip:budget=4,instruction=(),continuation=(),turn=(7),")
 
 
@@ -171,7 +172,7 @@ class Outside(jc.Full):
 
 def test_a_policy_outside_the_registry_is_named_by_its_module_and_class():
     text = spec(Outside(stride=8))
-    assert text == f"{__name__}.Outside:stride=8" and parse_policy(text) == Outside(stride=8)
+    assert text == f"{__name__}.Outside:stride=8,kv_dtype=model" and parse_policy(text) == Outside(stride=8)
 
 
 def test_specs_that_do_not_read_back_are_refused_by_name():

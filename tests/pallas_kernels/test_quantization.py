@@ -1,0 +1,154 @@
+"""Quantized KV storage (`kv_dtype`, pallas_kernels/quantization.py): the error bounds of the formats, every kernel
+backend reading a quantized cache as the XLA reference reads it dequantized, the scales moving with their tokens
+through insertion, eviction, the cascade's moves and compaction, and a model scoring with it."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jcascade as jc
+import tiny
+from jcascade import pallas_kernels as pk
+from jcascade.pallas_kernels import quantization
+from kernel_inputs import SMALL, XLA, random_inputs
+
+FORMATS = ["int8", "float8_e4m3fn"]
+
+
+def test_the_formats_keep_their_error_bounds():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 128)) * np.exp(rng.uniform(-8, 8, size=(64, 1)))  # rows over 7 decades
+    x[1] = 0.0
+    x[2, :100] *= 1e-6  # a row mostly far below its largest element (float8 subnormals)
+    x = jnp.asarray(x, jnp.float32)
+    top = jnp.max(jnp.abs(x), -1, keepdims=True)
+    codes, scale = quantization.quantize(x, jnp.int8)
+    assert codes.dtype == jnp.int8 and scale.dtype == jnp.float32 and int(jnp.max(jnp.abs(codes))) == 127
+    assert bool(jnp.all(jnp.abs(quantization.dequantize(codes, scale) - x) <= top / 254 * (1 + 1e-6)))
+    codes, scale = quantization.quantize(x, jnp.float8_e4m3fn)
+    error = jnp.abs(quantization.dequantize(codes, scale) - x)
+    assert bool(jnp.all(error <= jnp.maximum(2.0**-4 * jnp.abs(x), 2.0**-10 * scale[:, None]) * (1 + 1e-6)))
+    for dtype in (jnp.int8, jnp.float8_e4m3fn):
+        codes, scale = quantization.quantize(x.at[3, 5].set(jnp.nan), dtype)
+        back = quantization.dequantize(codes, scale)
+        assert float(scale[1]) == 0 and bool(jnp.all(back[1] == 0))  # zeros stay zeros
+        assert bool(jnp.all(jnp.isnan(back[3]))) and bool(jnp.all(jnp.isfinite(back[jnp.arange(64) != 3])))
+
+
+def quantized_inputs(inputs, fmt, layer_of=None):
+    """inputs with the cache as codes and scales; returns (those inputs, the cache dequantized in q's dtype)."""
+    dtype = quantization.storage_dtype(fmt, jnp.float32)
+    (k, k_scale), (v, v_scale) = (quantization.quantize(inputs[n], dtype) for n in ("k_cache", "v_cache"))
+    q_dtype = inputs["q"].dtype
+    plain = inputs | dict(k_cache=quantization.dequantize(k, k_scale, q_dtype),
+                          v_cache=quantization.dequantize(v, v_scale, q_dtype))
+    return inputs | dict(k_cache=k, v_cache=v, k_scale=k_scale, v_scale=v_scale), plain
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [1, 9], ids=["decode", "chunk"])
+@pytest.mark.parametrize("backend", ["xla", "triton", "mosaic_tpu"])
+def test_every_backend_reads_a_quantized_stacked_cache_as_the_reference_reads_it_dequantized(backend, T, fmt):
+    """Codes and scales in a model's stack [L, B, Hkv, C, D] read at a layer from a first slot (the Triton decode
+    kernel in place, dequantizing in registers; the other paths in the copy they take): output, log-sum-exp and
+    score increments (from the dequantized keys) equal the XLA reference on the dequantized slots."""
+    rng = np.random.default_rng(T)
+    inputs, plain = quantized_inputs(random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True),
+                                     fmt)
+    first = 7
+    stacked = dict(inputs)
+    for name in ("k_cache", "v_cache"):
+        B, H, S, D = inputs[name].shape
+        stacked[name] = jnp.zeros((3, B, H, first + S, D), inputs[name].dtype).at[1, :, :, first:].set(inputs[name])
+    for name in ("k_scale", "v_scale"):  # the layer's own scales, all C slots
+        stacked[name] = jnp.concatenate([jnp.ones((*inputs[name].shape[:2], first)), inputs[name]], axis=-1)
+    rope = jc.RoPE(10000.0)
+    got = jax.jit(lambda x: SMALL.get(backend, XLA).chunk_attention(**x, rope=rope, layer=jnp.int32(1),
+                                                                    first_slot=first))(stacked)
+    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
+    for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():
+    """Mosaic GPU (interpret mode, bfloat16, fallback=False so its own kernel runs) on int8 codes and scales."""
+    inputs, plain = quantized_inputs(random_inputs(np.random.default_rng(4), 1, 64, 4, 2, 64, 64, jnp.bfloat16,
+                                                   weights=False), "int8")
+    kernels = pk.Kernels("mosaic_gpu", fallback=False)
+    got, want = kernels.chunk_attention(**inputs)[:2], kernels.chunk_attention(**plain)[:2]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+POLICIES = [  # each at cache pressure (48 tokens into fewer slots): the cascade's moves, heavy slots, compaction
+    lambda d: jc.Cascade(cache_size=24, sinks=2, num_cascades=3, stride=8, kv_dtype=d),
+    lambda d: jc.H2O(heavy=8, recent=8, stride=8, kv_dtype=d),
+    lambda d: jc.SnapKV(budget=16, window=4, stride=8, kv_dtype=d),
+    lambda d: jc.AdaKV(jc.SnapKV(budget=16, window=4, stride=8, kv_dtype=d)),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: type(p("model")).__name__)
+def test_scales_move_with_their_tokens(policy, fmt):
+    """The same chunks (then single tokens) and the same scores into a cache in the model's dtype and into a
+    quantized one (on the Triton kernels in interpret mode: the single-token insertion kernel moves the scales
+    too): every slot holds the same token in both, and the quantized one's dequantized keys and values lie within
+    the format's bound of the others' (a scale left behind by its token would break it); the compressing
+    policies compress alike."""
+    plain, quantized = policy("model"), policy(fmt)
+    B, H, D = 2, 2, 16
+    states = [jc.init_cache(p, B, H, D, jnp.float32, max_tokens=64, kernels=SMALL["triton"])
+              for p in (plain, quantized)]
+    assert states[1].k.dtype == quantization.storage_dtype(fmt, jnp.float32) and states[1].k_scale is not None
+
+    @jax.jit
+    def step(states, q, k, v, n):
+        _, scores = jc.attend(plain, states[0], q, k, v, n)
+        return [jc.update(p, s, k, v, scores, n) for p, s in zip((plain, quantized), states)]
+
+    rng = np.random.default_rng(0)
+    for chunk_len in [8] * 6 + [1] * 4:
+        q, k, v = (jnp.asarray(rng.normal(size=(B, chunk_len, h, D)), jnp.float32) for h in (4, H, H))
+        states = step(states, q, k, v, jnp.array([8, 5] if chunk_len > 1 else [1, 0], jnp.int32))
+        if plain.observation_window and chunk_len > 1 and int(states[0].seen[0]) == 48:
+            states = [jc.compress(p, s, 8) for p, s in zip((plain, quantized), states)]
+    np.testing.assert_array_equal(states[0].pos, states[1].pos)
+    bound = 1 / 254 if fmt == "int8" else 2.0**-4
+    for want, got in zip(jc.cached_kv(states[0]), jc.cached_kv(states[1])):
+        top = jnp.max(jnp.abs(want), -1, keepdims=True)
+        assert bool(jnp.all(jnp.abs(got - want) <= bound * top * (1 + 1e-5)))
+
+
+def test_a_model_scores_with_a_quantized_cache():
+    """Within one chunk no token is read from the cache (the chunk attends to itself at the model's precision):
+    Full in int8 scores a one-chunk text as in the model's dtype. Across chunks and decode steps Cascade reads
+    quantized keys and values: int8 (8 bits of mantissa) lies nearer the model's dtype than float8 (4), and the
+    cache prefill leaves holds codes and scales."""
+    model = tiny.model(96, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4, scale=0.3)
+    tokens = np.random.default_rng(0).integers(0, 96, (2, 40)).astype(np.int32)
+    lengths = np.array([40, 31], np.int32)
+    score = lambda policy, **kw: np.asarray(jc.score(model, tokens, policy, lengths=lengths, **kw))  # noqa: E731
+    np.testing.assert_array_equal(score(jc.Full(stride=64, kv_dtype="int8")), score(jc.Full(stride=64)))
+    plain = jc.Cascade(cache_size=24, sinks=2, num_cascades=2, stride=8)
+    want = score(plain, prefix=24)
+    error = {d: np.abs(score(dataclasses.replace(plain, kv_dtype=d), prefix=24) - want).mean() for d in FORMATS}
+    assert 0 < error["int8"] < error["float8_e4m3fn"], error
+    quantized = dataclasses.replace(plain, kv_dtype="int8")
+    state, _, _ = jc.prefill(model, quantized, model.init_cache(quantized, 2), tokens, lengths)
+    assert state.k.dtype == jnp.int8 and state.k_scale.shape == state.pos.shape
+
+
+def test_kv_dtype_is_checked_and_written_in_specs():
+    with pytest.raises(ValueError, match=r"Cascade.kv_dtype must be one of \('model', 'int8', 'float8_e4m3fn'\)"):
+        jc.Cascade(cache_size=64, kv_dtype="int4")
+    policy = jc.policies.parse_policy("snapkv:budget=64,kv_dtype=float8_e4m3fn")
+    assert policy == jc.SnapKV(budget=64, kv_dtype="float8_e4m3fn")
+    assert jc.AdaKV(policy).kv_dtype == "float8_e4m3fn"
+    # int8 with its scales: (D + 4) / (2 D) of bfloat16's bytes per slot
+    caches = {d: jc.init_cache(jc.Sink(window=60, kv_dtype=d), 1, 8, 128, jnp.bfloat16) for d in ("model", "int8")}
+    sizes = {d: sum(x.nbytes for x in (s.k, s.v, s.k_scale, s.v_scale) if x is not None) for d, s in caches.items()}
+    assert sizes["int8"] / sizes["model"] == (128 + 4) / 256
