@@ -287,6 +287,14 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         q = load_q(slice(None))
     start = s_idx * split
 
+    def load_rows(ref, rows, cols, ok, dtype):
+        """A block of cached rows as `dtype`, zero past the cache's end (codes are converted, then zeroed: Triton
+        casts no fill value to float8)."""
+        if not scaled:
+            return plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=0.0).astype(dtype)
+        codes = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None]).astype(dtype)
+        return jnp.where(ok[:, None], codes, jnp.zeros((), dtype))
+
     def body(j, carry):
         acc, m, l = carry
         off = start + j * bk
@@ -294,10 +302,10 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         ok = keys < S
         blk, kv_blk = pl.ds(off, bk), pl.ds(first + off, bk)
         allowed = (plgpu.load(valid_ref.at[blk], mask=ok, other=0) != 0) & ok & has_query
-        dtype = (q1 if rope else q).dtype
+        dtype = (q1 if rope else q).dtype if scaled else vc_ref.dtype  # codes convert exactly to q's dtype
         if rope:  # rotate-half at the slots' positions
             def load(half_cols):
-                return plgpu.load(kc_ref.at[layer, b, h, kv_blk, half_cols], mask=ok[:, None], other=0).astype(F32)
+                return load_rows(kc_ref, kv_blk, half_cols, ok, F32)
 
             k1, k2 = load(pl.ds(0, half)), load(pl.ds(half, half))
             positions = plgpu.load(pos_ref.at[blk], mask=ok, other=0).astype(F32)
@@ -305,7 +313,7 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
             r1, r2 = (k1 * cos - k2 * sin).astype(q1.dtype), (k2 * cos + k1 * sin).astype(q1.dtype)
             s = _dot(q1, r1, trans_b=True) + _dot(q2, r2, trans_b=True)
         else:
-            k = plgpu.load(kc_ref.at[layer, b, h, kv_blk, :], mask=ok[:, None], other=0).astype(dtype)
+            k = load_rows(kc_ref, kv_blk, slice(None), ok, dtype)
             s = _dot(q, k, trans_b=True)
         if scaled:
             s = s * plgpu.load(ks_ref.at[blk], mask=ok, other=0.0)[None, :]
@@ -316,7 +324,7 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         m_new = jnp.maximum(m, s2.max(axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s2 - m_new[:, None])
-        v = plgpu.load(vc_ref.at[layer, b, h, kv_blk, :], mask=ok[:, None], other=0).astype(dtype)
+        v = load_rows(vc_ref, kv_blk, slice(None), ok, dtype)
         pv = p * plgpu.load(vs_ref.at[blk], mask=ok, other=0.0)[None, :] if scaled else p
         return corr[:, None] * acc + _dot(pv.astype(dtype), v), m_new, corr * l + p.sum(axis=1)
 
