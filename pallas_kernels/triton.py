@@ -290,10 +290,8 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
     def load_rows(ref, rows, cols, ok, dtype):
         """A block of cached rows as `dtype`, zero past the cache's end (codes are converted, then zeroed: Triton
         casts no fill value to float8)."""
-        if not scaled:
-            return plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=0.0).astype(dtype)
-        codes = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None]).astype(dtype)
-        return jnp.where(ok[:, None], codes, jnp.zeros((), dtype))
+        fill = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
+        return plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=fill).astype(dtype)
 
     def body(j, carry):
         acc, m, l = carry
