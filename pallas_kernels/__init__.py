@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import attention_state, mosaic_gpu, quantization, reference, ring_insertion, schedule, tpu, triton
@@ -103,12 +104,14 @@ class Kernels:
         the call attends to slots [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1]
         (cache_valid and cache_positions cover those slots alone). The Triton decode kernel reads both in place;
         the other paths take the slice. k_scale, v_scale: f32 [B, Hkv, C] when k_cache, v_cache hold a quantized
-        cache's codes (`quantization`): the Triton decode kernel dequantizes them in registers; the other paths
-        dequantize (to q's dtype) in the copy of the attended slots they take (fused with its rotation)."""
+        cache's codes (`quantization`): the Triton decode kernel dequantizes int8 codes in registers; the other
+        paths, and float8 codes (the kernel read past its cache at 64 rows x 8 heads x 32785 slots on an H200),
+        dequantize (to q's dtype) in a copy of the attended slots (fused with the keys' rotation)."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
-        in_kernel = self.on_gpu and q.shape[1] == 1 and (rope is None or triton.fuses_rope(rope))
+        in_kernel = (self.on_gpu and q.shape[1] == 1 and (rope is None or triton.fuses_rope(rope))
+                     and k_cache.dtype == jnp.int8)
         if k_scale is not None and not in_kernel:
             k_cache, v_cache = (quantization.dequantize(triton.layer_of(codes, layer, first_slot),
                                                         scale[..., first_slot:], q.dtype)
