@@ -9,8 +9,8 @@ query heads, 8 KV heads, D = 128, or Gemma 3 270M's 4 / 1 / D = 256, Qwen3.5's g
 both score increments with the XLA reference's: decode at batch 1 and 32 over a 16K + 64 cache read in
 place from a stacked cache (and at batch 2 with positions near 1M), chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
 caches that hold a NaN key (the NaN pattern must match on the valid slots); the same on int8 and float8_e4m3fn
-caches (codes and per-slot scales: the decode kernel dequantizes in registers, the chunk paths in their copy),
-against the reference on the same codes, and the single-token insertion kernel moving a quantized Cascade cache's
+caches (codes and per-slot scales, dequantized in a copy of the attended slots), against the reference on the
+same codes, and the single-token insertion kernel moving a quantized Cascade cache's
 codes and scales exactly as the XLA insertion does. Relative error (norm over the finite entries) must stay under
 1e-2, the bf16 tolerance; exits 1 otherwise.
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import attention_state, mosaic_gpu, quantization, reference, ring_insertion, schedule, tpu, triton
@@ -104,19 +103,18 @@ class Kernels:
         the call attends to slots [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1]
         (cache_valid and cache_positions cover those slots alone). The Triton decode kernel reads both in place;
         the other paths take the slice. k_scale, v_scale: f32 [B, Hkv, C] when k_cache, v_cache hold a quantized
-        cache's codes (`quantization`): the Triton decode kernel dequantizes int8 codes in registers; the other
-        paths, and float8 codes (the kernel read past its cache at 64 rows x 8 heads x 32785 slots on an H200),
-        dequantize (to q's dtype) in a copy of the attended slots (fused with the keys' rotation)."""
+        cache's codes (`quantization`): every path dequantizes them (to q's dtype) in a copy of the attended slots
+        (fused with the keys' rotation), then attends as to a cache in the model's dtype. A decode kernel that
+        dequantized in registers was 1.2-1.3x slower than bf16 on an H200 and read out of bounds at one shape
+        (benchmarks/RESULTS.md, "Quantized KV storage"): not shipped."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
-        in_kernel = (self.on_gpu and q.shape[1] == 1 and (rope is None or triton.fuses_rope(rope))
-                     and k_cache.dtype == jnp.int8)
-        if k_scale is not None and not in_kernel:
+        if k_scale is not None:
             k_cache, v_cache = (quantization.dequantize(triton.layer_of(codes, layer, first_slot),
                                                         scale[..., first_slot:], q.dtype)
                                 for codes, scale in ((k_cache, k_scale), (v_cache, v_scale)))
-            layer, first_slot, k_scale, v_scale = None, 0, None, None
+            layer, first_slot = None, 0
         if self.backend == "mosaic_gpu" and q.shape[1] > 1:
             if mosaic_gpu.supports(q, k_cache):
                 k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
@@ -130,8 +128,7 @@ class Kernels:
         if self.on_gpu:
             return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
                                           query_weights, head_reduction, rope, layer, first_slot,
-                                          config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
-                                          k_scale=k_scale, v_scale=v_scale)
+                                          config=self.triton_tiles(q.shape[-1]), interpret=self.interpret)
         k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
         args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
         if self.backend == "xla":

@@ -257,18 +257,12 @@ def _scalar(x) -> jax.Array:
     return jnp.reshape(x, (1,)).astype(jnp.int32)
 
 
-def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, axes, scaled=False, logits=False):
-    """refs: layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, (ks_ref, vs_ref when
-    `scaled`), o_ref, lse_ref, (logits_ref when `logits`).
-    q_ref: the KV head's G queries [G, D], read as gp rows (the rest zero); kc_ref, vc_ref: the whole stack
+def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, o_ref, lse_ref, logits_ref,
+                   *, S, first, G, gp, split, bk, scale, rope, interpret, axes):
+    """q_ref: the KV head's G queries [G, D], read as gp rows (the rest zero); kc_ref, vc_ref: the whole stack
     [L, B, Hkv, C, D], of which this program reads (layer, row, head) at slots first + [its split of S];
     valid_ref [S]; pos_ref [S] the slots' RoPE positions and freq_ref [D / 2] the RoPE frequencies (read when
-    `rope`: the keys are rotated here, cos and sin computed in the loop); ks_ref, vs_ref [S] the slots' scales of
-    a quantized cache (kc_ref, vc_ref then hold codes, converted exactly to q's dtype: a key's scale multiplies
-    its logits, a value's its probabilities). axes: the grid axes of (row, head, split)."""
-    layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, *refs = refs
-    ks_ref, vs_ref, *refs = refs if scaled else (None, None, *refs)
-    o_ref, lse_ref, logits_ref = refs if logits else (*refs, None)
+    `rope`: the keys are rotated here, cos and sin computed in the loop). axes: the grid axes of (row, head, split)."""
     layer = layer_ref[0]
     b, h, s_idx = (pl.program_id(axis) for axis in axes)
     has_query = len_ref[...] > 0
@@ -287,12 +281,6 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         q = load_q(slice(None))
     start = s_idx * split
 
-    def load_rows(ref, rows, cols, ok, dtype):
-        """A block of cached rows as `dtype`, zero past the cache's end (codes are converted, then zeroed: Triton
-        casts no fill value to float8)."""
-        fill = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
-        return plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=fill).astype(dtype)
-
     def body(j, carry):
         acc, m, l = carry
         off = start + j * bk
@@ -300,10 +288,9 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         ok = keys < S
         blk, kv_blk = pl.ds(off, bk), pl.ds(first + off, bk)
         allowed = (plgpu.load(valid_ref.at[blk], mask=ok, other=0) != 0) & ok & has_query
-        dtype = (q1 if rope else q).dtype if scaled else vc_ref.dtype  # codes convert exactly to q's dtype
         if rope:  # rotate-half at the slots' positions
             def load(half_cols):
-                return load_rows(kc_ref, kv_blk, half_cols, ok, F32)
+                return plgpu.load(kc_ref.at[layer, b, h, kv_blk, half_cols], mask=ok[:, None], other=0.0).astype(F32)
 
             k1, k2 = load(pl.ds(0, half)), load(pl.ds(half, half))
             positions = plgpu.load(pos_ref.at[blk], mask=ok, other=0).astype(F32)
@@ -311,10 +298,8 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
             r1, r2 = (k1 * cos - k2 * sin).astype(q1.dtype), (k2 * cos + k1 * sin).astype(q1.dtype)
             s = _dot(q1, r1, trans_b=True) + _dot(q2, r2, trans_b=True)
         else:
-            k = load_rows(kc_ref, kv_blk, slice(None), ok, dtype)
+            k = plgpu.load(kc_ref.at[layer, b, h, kv_blk, :], mask=ok[:, None], other=0.0)
             s = _dot(q, k, trans_b=True)
-        if scaled:
-            s = s * plgpu.load(ks_ref.at[blk], mask=ok, other=0.0)[None, :]
         s = jnp.where(allowed[None, :], s * scale, MASK)
         if logits_ref is not None:
             plgpu.store(logits_ref.at[:, blk], s, mask=rows_ok[:, None] & ok[None, :])
@@ -322,15 +307,18 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         m_new = jnp.maximum(m, s2.max(axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s2 - m_new[:, None])
-        v = load_rows(vc_ref, kv_blk, slice(None), ok, dtype)
-        pv = p * plgpu.load(vs_ref.at[blk], mask=ok, other=0.0)[None, :] if scaled else p
-        return corr[:, None] * acc + _dot(pv.astype(dtype), v), m_new, corr * l + p.sum(axis=1)
+        v = plgpu.load(vc_ref.at[layer, b, h, kv_blk, :], mask=ok[:, None], other=0.0)
+        return corr[:, None] * acc + _dot(p.astype(v.dtype), v), m_new, corr * l + p.sum(axis=1)
 
     init = (jnp.zeros((gp, D), F32), jnp.full((gp,), MASK, F32), jnp.zeros((gp,), F32))
     acc, m, l = lax.fori_loop(0, split // bk, body, init)
     seen_any = ~(m <= 0.5 * MASK)  # NaN counts as seen: it propagates
     o_ref[...] = jnp.where(seen_any[:, None], acc / l[:, None], 0.0)
     lse_ref[...] = jnp.where(seen_any, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
+
+
+def _no_logits(kernel, *refs, **kw):
+    return kernel(*refs, None, **kw)
 
 
 def _reduce_heads(p: jax.Array, G: int, reduction: str) -> jax.Array:
@@ -432,18 +420,14 @@ def _rope_inputs(rope, positions, D):
 
 
 def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, weights, reduction, rope, layer,
-            first_slot, cfg, interpret, k_scale=None, v_scale=None):
+            first_slot, cfg, interpret):
     """T == 1. q, k already rotated; cache keys rotated in the kernel when `fuses_rope(rope)`. k_cache, v_cache
-    [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot, C);
-    k_scale, v_scale f32 [B, Hkv, C] with a quantized cache's codes (dequantized in the kernel; RoPE then fused).
+    [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot, C).
     Two launches: the split-K kernel (each split's state and the raw logits) and
     `_finish_kernel`."""
     B, _, Hq, D = q.shape
     Hkv, S = k.shape[2], cache_valid.shape[-1]
     G = Hq // Hkv
-    scaled = k_scale is not None
-    if scaled and rope is not None and not fuses_rope(rope):
-        raise ValueError("a quantized cache's decode needs a RoPE the kernel fuses (jcascade.RoPE) or none")
     if rope is not None and not fuses_rope(rope):
         k_cache = rope(layer_of(k_cache, layer, first_slot), cache_positions)[None]
         v_cache, layer, first_slot = layer_of(v_cache, layer, first_slot)[None], 0, 0
@@ -459,9 +443,9 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     position_heads = positions.shape[1]
     want_scores = weights is not None
     kernel = functools.partial(
-        _decode_kernel, S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
-        interpret=interpret, axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2), scaled=scaled,
-        logits=want_scores,
+        _decode_kernel if want_scores else functools.partial(_no_logits, _decode_kernel),
+        S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
+        interpret=interpret, axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2),
     )
     # grid (head, split, row): the programs of a row's split run side by side (with RoPE tables, rows first made
     # each head re-read its row's table from memory: at batch 64 on an H100, 1.15x slower)
@@ -490,15 +474,13 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
             spec((None, None, S), lambda b, h, s: (b, h, 0)),
             spec((None, None, S), lambda b, h, s: (b, h if position_heads > 1 else 0, 0)),
             pl.BlockSpec(),
-            *[spec((None, None, S), lambda b, h, s: (b, h, 0))] * (2 if scaled else 0),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=cfg.params(decode=True),
         interpret=interpret,
         name="jcascade_decode",
-    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), positions, freq,
-      *((k_scale[..., first_slot:], v_scale[..., first_slot:]) if scaled else ()))
+    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), positions, freq)
     return _finish(qg, k, v, lengths, weights, parts, reduction, interpret)
 
 
@@ -570,8 +552,8 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_blocks * bq - rows), (0, 0)))
     positions, freq = _rope_inputs(rope, cache_positions, D)
     position_heads = positions.shape[1]
-    kernel = functools.partial(_decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk, scale=D**-0.5,
-                               rope=fuse, interpret=interpret, axes=(0, 1, 2))
+    kernel = functools.partial(_no_logits, _decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk,
+                               scale=D**-0.5, rope=fuse, interpret=interpret, axes=(0, 1, 2))
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(P, Hkv, splits, q_blocks),
@@ -606,15 +588,13 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
 
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
                     head_reduction="max", rope=None, layer=None, first_slot=0, *, config: TritonConfig = TritonConfig(),
-                    interpret: bool = False, k_scale=None, v_scale=None):
+                    interpret: bool = False):
     """Same contract as `reference.chunk_attention`, on Pallas-Triton, with `layer` and `first_slot` as in
-    `pallas_kernels.chunk_attention`: the decode kernel reads the cache in place (a quantized one's codes with
-    their scales k_scale, v_scale f32 [B, Hkv, C]); a chunk's kernels take a copy of the attended slots."""
+    `pallas_kernels.chunk_attention`: the decode kernel reads the cache in place; a chunk's kernels take a copy
+    of the attended slots."""
     if q.shape[1] == 1:
         return _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
-                       head_reduction, rope, layer, first_slot, config, interpret, k_scale, v_scale)
-    if k_scale is not None:
-        raise ValueError("the Triton chunk kernels take a quantized cache dequantized (Kernels.chunk_attention does)")
+                       head_reduction, rope, layer, first_slot, config, interpret)
     k_cache, v_cache = layer_of(k_cache, layer, first_slot), layer_of(v_cache, layer, first_slot)
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)

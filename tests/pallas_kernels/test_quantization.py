@@ -52,9 +52,8 @@ def quantized_inputs(inputs, fmt, layer_of=None):
 @pytest.mark.parametrize("T", [1, 9], ids=["decode", "chunk"])
 @pytest.mark.parametrize("backend", ["xla", "triton", "mosaic_tpu"])
 def test_every_backend_reads_a_quantized_stacked_cache_as_the_reference_reads_it_dequantized(backend, T, fmt):
-    """Codes and scales in a model's stack [L, B, Hkv, C, D] read at a layer from a first slot (the Triton decode
-    kernel in place, dequantizing in registers; the other paths in the copy they take): output, log-sum-exp and
-    score increments (from the dequantized keys) equal the XLA reference on the dequantized slots."""
+    """Codes and scales in a model's stack [L, B, Hkv, C, D] read at a layer from a first slot: output, log-sum-exp
+    and score increments (from the dequantized keys) equal the XLA reference on the dequantized slots."""
     rng = np.random.default_rng(T)
     inputs, plain = quantized_inputs(random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True),
                                      fmt)
