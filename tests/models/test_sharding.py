@@ -27,12 +27,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4) 
 CACHE_SPEC = PartitionSpec(None, "data", "model", None, None)  # [layer, rows, KV heads, slots, head_dim]
 # On the (2, 4) mesh: the policies whose state or rules reach across rows, KV heads or layers (AdaKV's budget
 # shared by a layer's heads, KVzip's and Recycled's whole-model decisions, Expected Attention's statistics) and one
-# of each cache layout (Cascade's rings, H2O's scores, SnapKV's prompt selection: Sink, TOVA and KNorm act on each
-# row and KV head alone as SnapKV does; tests/policies holds their rules). On the data-only and model-only meshes,
-# Cascade (a mesh axis of one device is the (2, 4) code path with that axis unsplit).
+# of each cache layout (Cascade's rings, H2O's scores; AdaKV's prompt selection is SnapKV's, per head: Sink, TOVA
+# and KNorm act on each row and KV head alone as SnapKV does; tests/policies holds their rules). On the data-only
+# and model-only meshes, Cascade (a mesh axis of one device is the (2, 4) code path with that axis unsplit).
 POLICIES = {type(p).__name__: p for p in [
     jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8), jc.H2O(heavy=6, recent=6, stride=8),
-    jc.SnapKV(budget=12, window=4, stride=16), jc.Recycled(top_k=6, refresh_every=3, stride=16),
+    jc.Recycled(top_k=6, refresh_every=3, stride=16),
     jc.AdaKV(jc.SnapKV(budget=12, window=4, stride=16)),
     jc.KVzip(budget=12, instruction=(1, 2, 3), continuation=(4,), turn=(5,), chunk=16, stride=16),
     jc.ExpectedAttention(budget=12, window=4, future=16, sinks=2, stride=16)]}
