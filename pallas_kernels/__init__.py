@@ -104,9 +104,8 @@ class Kernels:
         (cache_valid and cache_positions cover those slots alone). The Triton decode kernel reads both in place;
         the other paths take the slice. k_scale, v_scale: f32 [B, Hkv, C] when k_cache, v_cache hold a quantized
         cache's codes (`quantization`): every path dequantizes them (to q's dtype) in a copy of the attended slots
-        (fused with the keys' rotation), then attends as to a cache in the model's dtype. A decode kernel that
-        dequantized in registers was 1.2-1.3x slower than bf16 on an H200 and read out of bounds at one shape
-        (benchmarks/RESULTS.md, "Quantized KV storage"): not shipped."""
+        (fused with the keys' rotation), then attends as to a cache in the model's dtype (benchmarks/RESULTS.md,
+        "Quantized KV storage", says why no kernel dequantizes in registers yet)."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
