@@ -62,7 +62,7 @@ def init_cache(
     lead = () if num_layers is None else (num_layers,)
     shape = (*lead, batch, num_kv_heads, capacity)
     stored = quantization.storage_dtype(policy.kv_dtype, dtype)
-    scale = jnp.zeros(shape, jnp.float32) if quantization.is_quantized(stored) else None
+    scale = (lambda: jnp.zeros(shape, jnp.float32)) if quantization.is_quantized(stored) else lambda: None  # noqa: E731
     return CacheState(
         k=jnp.zeros((*shape, head_dim), stored),
         v=jnp.zeros((*shape, head_dim), stored),
@@ -70,8 +70,8 @@ def init_cache(
         pos=jnp.full(shape, -1, jnp.int32),
         seen=jnp.zeros((*lead, batch), jnp.int32),
         kernels=kernels,
-        k_scale=scale,
-        v_scale=scale,
+        k_scale=scale(),  # two buffers: a cache is donated, and one buffer cannot be donated twice
+        v_scale=scale(),
     )
 
 

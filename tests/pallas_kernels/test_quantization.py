@@ -151,3 +151,4 @@ def test_kv_dtype_is_checked_and_written_in_specs():
     caches = {d: jc.init_cache(jc.Sink(window=60, kv_dtype=d), 1, 8, 128, jnp.bfloat16) for d in ("model", "int8")}
     sizes = {d: sum(x.nbytes for x in (s.k, s.v, s.k_scale, s.v_scale) if x is not None) for d, s in caches.items()}
     assert sizes["int8"] / sizes["model"] == (128 + 4) / 256
+    jax.jit(lambda state: state, donate_argnums=0)(caches["int8"])  # its buffers are distinct: a cache can be donated
