@@ -10,7 +10,8 @@ the Gated DeltaNet mixer's time per prefill chunk.
      bf16 matrix product measured in the same run;
   b  decode tokens/s at batch 1, 16 and 32 (`--batches`) over a full 16K cascade cache vs the roofline
      (the weight bytes a step reads, all but an untied embedding table, and the K/V bytes, of one device, over the
-     larger of a copy and a read bandwidth measured in the same run);
+     memory bandwidth measured in the same run: `memory_bandwidth`, checked against the card's class; a step
+     measured faster than its roofline is reported as a measurement error, never as a fraction above 1);
      each batch size on its own: one whose weights + cache exceed a device's memory (8B at batch 32: 69 GB of
      cache beside 16 GB of weights, over an H100's 80 GB) is reported with the bytes it needs, not run;
   c  compile time of the prefill segment and of the decode step.
@@ -104,20 +105,35 @@ def matmul_peak(n: int) -> float:
     return 2 * n**3 * 10 / (time.perf_counter() - t0)
 
 
-def stream_bandwidths(n: int) -> tuple[float, float]:
-    """(copy, read) bytes per second over n bf16 elements: an elementwise pass (bytes read + written) and a sum
-    (bytes read), each the median of 10 calls. A decode step mostly reads, so its roofline takes the larger."""
-    x = jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16)
-    rates = []
-    for f, moved in ((jax.jit(lambda x: x + 1), 2 * x.nbytes), (jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes)):
-        block(f(x))
-        times = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            block(f(x))
-            times.append(time.perf_counter() - t0)
-        rates.append(moved / sorted(times)[len(times) // 2])
-    return rates[0], rates[1]
+# The memory bandwidth of each card class, bytes/s: what its HBM is rated at (H100 SXM 3.35 TB/s, PCIe about 2.0,
+# NVL 3.9; H200 4.8) less what copies fall short of it. A measurement outside its class is reported.
+CARD_BANDWIDTH = {"H100": (3.0e12, 3.35e12), "H200": (4.3e12, 4.8e12)}
+
+
+def memory_bandwidth(devices, sizes: list[int], repeats: int = 10) -> dict:
+    """Bytes per second each of `devices` moves: over each of `sizes` bf16 elements made on the device, an
+    elementwise pass (bytes read + written) and a sum (bytes read), each called twice to warm up, then timed
+    `repeats` times; a device's rate is the best of them all. `rate` is the slowest device's (a sharded step waits
+    for it). Returns dict(rate, per_device {device: rate}, card_class (low, high) or None)."""
+    per_device = {}
+    for device in devices:
+        best = 0.0
+        for n in sizes:
+            make = jax.jit(lambda: jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16),  # noqa: B023
+                           out_shardings=jax.sharding.SingleDeviceSharding(device))
+            x = make()
+            for f, moved in ((jax.jit(lambda x: x + 1), 2 * x.nbytes),
+                             (jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes)):
+                for i in range(2 + repeats):
+                    t0 = time.perf_counter()
+                    block(f(x))
+                    if i >= 2:
+                        best = max(best, moved / (time.perf_counter() - t0))
+            del x
+        per_device[str(device)] = best
+    kind = devices[0].device_kind
+    card = next((rates for name, rates in CARD_BANDWIDTH.items() if name in kind), None)
+    return dict(rate=min(per_device.values()), per_device=per_device, card_class=card)
 
 
 def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
@@ -265,6 +281,10 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
     roofline = (held["weights_read"] + held["kv"]) / bandwidth
     row = dict(ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step, roofline_ms=roofline * 1e3,
                fraction_of_roofline=roofline / per_step, compile_s=compile_s)
+    if row["fraction_of_roofline"] > 1:  # a roofline no step can beat was beaten: the bandwidth was measured low
+        row["fraction_of_roofline"] = None
+        row["roofline_error"] = (f"the step ({per_step * 1e3:.2f} ms) beat its roofline ({roofline * 1e3:.2f} ms): "
+                                 f"the bandwidth measured, {bandwidth / 1e12:.2f} TB/s, is below what the device moves")
     if a.profile_step:  # one more step under the JAX profiler: its kernels by kind (decode_breakdown.py)
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):
@@ -333,26 +353,30 @@ def main():
                 **{f"linear_{n}": min(getattr(big, f"linear_{n}"), 4 if "heads" in n else 8)
                    for n in ("key_heads", "value_heads", "key_dim", "value_dim")})
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
-        peak, (copy, read) = matmul_peak(256), stream_bandwidths(1 << 20)
+        peak, sizes = matmul_peak(256), [1 << 20]
     else:
         cfg = SHAPES[a.shape]
         policy = jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096, kv_dtype=a.kv_dtype)
         a.segment, a.decode_batches, a.decode_steps = 32768, batches, 20
         a.prefill_marks = sorted({m for m in (32768, 131072) if m < a.prefill_tokens} | {a.prefill_tokens})
-        peak, (copy, read) = matmul_peak(8192), stream_bandwidths(1 << 31)
+        peak, sizes = matmul_peak(8192), [1 << 28, 1 << 30, 1 << 31]
     device = jax.devices()[0]
     mesh = sharding.device_mesh(a.mesh, batched=True)
+    measured = memory_bandwidth(list(mesh.devices.flat) if mesh is not None else [device], sizes)
+    bandwidth, card = measured["rate"], measured["card_class"]
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
     model = model.with_kernels(jc.Kernels.default() if a.backend is None else jc.Kernels(a.backend))
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                   shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)), policy=jc.policies.spec(policy),
-                  matmul_tflops=peak / 1e12, copy_gb_s=copy / 1e9, read_gb_s=read / 1e9)
-    bandwidth = max(copy, read)
+                  matmul_tflops=peak / 1e12, bandwidth=measured)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e9:.0f} GB/s, read {read / 1e9:.0f} GB/s",
-          flush=True)
+    print(f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, memory {bandwidth / 1e12:.2f} TB/s (the "
+          f"slowest of {len(measured['per_device'])} device(s), best of copies and reads)", flush=True)
+    if card is not None and not card[0] <= bandwidth <= card[1]:
+        print(f"   measurement error? {bandwidth / 1e12:.2f} TB/s lies outside the {device.device_kind}'s class, "
+              f"{card[0] / 1e12:.2f}-{card[1] / 1e12:.2f} TB/s", flush=True)
     result["state_bytes_per_row"] = {f"{name} {tokens}": state_memory(cfg, p, tokens) for name, p, tokens in (
         ("Full", jc.Full(stride=policy.stride), 1 << 17), ("Full", jc.Full(stride=policy.stride), 1 << 20),
         (f"Cascade {policy.cache_size}", policy, 1 << 20))}
@@ -380,6 +404,9 @@ def main():
     for r in result["decode"]:
         if "error" in r:
             print(f"   {r['batch']:>3} {r['error']}")
+        elif r["fraction_of_roofline"] is None:
+            print(f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} measurement error: "
+                  f"{r['roofline_error']}")
         else:
             print(f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} {r['roofline_ms']:8.2f} "
                   f"{r['fraction_of_roofline']:6.2f} {r['compile_s']:6.0f}")
