@@ -62,7 +62,9 @@ def init_cache(
     lead = () if num_layers is None else (num_layers,)
     shape = (*lead, batch, num_kv_heads, capacity)
     stored = quantization.storage_dtype(policy.kv_dtype, dtype)
-    scale = (lambda: jnp.zeros(shape, jnp.float32)) if quantization.is_quantized(stored) else lambda: None  # noqa: E731
+    # two buffers (a cache is donated, and one buffer cannot be donated twice)
+    scales = dict(k_scale=jnp.zeros(shape, jnp.float32), v_scale=jnp.zeros(shape, jnp.float32)) \
+        if quantization.is_quantized(stored) else {}
     return CacheState(
         k=jnp.zeros((*shape, head_dim), stored),
         v=jnp.zeros((*shape, head_dim), stored),
@@ -70,8 +72,7 @@ def init_cache(
         pos=jnp.full(shape, -1, jnp.int32),
         seen=jnp.zeros((*lead, batch), jnp.int32),
         kernels=kernels,
-        k_scale=scale(),  # two buffers: a cache is donated, and one buffer cannot be donated twice
-        v_scale=scale(),
+        **scales,
     )
 
 

@@ -58,6 +58,12 @@ class Scores:
     chunk: jax.Array
 
 
+def quantize_kv(state: CacheState, k: jax.Array, v: jax.Array):
+    """(k codes, v codes, k scales, v scales) of keys and values [..., D] in a quantized `state`'s format."""
+    (k, k_scale), (v, v_scale) = (quantization.quantize(x, state.k.dtype) for x in (k, v))
+    return k, v, k_scale, v_scale
+
+
 def layer_fields(state: CacheState) -> tuple[str, ...]:
     """The fields that each layer of a stacked cache holds as its own (`CacheState.layer`): all but K and V, which
     a layer reads and writes in place in the stack."""
@@ -106,7 +112,7 @@ def write_kv(state: CacheState, index: tuple, k: jax.Array, v: jax.Array) -> Cac
     put = lambda x, val, at=index: x.at[at].set(val.astype(x.dtype), mode="drop")  # noqa: E731
     if state.k_scale is None:
         return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v))
-    (k, k_scale), (v, v_scale) = quantization.quantize(k, state.k.dtype), quantization.quantize(v, state.v.dtype)
+    k, v, k_scale, v_scale = quantize_kv(state, k, v)
     return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v), k_scale=put(state.k_scale, k_scale,
                                slot_index), v_scale=put(state.v_scale, v_scale, slot_index))
 

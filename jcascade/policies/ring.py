@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import checks, slot_order
-from jcascade.pallas_kernels import quantization
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import Policy
-from jcascade.cache_state import CacheState, Scores
+from jcascade.cache_state import CacheState, Scores, quantize_kv
 
 
 class RingPolicy(Policy):
@@ -81,7 +80,7 @@ class RingPolicy(Policy):
         evicted = self.place_evicted if layout.heavy else None
         scales = None
         if state.k_scale is not None:  # a quantized cache: the chunk's codes and scales go in
-            (k, k_scale), (v, v_scale) = (quantization.quantize(x, state.k.dtype) for x in (k, v))
+            k, v, k_scale, v_scale = quantize_kv(state, k, v)
             scales = ((state.k_scale, state.v_scale), (k_scale, v_scale))
         new_k, new_v, score, pos, scales = state.kernels.insert(layout, state.k, state.v, state.layer, score,
                                                                 state.pos, state.seen, k, v, chunk_score, placed,
