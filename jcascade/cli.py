@@ -230,7 +230,7 @@ def cmd_ruler(args) -> None:
     model, tokenizer, name, mesh = _load(args, batched=True)  # KVzip's policies need the tokenizer
     with _option("--policy"):
         at = ruler.policy_grid([p for group in args.policy or [ruler.DEFAULT_POLICIES] for p in group], args.budget,
-                               tokenizer)
+                               tokenizer, args.kv_dtype)
     with _option("--budget"):  # a budget's slots grow with n
         specs = report.policy_specs(at, lengths)
     with _option("--baseline"):
@@ -248,8 +248,8 @@ def cmd_ruler(args) -> None:
                                                     protocol=args.protocol),
         tokenizer, mesh, unit="prompt")
     rep = report.ruler(results, at, baseline=args.baseline, run={
-        "model": name, "protocol": args.protocol, "tasks": tasks, "budgets": args.budget, "samples": args.samples,
-        "seconds": seconds})
+        "model": name, "protocol": args.protocol, "tasks": tasks, "budgets": args.budget, "kv_dtypes": args.kv_dtype,
+        "samples": args.samples, "seconds": seconds})
     _finish(args, "ruler", rep, f"\nRULER, {name}, {args.protocol}, {seconds:.0f} s\n" + report.ruler_text(rep),
             [lambda out: plots.ruler(rep, out / "ruler.png", f"RULER ({name}, {args.protocol})")], checkpointing)
 
@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                    + ",".join(ruler.DEFAULT_POLICIES) + ")")
     p.add_argument("--budget", type=_argument(ruler.budget_list), default="0.25,0.5", help="KV slots kept, sinks "
                    "and windows included: fractions of the context (<1) or token counts, comma-separated")
+    p.add_argument("--kv-dtype", type=_argument(ruler.kv_dtype_list), default="model", help="KV storage formats "
+                   "of the named policies, comma-separated, each at every budget: model (the model's dtype), int8, "
+                   "float8_e4m3fn (a spec sets its own kv_dtype field)")
     p.add_argument("--batch-size", type=count, help="prompts per generate call, a multiple of the mesh's data "
                    "axis D (default: tasks x samples in equal batches of at most 8 x D)")
     p.add_argument("--book", default="paradise_lost", help="the prose haystack (RULER's essays are not offline)")

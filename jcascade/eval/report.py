@@ -35,14 +35,21 @@ from jcascade.eval import stats
 from jcascade.policies import spec
 
 
+def with_format(label: str, policy) -> str:
+    """`label` naming the policy's KV storage format when it is not the model's dtype ("Cascade 384x2 int8")."""
+    return label if policy.kv_dtype == "model" else f"{label} {policy.kv_dtype}"
+
+
 def labelled(policies: Sequence) -> dict[str, object]:
-    """{short label: policy} (`Policy.label`, e.g. "Cascade 384x2"); labels that collide get " #2", " #3"."""
+    """{short label: policy} (`Policy.label` with its storage format, e.g. "Cascade 384x2", "Cascade 384x2 int8");
+    labels that collide get " #2", " #3"."""
     out: dict[str, object] = {}
     for policy in policies:
-        label, k = policy.label, 1
+        base = with_format(policy.label, policy)
+        label, k = base, 1
         while label in out:
             k += 1
-            label = f"{policy.label} #{k}"
+            label = f"{base} #{k}"
         out[label] = policy
     return out
 

@@ -404,28 +404,38 @@ def policy_list(text: str) -> list:
         raise ValueError(f"{e}, or a spec NAME:FIELD=VALUE,...") from None
 
 
-def policy_grid(policies: Sequence, budgets: Sequence[float], tokenizer=None) -> Callable[[int], dict[str, object]]:
+def policy_grid(policies: Sequence, budgets: Sequence[float], tokenizer=None,
+                kv_dtypes: Sequence[str] = ("model",)) -> Callable[[int], dict[str, object]]:
     """A sweep's policies as a function of the context length (`sweep`'s `policies`), in the order given: each
-    name of `POLICIES` at every budget (`policies_at`: scaled with the budget and the length), each policy
-    object as it is at every length (labelled by `Policy.label`, as `report.labelled`). Raises ValueError for
-    a name or budget given twice, or two policies of one label."""
+    name of `POLICIES` at every budget and KV storage format (`policies_at`: scaled with the budget and the
+    length), each policy object as it is at every length (labelled by `Policy.label`, as `report.labelled`).
+    Raises ValueError for a name, budget or format given twice, or two policies of one label."""
     from jcascade.eval.report import labelled
 
     distinct("policies", [p for p in policies if isinstance(p, str)])
     distinct("budgets", budgets)
+    distinct("kv_dtypes", kv_dtypes)
     given = list(labelled([p for p in policies if not isinstance(p, str)]).items())
 
     def at(context_length: int) -> dict[str, object]:
         fixed, grid = iter(given), {}
         for entry in policies:
             mine = (dict([next(fixed)]) if not isinstance(entry, str) else
-                    {k: v for b in budgets for k, v in policies_at([entry], b, context_length, tokenizer).items()})
+                    {k: v for b in budgets for d in kv_dtypes
+                     for k, v in policies_at([entry], b, context_length, tokenizer, d).items()})
             if set(mine) & set(grid):
                 raise ValueError(f"policies: two policies are labelled {sorted(set(mine) & set(grid))[0]!r}; "
                                  "each label names one policy")
             grid |= mine
         return grid
     return at
+
+
+def kv_dtype_list(text: str) -> list[str]:
+    """"model,int8" -> KV storage formats (`jcascade.pallas_kernels.quantization.KV_DTYPES`), each once."""
+    from jcascade.pallas_kernels.quantization import KV_DTYPES
+
+    return _names(text, KV_DTYPES, "kv_dtypes")
 
 
 def budget_list(text: str) -> list[float]:
@@ -450,37 +460,41 @@ def budget_slots(budget: float, context_length: int) -> int:
     return slots
 
 
-def policies_at(names: Sequence[str], budget: float, context_length: int, tokenizer=None) -> dict[str, object]:
+def policies_at(names: Sequence[str], budget: float, context_length: int, tokenizer=None,
+                kv_dtype: str = "model") -> dict[str, object]:
     """{label: policy} for each policy name (`POLICIES`) keeping `budget_slots(budget, context_length)` KV slots
-    per KV head: Sink 64 sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half
+    per KV head, stored as `kv_dtype` (the policies' field; labels name a format other than "model"): Sink 64 sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half
     recent; TOVA all of them; SnapKV, PyramidKV, KNorm, ExpectedAttention and KVzip their budget (SnapKV's window
     32, PyramidKV's 8; KVzip's reconstruction prompts in `tokenizer`'s tokens, which it needs); AdaKV SnapKV's
     budget on average over a layer's heads. Streaming policies prefill in chunks of half their slots (at most
     2048); labels name the budget ("Cascade 25%", "Cascade 12.5%", "Cascade 2048"), so distinct budgets
     label apart. Each name once."""
     import jcascade as jc
+    from jcascade.eval.report import with_format
 
     if "kvzip" in names and tokenizer is None:
         raise ValueError("policies_at: kvzip needs the tokenizer (its reconstruction prompts are token ids)")
 
     slots = budget_slots(budget, context_length)
     tag = f"{budget * 100:g}%" if budget < 1 else str(int(budget))
-    stride = min(2048, slots // 2)
-    make = {"full": lambda: jc.Full(stride=2048),
-            "sink": lambda: jc.Sink(window=slots - 64, sinks=64, stride=stride),
-            "cascade": lambda: jc.Cascade(cache_size=(slots - 64) // 4 * 4, sinks=64, num_cascades=4, stride=stride),
-            "h2o": lambda: jc.H2O(heavy=slots // 2, recent=slots - slots // 2, stride=stride),
-            "snapkv": lambda: jc.SnapKV(budget=slots, stride=2048),
-            "pyramidkv": lambda: jc.PyramidKV(budget=slots, stride=2048),
-            "tova": lambda: jc.TOVA(cache_size=slots, stride=stride),
-            "knorm": lambda: jc.KNorm(budget=slots, stride=2048),
-            "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048)),
-            "expectedattention": lambda: jc.ExpectedAttention(budget=slots, stride=2048),
-            "kvzip": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, stride=2048)}
+    stride, kw = min(2048, slots // 2), {"kv_dtype": kv_dtype}
+    make = {"full": lambda: jc.Full(stride=2048, **kw),
+            "sink": lambda: jc.Sink(window=slots - 64, sinks=64, stride=stride, **kw),
+            "cascade": lambda: jc.Cascade(cache_size=(slots - 64) // 4 * 4, sinks=64, num_cascades=4, stride=stride,
+                                          **kw),
+            "h2o": lambda: jc.H2O(heavy=slots // 2, recent=slots - slots // 2, stride=stride, **kw),
+            "snapkv": lambda: jc.SnapKV(budget=slots, stride=2048, **kw),
+            "pyramidkv": lambda: jc.PyramidKV(budget=slots, stride=2048, **kw),
+            "tova": lambda: jc.TOVA(cache_size=slots, stride=stride, **kw),
+            "knorm": lambda: jc.KNorm(budget=slots, stride=2048, **kw),
+            "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048, **kw)),
+            "expectedattention": lambda: jc.ExpectedAttention(budget=slots, stride=2048, **kw),
+            "kvzip": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, stride=2048, **kw)}
     if any(n not in make for n in names):
         raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
     distinct("policies", names)
-    return {("Full" if n == "full" else f"{make[n]().label.split()[0]} {tag}"): make[n]() for n in names}
+    return {with_format("Full" if n == "full" else f"{make[n]().label.split()[0]} {tag}", make[n]()): make[n]()
+            for n in names}
 
 
 def plan(generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int], samples: int,

@@ -425,6 +425,21 @@ def test_policy_option_takes_names_scaled_at_each_budget_and_specs_used_as_given
             ruler.policy_grid(policies, [0.25])(4096)
 
 
+def test_names_run_at_every_storage_format_labelled_apart():
+    import jcascade as jc
+
+    grid = ruler.policy_grid(["full", "adakv", jc.Sink(window=300, kv_dtype="int8")], [0.25],
+                             kv_dtypes=ruler.kv_dtype_list("model,int8,float8_e4m3fn"))(4096)
+    assert {k: p.kv_dtype for k, p in grid.items()} == {
+        "Full": "model", "Full int8": "int8", "Full float8_e4m3fn": "float8_e4m3fn",
+        "AdaKV-SnapKV 25%": "model", "AdaKV-SnapKV 25% int8": "int8",
+        "AdaKV-SnapKV 25% float8_e4m3fn": "float8_e4m3fn", "Sink 300 int8": "int8"}  # a spec keeps its own
+    assert grid["AdaKV-SnapKV 25% int8"].scorer == jc.SnapKV(budget=1024, stride=2048, kv_dtype="int8")
+    for text, match in [("int8,int8", "kv_dtypes: 'int8' is given twice"), ("int4", "kv_dtypes must be .* among")]:
+        with pytest.raises(ValueError, match=match):
+            ruler.kv_dtype_list(text)
+
+
 def test_sweeps_take_policies_as_a_mapping_or_a_function_of_the_length_with_fixed_labels(generator):
     """model=None: the checks come before any model time."""
     import jcascade as jc
