@@ -4,6 +4,7 @@ write.
     python benchmarks/eval_tables.py benchmarks/results/eval-qwen
     python benchmarks/eval_tables.py ruler benchmarks/results/ruler-qwen benchmarks/results/ruler-qwen-16k-32k
     python benchmarks/eval_tables.py protocols benchmarks/results/ruler-qwen-protocols/*
+    python benchmarks/eval_tables.py formats benchmarks/results/kv-accuracy/*
 
 The estimates are recomputed from the per-trial (passkey) and per-block (perplexity) records in the JSON
 with today's `jcascade.eval.stats`, so tables of older runs follow its rules too. Passkey: per-digit
@@ -15,6 +16,7 @@ policy, the paired differences to Full and, at the same budget, of Cascade to Si
 Attention and KVzip to SnapKV, and each task's score per length. Protocols: RULER runs of both protocols (each
 run's JSON names its own) merged per protocol, every policy's average under each, the paired difference
 query-agnostic - query-aware on the same prompts, and each policy's difference to Full within its protocol.
+Formats: each policy in the model's dtype, int8 and float8 (labels ending in the format), paired format - model.
 """
 
 from __future__ import annotations
@@ -174,6 +176,71 @@ def protocol_table(runs: list[pathlib.Path]) -> str:
     return "\n".join(lines)
 
 
+FORMATS = ("int8", "float8_e4m3fn")
+
+
+def base_label(label: str) -> tuple[str, str]:
+    """'Cascade 25% int8' -> ('Cascade 25%', 'int8'); a label without a format -> (label, 'model')."""
+    head, _, last = label.rpartition(" ")
+    return (head, last) if last in FORMATS else (label, "model")
+
+
+def formats_table(runs: list[pathlib.Path]) -> str:
+    """Each policy in the model's dtype beside its int8 and float8 storage, and the paired differences format -
+    model on the same prompts (RULER per protocol, passkey) or blocks (perplexity), from whichever of ruler.json,
+    passkey.json and perplexity.json each run folder holds."""
+    lines = ["| metric | policy | n | model dtype | int8 | float8_e4m3fn | int8 - model | float8 - model |",
+             "|---" * 8 + "|"]
+
+    def add(metric, labels, n, value, difference):
+        for base in dict.fromkeys(base_label(k)[0] for k in labels):
+            mine = {base_label(k)[1]: k for k in labels if base_label(k)[0] == base}
+            if "model" not in mine:
+                continue
+            cells = [value(mine.get(f)) for f in ("model", *FORMATS)]
+            cells += [difference(mine[f], mine["model"]) if f in mine else None for f in FORMATS]
+            lines.append(f"| {metric} | {base} | {n(mine['model'])} | " + " | ".join(
+                c if isinstance(c, str) else cell(c) for c in cells) + " |")
+
+    for run in runs:
+        if (run / "ruler.json").exists() or (run / "ruler.json.gz").exists():
+            rep = load(run, "ruler")
+            results = [ruler.RulerResult(**r) for r in rep["results"]]
+            by = {k: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == k}
+                  for k in dict.fromkeys(r.policy for r in results)}
+            mean = lambda k: k and stats.mean(list(by[k].values()), strata=[t[0] for t in by[k]], bounds=(0, 1))  # noqa: E731
+
+            def paired(k, base):
+                same = sorted(by[k].keys() & by[base].keys())
+                return stats.paired_difference([by[k][t] for t in same], [by[base][t] for t in same],
+                                               strata=[t[0] for t in same], bounds=(0, 1))
+            add(f"RULER {rep.get('protocol', 'query-aware')}", list(by), lambda k: len(by[k]), mean, paired)
+        if (run / "passkey.json").exists():
+            results = [passkey.PasskeyResult(**r) for r in load(run, "passkey")["results"]]
+            accuracy = passkey.estimates(results)
+            labels = list(accuracy)
+            pooled = lambda k: k and stats.mean([r.accuracy for r in results if r.policy == k], bounds=(0, 1))  # noqa: E731
+            add("passkey", labels, lambda k: sum(r.policy == k for r in results), pooled,
+                lambda k, base: passkey.paired_differences([r for r in results if r.policy in (k, base)], base)[k]["all"])
+        if (run / "perplexity.json").exists():
+            fields = {f.name for f in dataclasses.fields(perplexity.BookPerplexity)}
+            results = [perplexity.BookPerplexity(**{k: v for k, v in b.items() if k in fields})
+                       for b in load(run, "perplexity")["books"]]
+            summary = perplexity.summary(results)
+
+            def ppl(k):
+                if k is None:
+                    return None
+                i = summary[k]["interval"]
+                return f"{summary[k]['perplexity']:.3f} [{i['low']:.3f}, {i['high']:.3f}]"
+
+            def relative(k, base):
+                d = perplexity.paired_differences([r for r in results if r.policy in (k, base)], base)[k]["all"]
+                return f"{cell(d)} ({d.value / summary[base]['perplexity']:+.2%})"
+            add("perplexity", list(summary), lambda k: f"{summary[k]['tokens']:,} tokens", ppl, relative)
+    return "\n".join(lines)
+
+
 def main(root: str) -> None:
     root = pathlib.Path(root)
     for run in sorted(root.glob("passkey-*")):
@@ -189,5 +256,7 @@ if __name__ == "__main__":
         print(ruler_tables([pathlib.Path(p) for p in sys.argv[2:]]))
     elif sys.argv[1] == "protocols":
         print(protocol_table([pathlib.Path(p) for p in sys.argv[2:]]))
+    elif sys.argv[1] == "formats":
+        print(formats_table([pathlib.Path(p) for p in sys.argv[2:]]))
     else:
         main(sys.argv[1])
