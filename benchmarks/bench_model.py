@@ -106,8 +106,9 @@ def matmul_peak(n: int) -> float:
 
 
 # The memory bandwidth of each card class, bytes/s: what its HBM is rated at (H100 SXM 3.35 TB/s, PCIe about 2.0,
-# NVL 3.9; H200 4.8) less what copies fall short of it. A measurement outside its class is reported.
-CARD_BANDWIDTH = {"H100": (3.0e12, 3.35e12), "H200": (4.3e12, 4.8e12)}
+# NVL 3.9; H200 4.8) less what copies fall short of it (four H100 SXM measured 2.67-2.81 TB/s each by
+# `memory_bandwidth`, benchmarks/RESULTS.md "Four GPUs"). A measurement outside its class is reported.
+CARD_BANDWIDTH = {"H100": (2.6e12, 3.35e12), "H200": (4.3e12, 4.8e12)}
 
 
 def memory_bandwidth(devices, sizes: list[int], repeats: int = 10) -> dict:
