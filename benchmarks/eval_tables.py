@@ -30,6 +30,11 @@ import sys
 from jcascade.eval import passkey, perplexity, report, ruler, stats
 
 
+def has(run: pathlib.Path, name: str) -> bool:
+    """Whether a run folder holds `name`.json or `name`.json.gz."""
+    return (run / f"{name}.json").exists() or (run / f"{name}.json.gz").exists()
+
+
 def load(run: pathlib.Path, name: str) -> dict:
     """A run's `name`.json, or its gzip-compressed `name`.json.gz (per-prompt records are kept compressed)."""
     plain = run / f"{name}.json"
@@ -203,7 +208,7 @@ def formats_table(runs: list[pathlib.Path]) -> str:
                 c if isinstance(c, str) else cell(c) for c in cells) + " |")
 
     for run in runs:
-        if (run / "ruler.json").exists() or (run / "ruler.json.gz").exists():
+        if has(run, "ruler"):
             rep = load(run, "ruler")
             results = [ruler.RulerResult(**r) for r in rep["results"]]
             by = {k: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == k}
@@ -215,14 +220,14 @@ def formats_table(runs: list[pathlib.Path]) -> str:
                 return stats.paired_difference([by[k][t] for t in same], [by[base][t] for t in same],
                                                strata=[t[0] for t in same], bounds=(0, 1))
             add(f"RULER {rep.get('protocol', 'query-aware')}", list(by), lambda k: len(by[k]), mean, paired)
-        if (run / "passkey.json").exists():
+        if has(run, "passkey"):
             results = [passkey.PasskeyResult(**r) for r in load(run, "passkey")["results"]]
             accuracy = passkey.estimates(results)
             labels = list(accuracy)
             pooled = lambda k: k and stats.mean([r.accuracy for r in results if r.policy == k], bounds=(0, 1))  # noqa: E731
             add("passkey", labels, lambda k: sum(r.policy == k for r in results), pooled,
                 lambda k, base: passkey.paired_differences([r for r in results if r.policy in (k, base)], base)[k]["all"])
-        if (run / "perplexity.json").exists():
+        if has(run, "perplexity"):
             fields = {f.name for f in dataclasses.fields(perplexity.BookPerplexity)}
             results = [perplexity.BookPerplexity(**{k: v for k, v in b.items() if k in fields})
                        for b in load(run, "perplexity")["books"]]

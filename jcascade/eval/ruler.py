@@ -463,10 +463,11 @@ def budget_slots(budget: float, context_length: int) -> int:
 def policies_at(names: Sequence[str], budget: float, context_length: int, tokenizer=None,
                 kv_dtype: str = "model") -> dict[str, object]:
     """{label: policy} for each policy name (`POLICIES`) keeping `budget_slots(budget, context_length)` KV slots
-    per KV head, stored as `kv_dtype` (the policies' field; labels name a format other than "model"): Sink 64 sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half
-    recent; TOVA all of them; SnapKV, PyramidKV, KNorm, ExpectedAttention and KVzip their budget (SnapKV's window
-    32, PyramidKV's 8; KVzip's reconstruction prompts in `tokenizer`'s tokens, which it needs); AdaKV SnapKV's
-    budget on average over a layer's heads. Streaming policies prefill in chunks of half their slots (at most
+    per KV head, stored as `kv_dtype` (the policies' field; labels name a format other than "model"): Sink 64
+    sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half recent; TOVA all of them;
+    SnapKV, PyramidKV, KNorm, ExpectedAttention and KVzip their budget (SnapKV's window 32, PyramidKV's 8; KVzip's
+    reconstruction prompts in `tokenizer`'s tokens, which it needs); AdaKV SnapKV's budget on average over a
+    layer's heads. Streaming policies prefill in chunks of half their slots (at most
     2048); labels name the budget ("Cascade 25%", "Cascade 12.5%", "Cascade 2048"), so distinct budgets
     label apart. Each name once."""
     import jcascade as jc
