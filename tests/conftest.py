@@ -12,10 +12,13 @@ failure, captured output, duration), waiting for it if need be. `pytest path::te
 alone the same way; a process that already has n devices runs them in place.
 """
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -25,6 +28,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Set before jax starts; subprocesses (the device child, the multi-process and fetch tests) inherit it.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# One persistent compilation cache for the whole run, every compile written to it: the xdist workers, the
+# device child and the subprocesses (CLI, README) compile the same tiny programs, and each test module starts
+# with jax's in-memory caches cleared (below). A fresh folder per run (created by the first process, inherited
+# by the rest through the environment) keeps runs independent.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jcascade-test-jit-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
