@@ -117,19 +117,18 @@ def memory_bandwidth(devices, sizes: list[int], repeats: int = 10) -> dict:
     `repeats` times; a device's rate is the best of them all. `rate` is the slowest device's (a sharded step waits
     for it). Returns dict(rate, per_device {device: rate}, card_class (low, high) or None)."""
     per_device = {}
+    passes = ((jax.jit(lambda x: x + 1), 2), (jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), 1))  # bytes moved / x's
     for device in devices:
         best = 0.0
         for n in sizes:
-            make = jax.jit(lambda: jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16),  # noqa: B023
-                           out_shardings=jax.sharding.SingleDeviceSharding(device))
-            x = make()
-            for f, moved in ((jax.jit(lambda x: x + 1), 2 * x.nbytes),
-                             (jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes)):
+            x = jax.jit(lambda: jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16),  # noqa: B023
+                        out_shardings=jax.sharding.SingleDeviceSharding(device))()
+            for f, times_x in passes:
                 for i in range(2 + repeats):
                     t0 = time.perf_counter()
                     block(f(x))
                     if i >= 2:
-                        best = max(best, moved / (time.perf_counter() - t0))
+                        best = max(best, times_x * x.nbytes / (time.perf_counter() - t0))
             del x
         per_device[str(device)] = best
     kind = devices[0].device_kind

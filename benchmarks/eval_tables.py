@@ -222,8 +222,7 @@ def formats_table(runs: list[pathlib.Path]) -> str:
             add(f"RULER {rep.get('protocol', 'query-aware')}", list(by), lambda k: len(by[k]), mean, paired)
         if has(run, "passkey"):
             results = [passkey.PasskeyResult(**r) for r in load(run, "passkey")["results"]]
-            accuracy = passkey.estimates(results)
-            labels = list(accuracy)
+            labels = list(dict.fromkeys(r.policy for r in results))
             pooled = lambda k: k and stats.mean([r.accuracy for r in results if r.policy == k], bounds=(0, 1))  # noqa: E731
             add("passkey", labels, lambda k: sum(r.policy == k for r in results), pooled,
                 lambda k, base: passkey.paired_differences([r for r in results if r.policy in (k, base)], base)[k]["all"])

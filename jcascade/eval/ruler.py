@@ -494,8 +494,8 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
     if any(n not in make for n in names):
         raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
     distinct("policies", names)
-    return {with_format("Full" if n == "full" else f"{make[n]().label.split()[0]} {tag}", make[n]()): make[n]()
-            for n in names}
+    policies = {n: make[n]() for n in names}
+    return {with_format("Full" if n == "full" else f"{p.label.split()[0]} {tag}", p): p for n, p in policies.items()}
 
 
 def plan(generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int], samples: int,
