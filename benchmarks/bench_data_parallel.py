@@ -67,31 +67,30 @@ def main():
     t0 = time.perf_counter()
     ruler.plan(ruler.Generator(tokenizer, prose), tasks, [a.length], a.samples)
     build_s = time.perf_counter() - t0
-    runs = {}
-    for data, model_axis in meshes:
+    runs, reference = {}, None
+    result = dict(benchmark="data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d"), model=path.name if path else "tiny random", length=a.length,
+                  tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
+                  prompt_build_s=build_s, runs=runs)
+    for data, model_axis in meshes:  # one device first: the reference every mesh's outputs are compared with
         mesh = sharding.device_mesh((data, model_axis), batched=True)
         model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny
                  else jc.load_pretrained(path, mesh=mesh))
         run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, a.rows * data, build_s)
         _, compile_s = sweep(*run)
         results, seconds = sweep(*run)
-        runs[f"data={data},model={model_axis}"] = dict(
-            seconds=seconds, first_run_s=compile_s, prompts=len(results), prompts_per_s=len(results) / seconds,
-            results=[r.output for r in results])
+        outputs = [r.output for r in results]
+        reference = reference or outputs
+        r = runs[f"data={data},model={model_axis}"] = dict(
+            seconds=seconds, first_run_s=compile_s, prompts=len(results), prompts_per_s=len(results) / seconds)
+        r.update(speedup=r["prompts_per_s"] / runs["data=1,model=1"]["prompts_per_s"],
+                 identical_outputs=sum(x == y for x, y in zip(reference, outputs)))
         print(f"data={data},model={model_axis}: {len(results)} prompts in {seconds:.1f} s ({len(results) / seconds:.1f} "
               f"prompts/s; first run, compiling: {compile_s:.1f} s)", flush=True)
+        if a.out:  # after each mesh: a run stopped later keeps what it measured
+            pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(a.out).write_text(json.dumps(result, indent=2))
     one = runs["data=1,model=1"]
-    reference = one["results"]
-    for r in runs.values():
-        r["identical_outputs"] = sum(x == y for x, y in zip(reference, r.pop("results")))
-        r["speedup"] = r["prompts_per_s"] / one["prompts_per_s"]
-    result = dict(benchmark="data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                  date=time.strftime("%Y-%m-%d"), model=path.name if path else "tiny random", length=a.length,
-                  tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
-                  prompt_build_s=build_s, outputs=one["prompts"], runs=runs)
-    if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"\nmesh, prompts/s, seconds, speed-up, identical outputs ({result['model']}, {a.length} tokens, "
           f"{len(tasks)} tasks x {a.samples}, {', '.join(names)} at {a.budget:.0%})")
     for name, r in runs.items():
