@@ -46,10 +46,12 @@ def inputs():
     return tokens, np.array([40, 31, 40, 12, 25, 40, 38, 20], np.int32)
 
 
-def score_and_generate(model, policy, tokens, lengths):
-    score = jc.score(model, tokens, policy, lengths=lengths, prefix=24 if policy.needs_prompt else None)
-    generated = jc.generate(model, tokens[:, :24], policy, max_new_tokens=6, lengths=np.minimum(lengths, 24))
-    return score, generated
+def scored(model, policy):
+    """Log-probs of inputs() after a 24-token prompt: the prompt prefilled in chunks (and compressed, for a policy
+    that acts after it), then one decode step per token, teacher-forced: the path generate takes (its loop and
+    sampling: test_sharded_generate_equals_one_device)."""
+    tokens, lengths = inputs()
+    return jc.score(model, tokens, policy, lengths=lengths, prefix=24)
 
 
 def mesh_of(shape) -> Mesh:
@@ -70,26 +72,30 @@ def sharded(model):
 
 @pytest.fixture(scope="module")
 def one_device(model):
-    """name -> score and generate of that policy on one device, computed once."""
+    """name -> the log-probs (`scored`) of that policy on one device, computed once."""
     done = {}
 
     def get(name):
         if name not in done:
-            done[name] = score_and_generate(model, POLICIES[name], *inputs())
+            done[name] = scored(model, POLICIES[name])
         return done[name]
 
     return get
 
 
 @pytest.mark.parametrize("shape,name", CASES, ids=[f"{d}x{m}-{name}" for (d, m), name in CASES])
-def test_sharded_score_and_generate_equal_one_device(model, one_device, shape, name):
+def test_sharded_score_equals_one_device(model, one_device, shape, name):
     policy = POLICIES[name]
     sharded = jc.models.shard(model, mesh_of(shape))
     assert sharded.init_cache(policy, 8, max_tokens=64).k.sharding.spec == CACHE_SPEC
-    want_score, want_generated = one_device(name)
-    score, generated = score_and_generate(sharded, policy, *inputs())
-    np.testing.assert_allclose(score, want_score, rtol=1e-5, atol=1e-4)  # log-probs up to about 20
-    np.testing.assert_array_equal(generated, want_generated)
+    np.testing.assert_allclose(scored(sharded, policy), one_device(name), rtol=1e-5, atol=1e-4)  # log-probs up to ~20
+
+
+def test_sharded_generate_equals_one_device(model, sharded):
+    """generate's loop (greedy tokens from vocabulary-split logits, eos, its output) on the (2, 4) mesh."""
+    tokens, lengths = inputs()
+    generate = lambda m: jc.generate(m, tokens[:, :24], CASCADE, max_new_tokens=6, lengths=np.minimum(lengths, 24))  # noqa: E731
+    np.testing.assert_array_equal(generate(sharded), generate(model))
 
 
 GEMMA3 = dict(architecture="gemma3", qk_norm=True, layer_types=("sliding", "global"), sliding_window=8,
@@ -109,10 +115,8 @@ def test_each_family_sharded_equals_one_device(family):
     # logits amplify the mesh's other summation order to 2e-4 .. 2e-3 (2e-5 at 0.3)
     scale = 0.3 if family["architecture"] == "gemma4" else 0.5
     model = tiny.model(96, seed=1, scale=scale, **TINY | family).with_sliding_policy(sliding_policy)
-    want_score, want_generated = score_and_generate(model, CASCADE, *inputs())
-    score, generated = score_and_generate(jc.models.shard(model, mesh_of((2, 4))), CASCADE, *inputs())
-    assert float(jnp.max(jnp.abs(score - want_score))) <= 1e-4
-    np.testing.assert_array_equal(generated, want_generated)
+    want = scored(model, CASCADE)
+    assert float(jnp.max(jnp.abs(scored(jc.models.shard(model, mesh_of((2, 4))), CASCADE) - want))) <= 1e-4
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
