@@ -4,8 +4,8 @@ Every cache decision is per (batch row, KV head), so rows go over "data" and KV 
 communication inside `attend` / `update`; the projections split the usual Megatron way (q/k/v and gate/up
 by output columns, o and down by input rows, the embedding and LM head by vocabulary), so XLA adds one
 reduction after each row-split product. The decoder runs each layer's attend and update (shared
-prefixes included) under `shard_map` with `layer_specs` (so the Pallas kernels see their shard) when the
-rows and KV heads divide; the rest follows by sharding propagation under `jit`.
+prefixes included) under `shard_map` with `layer_specs` (so the Pallas kernels see their shard; rows or KV heads
+that do not divide are replicated along their axis); the rest follows by sharding propagation under `jit`.
 """
 
 from __future__ import annotations
@@ -118,28 +118,28 @@ def linear_state_specs(state, mesh: Mesh):
 def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ()) -> dict | None:
     """PartitionSpecs of one layer's attend/update arguments, for a model's stacked cache `state`: the layer's view
     of the cache (the K/V stack, its own scores, positions and clock), chunk tensors [B, T, heads, D], lengths [B]
-    and one layer of each shared-prefix level (`prefixes`: `jcascade.SharedPrefix` levels, layers stacked). None
-    unless rows divide over "data", KV heads over "model", and each level's rows over "data" or are one row (then
-    attend/update can run per shard: a device's requests use its own prefix rows)."""
+    and one layer of each shared-prefix level (`prefixes`: `jcascade.SharedPrefix` levels, layers stacked). Rows go
+    over "data" and KV heads over "model" where they divide, else are replicated along that axis (each device then
+    repeats the work of its rows or heads: the weights put the heads there anyway). None when a level's rows
+    neither divide over the cache rows' "data" nor are one row (attend/update then follow sharding propagation)."""
     stacked = cache_specs(state, mesh)
-    if (stacked.k[1], stacked.k[2]) != ("data", "model"):
-        return None
+    rows, heads = stacked.k[1], stacked.k[2]  # "data" / "model", or None (replicated)
     num_kv_heads = state.pos.shape[-2]
     own = lambda spec: PartitionSpec(*spec[1:])  # without the layer axis
     state = dataclasses.replace(stacked, layer=PartitionSpec(), **{name: own(getattr(stacked, name))
                                                                    for name in cache_state.layer_fields(stacked)})
     levels = []
     for prefix in prefixes:
-        rows = prefix.length.shape[-1]
-        if rows % mesh.shape["data"] and rows != 1:
+        level_rows = prefix.length.shape[-1]
+        if rows and level_rows % mesh.shape["data"] and level_rows != 1:
             return None
-        row = "data" if rows % mesh.shape["data"] == 0 else None
-        kv = PartitionSpec(row, "model", None, None)
-        key_pos_heads = "model" if prefix.key_pos.shape[-2] == num_kv_heads else None  # 1 or Hkv
-        levels.append(SharedPrefix(k=kv, v=kv, valid=PartitionSpec(row, "model", None),
+        row = rows if level_rows % mesh.shape["data"] == 0 else None
+        kv = PartitionSpec(row, heads, None, None)
+        key_pos_heads = heads if prefix.key_pos.shape[-2] == num_kv_heads else None  # 1 or Hkv
+        levels.append(SharedPrefix(k=kv, v=kv, valid=PartitionSpec(row, heads, None),
                                    key_pos=PartitionSpec(row, key_pos_heads, None), length=PartitionSpec(row),
                                    rope=prefix.rope))
-    return dict(state=state, chunk=PartitionSpec("data", None, "model", None), lengths=PartitionSpec("data"),
+    return dict(state=state, chunk=PartitionSpec(rows, None, heads, None), lengths=PartitionSpec(rows),
                 prefixes=tuple(levels))
 
 

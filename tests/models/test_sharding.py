@@ -217,6 +217,21 @@ def test_heads_that_do_not_divide_are_replicated_with_a_warning():
     assert "replicated along it" in " ".join(str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("shape,heads", [((2, 4), dict(num_heads=6, num_kv_heads=3)), ((3, 2), {})],
+                         ids=["3 KV heads over model=4", "8 rows over data=3"])
+def test_rows_or_kv_heads_that_do_not_divide_run_per_shard_replicated(shape, heads):
+    """Attention still runs under shard_map with the axis that does not divide replicated (each of its devices
+    repeats the rows or heads it holds whole): specs for every layer, one device's log-probs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the weights' replication warning (test above)
+        model = tiny.model(96, seed=2, **TINY | heads)
+        sharded = jc.models.shard(model, mesh_of(shape))
+    specs = sharding.layer_specs(sharded.init_cache(CASCADE, 8, max_tokens=64), sharded.mesh)
+    assert specs is not None and specs["chunk"] == (PartitionSpec("data", None, None, None) if heads
+                                                    else PartitionSpec(None, None, "model", None))
+    np.testing.assert_allclose(scored(sharded, CASCADE), scored(model, CASCADE), rtol=1e-5, atol=1e-4)
+
+
 def test_a_mesh_needs_the_data_and_model_axes():
     with pytest.raises(ValueError, match=r"axes \('data', 'model'\)"):
         jc.models.shard(tiny.model(97), Mesh(np.array(jax.devices()[:1]), ("x",)))
