@@ -80,7 +80,7 @@ def main():
         _, compile_s = sweep(*run)
         results, seconds = sweep(*run)
         outputs = [r.output for r in results]
-        reference = reference or outputs
+        reference = outputs if reference is None else reference
         r = runs[f"data={data},model={model_axis}"] = dict(
             seconds=seconds, first_run_s=compile_s, prompts=len(results), prompts_per_s=len(results) / seconds)
         r.update(speedup=r["prompts_per_s"] / runs["data=1,model=1"]["prompts_per_s"],

@@ -94,7 +94,10 @@ def test_sharded_score_equals_one_device(model, one_device, shape, name):
 def test_sharded_generate_equals_one_device(model, sharded):
     """generate's loop (greedy tokens from vocabulary-split logits, eos, its output) on the (2, 4) mesh."""
     tokens, lengths = inputs()
-    generate = lambda m: jc.generate(m, tokens[:, :24], CASCADE, max_new_tokens=6, lengths=np.minimum(lengths, 24))  # noqa: E731
+
+    def generate(m):
+        return jc.generate(m, tokens[:, :24], CASCADE, max_new_tokens=6, lengths=np.minimum(lengths, 24))
+
     np.testing.assert_array_equal(generate(sharded), generate(model))
 
 
