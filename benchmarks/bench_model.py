@@ -173,7 +173,11 @@ def bench_prefill(a, model, policy, peak):
             rows.append(dict(tokens=done, seconds=elapsed, tokens_per_s=done / elapsed,
                              mfu=flops_per_token(model.config, keys) * done / elapsed / peak))
             print(f"   prefill {done} tokens: {elapsed:.1f} s", flush=True)
-    return dict(compile_s=compile_s, segment=segment, rows=rows)
+    result = dict(compile_s=compile_s, segment=segment, rows=rows)
+    if a.profile_step:  # one more segment, after the longest prefill: the cache as full as it gets
+        result.update(profiled(lambda: compiled(model, state, tokens[0]), model.config.num_layers,
+                               rows[-1]["seconds"] / (rows[-1]["tokens"] / segment) * 1e3))
+    return result
 
 
 def delta_rule_ms(model, tokens: int) -> float:
@@ -285,18 +289,25 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
         row["fraction_of_roofline"] = None
         row["roofline_error"] = (f"the step ({per_step * 1e3:.2f} ms) beat its roofline ({roofline * 1e3:.2f} ms): "
                                  f"the bandwidth measured, {bandwidth / 1e12:.2f} TB/s, is below what the device moves")
-    if a.profile_step:  # one more step under the JAX profiler: its kernels by kind (decode_breakdown.py)
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                block(compiled(model, state, last))
-            try:
-                row["breakdown"] = decode_breakdown.breakdown(decode_breakdown.kernels_of_trace(trace_dir),
-                                                              model.config.num_layers, per_step * 1e3)
-            except ValueError as e:  # a profile without GPU kernels: say so, keep the timings
-                row["breakdown_error"] = str(e)
-        print("\n".join(decode_breakdown.table(row["breakdown"])) if "breakdown" in row else row["breakdown_error"],
-              flush=True)
+    if a.profile_step:
+        row.update(profiled(lambda: compiled(model, state, last), model.config.num_layers, per_step * 1e3))
     return row
+
+
+def profiled(call, layers: int, step_ms: float) -> dict:
+    """One more `call()` (a decode step or a prefill segment) under the JAX profiler: {"breakdown": its GPU kernels
+    by kind (decode_breakdown.py)}, or {"breakdown_error": why there is none}; the table is printed."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            block(call())
+        try:
+            found = dict(breakdown=decode_breakdown.breakdown(decode_breakdown.kernels_of_trace(trace_dir), layers,
+                                                              step_ms))
+        except ValueError as e:  # a profile without GPU kernels: say so, keep the timings
+            found = dict(breakdown_error=str(e))
+    print("\n".join(decode_breakdown.table(found["breakdown"])) if "breakdown" in found else found["breakdown_error"],
+          flush=True)
+    return found
 
 
 def bench_decode(a, model, policy, bandwidth) -> list[dict]:
@@ -339,8 +350,8 @@ def main():
                    help="devices (default: one)")
     p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
     p.add_argument("--profile-step", action="store_true",
-                   help="b: one more step under the JAX profiler, its GPU time by kind of kernel "
-                        "(benchmarks/decode_breakdown.py)")
+                   help="one more prefill segment (a) and decode step (b) under the JAX profiler, their GPU time "
+                        "by kind of kernel (benchmarks/decode_breakdown.py)")
     p.add_argument("--backend", default=None, choices=pk.BACKENDS,
                    help="attention kernels, jc.Kernels(backend) (default: jc.Kernels.default(), the platform's)")
     a = p.parse_args()

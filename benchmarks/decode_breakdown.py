@@ -1,7 +1,7 @@
-"""Where a decode step's GPU time goes, for `bench_model.py --only b --profile-step`: the kernels of one step
-recorded by the JAX profiler, summed by kind, per step and per layer. Given the step's wall time (timed without
-the profiler), the time between and around the kernels (launch gaps, host waits) is the step minus the sum of
-the kernels.
+"""Where a decode step's or a prefill segment's GPU time goes, for `bench_model.py --profile-step`: the kernels of
+one step recorded by the JAX profiler, summed by kind, per step and per layer. Given the step's wall time (timed
+without the profiler), the time between and around the kernels (launch gaps, host waits) is the step minus the sum
+of the kernels.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pathlib
 
 # (kind, substrings of a kernel's name); the longest match wins, the rest are XLA's own fusions
 KINDS = (
+    ("attention: chunk kernels (Triton: attention, scores)", ("jcascade_chunk",)),
     ("attention: split-K decode kernel", ("jcascade_decode",)),
     ("attention: merge + scores (finish kernel)", ("jcascade_decode_finish",)),
     ("cache: one-token insertion kernel", ("jcascade_insert_one",)),
