@@ -30,15 +30,20 @@ import sys
 from jcascade.eval import passkey, perplexity, report, ruler, stats
 
 
+def record(run: pathlib.Path, name: str) -> pathlib.Path | None:
+    """A run's `name`.json, else its gzip-compressed `name`.json.gz (per-prompt records are kept compressed), else
+    None."""
+    return next((p for p in (run / f"{name}.json", run / f"{name}.json.gz") if p.exists()), None)
+
+
 def has(run: pathlib.Path, name: str) -> bool:
-    """Whether a run folder holds `name`.json or `name`.json.gz."""
-    return (run / f"{name}.json").exists() or (run / f"{name}.json.gz").exists()
+    return record(run, name) is not None
 
 
 def load(run: pathlib.Path, name: str) -> dict:
-    """A run's `name`.json, or its gzip-compressed `name`.json.gz (per-prompt records are kept compressed)."""
-    plain = run / f"{name}.json"
-    return json.loads(plain.read_text() if plain.exists() else gzip.decompress((run / f"{name}.json.gz").read_bytes()))
+    """The contents of `record(run, name)`."""
+    path = record(run, name) or run / f"{name}.json"  # missing: the error names the plain file
+    return json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
 
 
 def short(label: str) -> str:

@@ -358,7 +358,7 @@ class CausalLM(nnx.Module):
         global_attend_and_update = functools.partial(attend_and_update, GLOBAL)
         if specs is not None:
             # every cache decision is per (row, KV head): each device runs attend and update (and so the
-            # Pallas kernels) on its own rows and heads, with no communication
+            # Pallas kernels) on its own rows and heads (all of an axis that does not divide), with no communication
             global_attend_and_update = jax.shard_map(
                 global_attend_and_update, mesh=self.mesh, check_vma=False,
                 in_specs=(specs["state"], specs["chunk"], specs["chunk"], specs["chunk"], specs["lengths"],

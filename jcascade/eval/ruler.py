@@ -467,9 +467,8 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
     sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half recent; TOVA all of them;
     SnapKV, PyramidKV, KNorm, ExpectedAttention and KVzip their budget (SnapKV's window 32, PyramidKV's 8; KVzip's
     reconstruction prompts in `tokenizer`'s tokens, which it needs); AdaKV SnapKV's budget on average over a
-    layer's heads. Streaming policies prefill in chunks of half their slots (at most
-    2048); labels name the budget ("Cascade 25%", "Cascade 12.5%", "Cascade 2048"), so distinct budgets
-    label apart. Each name once."""
+    layer's heads. Streaming policies prefill in chunks of half their slots (at most 2048); labels name the budget
+    ("Cascade 25%", "Cascade 12.5%", "Cascade 2048"), so distinct budgets label apart. Each name once."""
     import jcascade as jc
     from jcascade.eval.report import with_format
 
