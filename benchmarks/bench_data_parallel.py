@@ -1,6 +1,7 @@
 """RULER prompts through `ruler.sweep` on one device and on each `--mesh` (rows split over its "data" axis D, the
 same rows per data shard as on one device; weights and KV heads over its "model" axis): throughput in prompts/s
-after compilation, and whether every prompt's output is identical to one device's.
+after compilation, whether every prompt's output is identical to one device's, and the RULER score of each mesh
+with its difference from one device's (paired on the same prompts, 95 % intervals, tasks as strata).
 
 Each mesh runs the sweep twice on the same prompts: the first run compiles (every policy at the length) and is not
 timed; the time the sweep spends building its prompts (measured apart, `ruler.plan`) is subtracted. One device
@@ -22,7 +23,7 @@ import jax
 
 import jcascade as jc
 from jcascade.cli import count
-from jcascade.eval import ruler, texts
+from jcascade.eval import ruler, stats, texts
 from jcascade.models import sharding
 
 
@@ -79,23 +80,29 @@ def main():
         run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, a.rows * data, build_s)
         _, compile_s = sweep(*run)
         results, seconds = sweep(*run)
-        outputs = [r.output for r in results]
-        reference = outputs if reference is None else reference
+        outputs, scores = [r.output for r in results], [r.score for r in results]
+        strata = [r.task for r in results]
+        reference = (outputs, scores) if reference is None else reference
         r = runs[f"data={data},model={model_axis}"] = dict(
             seconds=seconds, first_run_s=compile_s, prompts=len(results), prompts_per_s=len(results) / seconds)
         r.update(speedup=r["prompts_per_s"] / runs["data=1,model=1"]["prompts_per_s"],
-                 identical_outputs=sum(x == y for x, y in zip(reference, outputs)))
+                 identical_outputs=sum(x == y for x, y in zip(reference[0], outputs)),
+                 score=stats.mean(scores, strata=strata, bounds=(0, 1)).as_dict(),
+                 score_minus_one_device=stats.paired_difference(scores, reference[1], strata=strata,
+                                                                bounds=(0, 1)).as_dict())
         print(f"data={data},model={model_axis}: {len(results)} prompts in {seconds:.1f} s ({len(results) / seconds:.1f} "
               f"prompts/s; first run, compiling: {compile_s:.1f} s)", flush=True)
         if a.out:  # after each mesh: a run stopped later keeps what it measured
             pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(a.out).write_text(json.dumps(result, indent=2))
     one = runs["data=1,model=1"]
-    print(f"\nmesh, prompts/s, seconds, speed-up, identical outputs ({result['model']}, {a.length} tokens, "
-          f"{len(tasks)} tasks x {a.samples}, {', '.join(names)} at {a.budget:.0%})")
+    print(f"\nmesh, prompts/s, seconds, speed-up, identical outputs, score, score - one device ({result['model']}, "
+          f"{a.length} tokens, {len(tasks)} tasks x {a.samples}, {', '.join(names)} at {a.budget:.0%})")
     for name, r in runs.items():
+        s, d = r["score"], r["score_minus_one_device"]
         print(f"  {name:16s} {r['prompts_per_s']:8.2f} {r['seconds']:8.1f} {r['speedup']:6.2f}x "
-              f"{r['identical_outputs']}/{one['prompts']}")
+              f"{r['identical_outputs']}/{one['prompts']}  {s['value']:.3f} [{s['low']:.3f}, {s['high']:.3f}]  "
+              f"{d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pathlib
 # (kind, substrings of a kernel's name); the longest match wins, the rest are XLA's own fusions
 KINDS = (
     ("attention: chunk kernels (Triton: attention, scores)", ("jcascade_chunk",)),
+    ("attention: chunk kernels (Mosaic GPU: attention, scores)", ("mosaic_gpu",)),
     ("attention: split-K decode kernel", ("jcascade_decode",)),
     ("attention: merge + scores (finish kernel)", ("jcascade_decode_finish",)),
     ("cache: one-token insertion kernel", ("jcascade_insert_one",)),
