@@ -68,7 +68,7 @@ def main():
     t0 = time.perf_counter()
     ruler.plan(ruler.Generator(tokenizer, prose), tasks, [a.length], a.samples)
     build_s = time.perf_counter() - t0
-    runs, reference = {}, None
+    runs, one_outputs, one_scores = {}, None, None
     result = dict(benchmark="data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d"), model=path.name if path else "tiny random", length=a.length,
                   tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
@@ -82,13 +82,14 @@ def main():
         results, seconds = sweep(*run)
         outputs, scores = [r.output for r in results], [r.score for r in results]
         strata = [r.task for r in results]
-        reference = (outputs, scores) if reference is None else reference
+        if one_outputs is None:  # the first mesh is one device
+            one_outputs, one_scores = outputs, scores
         r = runs[f"data={data},model={model_axis}"] = dict(
             seconds=seconds, first_run_s=compile_s, prompts=len(results), prompts_per_s=len(results) / seconds)
         r.update(speedup=r["prompts_per_s"] / runs["data=1,model=1"]["prompts_per_s"],
-                 identical_outputs=sum(x == y for x, y in zip(reference[0], outputs)),
+                 identical_outputs=sum(x == y for x, y in zip(one_outputs, outputs)),
                  score=stats.mean(scores, strata=strata, bounds=(0, 1)).as_dict(),
-                 score_minus_one_device=stats.paired_difference(scores, reference[1], strata=strata,
+                 score_minus_one_device=stats.paired_difference(scores, one_scores, strata=strata,
                                                                 bounds=(0, 1)).as_dict())
         print(f"data={data},model={model_axis}: {len(results)} prompts in {seconds:.1f} s ({len(results) / seconds:.1f} "
               f"prompts/s; first run, compiling: {compile_s:.1f} s)", flush=True)

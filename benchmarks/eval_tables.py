@@ -36,10 +36,6 @@ def record(run: pathlib.Path, name: str) -> pathlib.Path | None:
     return next((p for p in (run / f"{name}.json", run / f"{name}.json.gz") if p.exists()), None)
 
 
-def has(run: pathlib.Path, name: str) -> bool:
-    return record(run, name) is not None
-
-
 def load(run: pathlib.Path, name: str) -> dict:
     """The contents of `record(run, name)`."""
     path = record(run, name) or run / f"{name}.json"  # missing: the error names the plain file
@@ -213,7 +209,7 @@ def formats_table(runs: list[pathlib.Path]) -> str:
                 c if isinstance(c, str) else cell(c) for c in cells) + " |")
 
     for run in runs:
-        if has(run, "ruler"):
+        if record(run, "ruler"):
             rep = load(run, "ruler")
             results = [ruler.RulerResult(**r) for r in rep["results"]]
             by = {k: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == k}
@@ -225,13 +221,13 @@ def formats_table(runs: list[pathlib.Path]) -> str:
                 return stats.paired_difference([by[k][t] for t in same], [by[base][t] for t in same],
                                                strata=[t[0] for t in same], bounds=(0, 1))
             add(f"RULER {rep.get('protocol', 'query-aware')}", list(by), lambda k: len(by[k]), mean, paired)
-        if has(run, "passkey"):
+        if record(run, "passkey"):
             results = [passkey.PasskeyResult(**r) for r in load(run, "passkey")["results"]]
             labels = list(dict.fromkeys(r.policy for r in results))
             pooled = lambda k: k and stats.mean([r.accuracy for r in results if r.policy == k], bounds=(0, 1))  # noqa: E731
             add("passkey", labels, lambda k: sum(r.policy == k for r in results), pooled,
                 lambda k, base: passkey.paired_differences([r for r in results if r.policy in (k, base)], base)[k]["all"])
-        if has(run, "perplexity"):
+        if record(run, "perplexity"):
             fields = {f.name for f in dataclasses.fields(perplexity.BookPerplexity)}
             results = [perplexity.BookPerplexity(**{k: v for k, v in b.items() if k in fields})
                        for b in load(run, "perplexity")["books"]]
