@@ -9,9 +9,10 @@ query heads, 8 KV heads, D = 128, or Gemma 3 270M's 4 / 1 / D = 256, Qwen3.5's g
 both score increments with the XLA reference's: decode at batch 1 and 32 over a 16K + 64 cache read in
 place from a stacked cache (and at batch 2 with positions near 1M), chunks of 512 and 4096 tokens (one batch with a row of fewer valid tokens), and
 caches that hold a NaN key (the NaN pattern must match on the valid slots); the same on int8 and float8_e4m3fn
-caches (codes and per-slot scales, dequantized in a copy of the attended slots), against the reference on the
-same codes, and the single-token insertion kernel moving a quantized Cascade cache's
-codes and scales exactly as the XLA insertion does. Relative error (norm over the finite entries) must stay under
+caches (codes and per-slot scales: a decode step dequantizes them in the Triton kernel's registers, a chunk in a
+copy of the attended slots), against the reference on the same codes, decode over 64 rows of 8-bit codes at the
+2**31-code boundary of in-place addressing (`triton.addresses_fit`), and the single-token insertion kernel moving
+a quantized Cascade cache's codes and scales exactly as the XLA insertion does. Relative error (norm over the finite entries) must stay under
 1e-2, the bf16 tolerance; exits 1 otherwise.
 
     python benchmarks/check_kernels_gpu.py [--shape gemma-3-270m|qwen3.5|gemma-4] [--out benchmarks/results/check-kernels-<device>.json]
@@ -94,6 +95,37 @@ def check_insert(kv_dtype: str, batch: int = 4, steps: int = 40) -> dict:
                 reduction="-", ok=same, out=0.0 if same else 1.0, lse=0.0, inc_cache=0.0, inc_chunk=0.0)
 
 
+def check_codes_boundary(kv_dtype: str, slots: int, batch: int = 64) -> dict:
+    """Decode over one layer of `batch` rows x HKV heads x `slots` 8-bit codes on the GPU backend against the XLA
+    reference on the same codes: at 2**31 codes (32,768 slots at 64 rows of 8 heads of 128) the Triton kernel reads
+    them in place; one slot more, and the lowering's 32-bit offsets could not address them
+    (`triton.addresses_fit`): the call dequantizes a copy (the shape that faulted before the guard: 32,785)."""
+    ks = jax.random.split(jax.random.key(slots), 7)
+    dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
+    codes = lambda k: (jax.random.randint(k, (batch, HKV, slots, D), -127, 128, jnp.int8) if dtype == jnp.int8  # noqa: E731
+                       else jax.random.uniform(k, (batch, HKV, slots, D), jnp.float32, -448, 448).astype(dtype))
+    x = dict(q=jax.random.normal(ks[0], (batch, 1, HQ, D), jnp.bfloat16),
+             k=jax.random.normal(ks[1], (batch, 1, HKV, D), jnp.bfloat16),
+             v=jax.random.normal(ks[6], (batch, 1, HKV, D), jnp.bfloat16),
+             k_cache=codes(ks[2]), v_cache=codes(ks[3]),
+             k_scale=jax.random.uniform(ks[4], (batch, HKV, slots), jnp.float32, 0, 0.02),
+             v_scale=jax.random.uniform(ks[5], (batch, HKV, slots), jnp.float32, 0, 0.02),
+             cache_valid=jnp.ones((batch, HKV, slots), bool),
+             cache_positions=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, 1, slots)),
+             lengths=jnp.ones((batch,), jnp.int32), query_weights=jnp.ones((batch, 1), jnp.float32))
+    rope = jc.RoPE(500000.0)
+    got = jax.jit(lambda x: jc.Kernels("triton").chunk_attention(**x, rope=rope))(x)
+    want = jax.jit(lambda x: jc.Kernels("xla").chunk_attention(**x, rope=rope))(x)
+    path = "in place" if pk.triton.addresses_fit(x["k_cache"]) else "dequantized copy"
+    row = dict(case=f"decode {kv_dtype}, {batch * HKV * slots * D / 2**31:.4f} x 2**31 codes ({path})",
+               implementation="Kernels('triton')", batch=batch, T=1, S=slots, reduction="max", ok=True, kv_dtype=kv_dtype)
+    for part, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        err, same = relative_error(g, w)
+        row[part] = err
+        row["ok"] &= same and err < TOLERANCE
+    return row
+
+
 def check(name, kernels, batch, T, S, reduction, nan_key=False, ragged=False, far=False, kv_dtype="model") -> dict:
     x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key, ragged, far)
     x = x if kv_dtype == "model" else quantized(x, kv_dtype)
@@ -136,6 +168,9 @@ def main():
                  check(f"decode {kv_dtype}, NaN", triton, 1, 1, S, "max", nan_key=True, kv_dtype=kv_dtype),
                  check(f"chunk {kv_dtype}", jc.Kernels.default(), 1, 512, 4096 + 64, "max", kv_dtype=kv_dtype),
                  check_insert(kv_dtype)]
+    if a.shape == "llama-3.1-8b":
+        rows += [check_codes_boundary("int8", 32768), check_codes_boundary("int8", 32785),
+                 check_codes_boundary("float8_e4m3fn", 32768)]
     if pk.is_hopper() and D in pk.mosaic_gpu.HEAD_DIMS:
         rows += [check("chunk", mosaic, 1, 4096, S, "max"),
                  check("chunk, ragged rows", mosaic, 2, 512, 4096 + 64, "mean", ragged=True),

@@ -103,12 +103,20 @@ class Kernels:
         the call attends to slots [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1]
         (cache_valid and cache_positions cover those slots alone). The Triton decode kernel reads both in place;
         the other paths take the slice. k_scale, v_scale: f32 [B, Hkv, C] when k_cache, v_cache hold a quantized
-        cache's codes (`quantization`): every path dequantizes them (to q's dtype) in a copy of the attended slots
-        (fused with the keys' rotation), then attends as to a cache in the model's dtype (benchmarks/RESULTS.md,
-        "Quantized KV storage", says why no kernel dequantizes in registers yet)."""
+        cache's codes (`quantization`): a decode step on a GPU backend (with RoPE the kernel fuses, or none)
+        dequantizes them in the Triton decode kernel's registers; the other paths dequantize (to q's dtype) in a
+        copy of the attended slots (fused with the keys' rotation), then attend as to a cache in the model's
+        dtype. A stack the Triton kernels cannot address in place (`triton.addresses_fit`) takes those paths too."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
+        in_registers = (self.on_gpu and q.shape[1] == 1 and (rope is None or triton.fuses_rope(rope))
+                        and triton.addresses_fit(k_cache) and triton.addresses_fit(v_cache))
+        if k_scale is not None and in_registers:
+            return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
+                                          query_weights, head_reduction, rope, layer, first_slot,
+                                          config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
+                                          k_scale=k_scale, v_scale=v_scale)
         if k_scale is not None:
             k_cache, v_cache = (quantization.dequantize(triton.layer_of(codes, layer, first_slot),
                                                         scale[..., first_slot:], q.dtype)
@@ -151,9 +159,10 @@ class Kernels:
     def insert(self, layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n,
                place_evicted=None, *, scales=None):
         """`ring_insertion.insert_chunk` (same arguments and result) on this backend: a single-token chunk on a
-        GPU backend runs the in-place Triton kernel (layouts without heavy slots); everything else runs the
-        vectorised XLA formulation."""
-        if k.shape[1] == 1 and self.on_gpu and not layout.heavy:
+        GPU backend runs the in-place Triton kernel (layouts without heavy slots, stacks it can address in place:
+        `triton.addresses_fit`); everything else runs the vectorised XLA formulation."""
+        if (k.shape[1] == 1 and self.on_gpu and not layout.heavy and triton.addresses_fit(k_cache)
+                and triton.addresses_fit(v_cache)):
             score, pos, k_cache, v_cache, scales = insert_one(layout, score, pos, k_cache, v_cache, chunk_score, k, v,
                                                               placed, n, seen, layer=layer, scales=scales,
                                                               interpret=self.interpret)

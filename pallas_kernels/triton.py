@@ -257,12 +257,18 @@ def _scalar(x) -> jax.Array:
     return jnp.reshape(x, (1,)).astype(jnp.int32)
 
 
-def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, o_ref, lse_ref, logits_ref,
-                   *, S, first, G, gp, split, bk, scale, rope, interpret, axes):
-    """q_ref: the KV head's G queries [G, D], read as gp rows (the rest zero); kc_ref, vc_ref: the whole stack
+def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, axes, scaled, logits):
+    """refs: layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, (ks_ref, vs_ref when
+    `scaled`), o_ref, lse_ref, (logits_ref when `logits`).
+    q_ref: the KV head's G queries [G, D], read as gp rows (the rest zero); kc_ref, vc_ref: the whole stack
     [L, B, Hkv, C, D], of which this program reads (layer, row, head) at slots first + [its split of S];
     valid_ref [S]; pos_ref [S] the slots' RoPE positions and freq_ref [D / 2] the RoPE frequencies (read when
-    `rope`: the keys are rotated here, cos and sin computed in the loop). axes: the grid axes of (row, head, split)."""
+    `rope`: the keys are rotated here, cos and sin computed in the loop); ks_ref, vs_ref [S] the slots' scales of
+    a quantized cache, whose codes kc_ref and vc_ref then hold: converted exactly to q's dtype in registers, a
+    key's scale multiplying its logits and a value's its probabilities. axes: the grid axes of (row, head, split)."""
+    layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, *refs = refs
+    ks_ref, vs_ref, *refs = refs if scaled else (None, None, *refs)
+    o_ref, lse_ref, logits_ref = refs if logits else (*refs, None)
     layer = layer_ref[0]
     b, h, s_idx = (pl.program_id(axis) for axis in axes)
     has_query = len_ref[...] > 0
@@ -279,7 +285,15 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref
         freq = freq_ref[...]
     else:
         q = load_q(slice(None))
+    dtype = (q1 if rope else q).dtype if scaled else vc_ref.dtype  # codes convert exactly to q's dtype
     start = s_idx * split
+
+    def load_rows(ref, rows, cols, ok, as_dtype):
+        """A block of cached rows converted to `as_dtype`, zero past the cache's end (the fill value of the stored
+        kind: an int for int8 codes; a fill applied after the load breaks the loads' pipelining)."""
+        fill = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
+        x = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=fill)
+        return (_int8_to_f32(x) if ref.dtype == jnp.int8 else x).astype(as_dtype)
 
     def body(j, carry):
         acc, m, l = carry
@@ -289,17 +303,15 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref
         blk, kv_blk = pl.ds(off, bk), pl.ds(first + off, bk)
         allowed = (plgpu.load(valid_ref.at[blk], mask=ok, other=0) != 0) & ok & has_query
         if rope:  # rotate-half at the slots' positions
-            def load(half_cols):
-                return plgpu.load(kc_ref.at[layer, b, h, kv_blk, half_cols], mask=ok[:, None], other=0.0).astype(F32)
-
-            k1, k2 = load(pl.ds(0, half)), load(pl.ds(half, half))
+            k1, k2 = load_rows(kc_ref, kv_blk, pl.ds(0, half), ok, F32), load_rows(kc_ref, kv_blk, pl.ds(half, half), ok, F32)
             positions = plgpu.load(pos_ref.at[blk], mask=ok, other=0).astype(F32)
             cos, sin = _cos_sin(positions[:, None] * freq[None, :], interpret)
             r1, r2 = (k1 * cos - k2 * sin).astype(q1.dtype), (k2 * cos + k1 * sin).astype(q1.dtype)
             s = _dot(q1, r1, trans_b=True) + _dot(q2, r2, trans_b=True)
         else:
-            k = plgpu.load(kc_ref.at[layer, b, h, kv_blk, :], mask=ok[:, None], other=0.0)
-            s = _dot(q, k, trans_b=True)
+            s = _dot(q, load_rows(kc_ref, kv_blk, slice(None), ok, dtype), trans_b=True)
+        if scaled:
+            s = s * plgpu.load(ks_ref.at[blk], mask=ok, other=0.0)[None, :]
         s = jnp.where(allowed[None, :], s * scale, MASK)
         if logits_ref is not None:
             plgpu.store(logits_ref.at[:, blk], s, mask=rows_ok[:, None] & ok[None, :])
@@ -307,8 +319,9 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref
         m_new = jnp.maximum(m, s2.max(axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s2 - m_new[:, None])
-        v = plgpu.load(vc_ref.at[layer, b, h, kv_blk, :], mask=ok[:, None], other=0.0)
-        return corr[:, None] * acc + _dot(p.astype(v.dtype), v), m_new, corr * l + p.sum(axis=1)
+        v = load_rows(vc_ref, kv_blk, slice(None), ok, dtype)
+        pv = p * plgpu.load(vs_ref.at[blk], mask=ok, other=0.0)[None, :] if scaled else p
+        return corr[:, None] * acc + _dot(pv.astype(dtype), v), m_new, corr * l + p.sum(axis=1)
 
     init = (jnp.zeros((gp, D), F32), jnp.full((gp,), MASK, F32), jnp.zeros((gp,), F32))
     acc, m, l = lax.fori_loop(0, split // bk, body, init)
@@ -317,8 +330,26 @@ def _decode_kernel(layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref
     lse_ref[...] = jnp.where(seen_any, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
 
 
-def _no_logits(kernel, *refs, **kw):
-    return kernel(*refs, None, **kw)
+MAGIC = 0x4B400000  # the bits of 1.5 * 2**23: an int c with |c| < 2**22 added to them gives the float 1.5 * 2**23 + c
+
+
+def _int8_to_f32(codes):
+    """int8 codes -> exact float32 by an integer add and a float subtraction instead of int-to-float conversions,
+    which issue at a quarter of the float rate on Hopper, on the unit the fused RoPE's sines and cosines use
+    (int8 decode at batch 32 over 16K + 64 slots, H100: 0.71 ms against 0.76 ms; the same bit moves for float8
+    codes took 1.09 ms against its hardware conversion's 0.77: benchmarks/RESULTS.md)."""
+    return lax.bitcast_convert_type(codes.astype(jnp.int32) + MAGIC, F32) - float(1.5 * 2**23)
+
+
+def addresses_fit(array) -> bool:
+    """Whether the Pallas-Triton kernels address every element of `array` correctly. jax 0.11's Triton lowering
+    computes element offsets in signed 32 bits unless the array holds more than 2**32 bytes, so in an array of
+    1-byte elements (8-bit codes) with 2**31 < size <= 2**32, offsets past 2**31 wrap negative: the loads read
+    before the array (CUDA_ERROR_ILLEGAL_ADDRESS, or another buffer's bytes). The kernels that address a whole
+    stack in place (decode, the single-token insertion) are not given such arrays: their callers take the XLA
+    path."""
+    size = math.prod(array.shape)
+    return size <= 2**31 or size * jnp.dtype(array.dtype).itemsize > 2**32
 
 
 def _reduce_heads(p: jax.Array, G: int, reduction: str) -> jax.Array:
@@ -420,19 +451,26 @@ def _rope_inputs(rope, positions, D):
 
 
 def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, weights, reduction, rope, layer,
-            first_slot, cfg, interpret):
+            first_slot, cfg, interpret, k_scale=None, v_scale=None):
     """T == 1. q, k already rotated; cache keys rotated in the kernel when `fuses_rope(rope)`. k_cache, v_cache
-    [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot, C).
-    Two launches: the split-K kernel (each split's state and the raw logits) and
-    `_finish_kernel`."""
+    [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot, C);
+    k_scale, v_scale f32 [B, Hkv, C] with a quantized cache's codes (dequantized in the kernel; RoPE then fused).
+    Two launches: the split-K kernel (each split's state and the raw logits) and `_finish_kernel`."""
     B, _, Hq, D = q.shape
     Hkv, S = k.shape[2], cache_valid.shape[-1]
     G = Hq // Hkv
+    scaled = k_scale is not None
+    if scaled and rope is not None and not fuses_rope(rope):
+        raise ValueError("a quantized cache's Triton decode needs a RoPE the kernel fuses (jcascade.RoPE) or none")
     if rope is not None and not fuses_rope(rope):
         k_cache = rope(layer_of(k_cache, layer, first_slot), cache_positions)[None]
         v_cache, layer, first_slot = layer_of(v_cache, layer, first_slot)[None], 0, 0
     elif layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not addresses_fit(cache):
+            raise ValueError(f"{name} {cache.dtype}{list(cache.shape)}: the Triton decode cannot address it in place "
+                             f"(`addresses_fit`); Kernels.chunk_attention takes the XLA path for it")
     gp = max(16, pl.next_power_of_2(G))
     bk = _block(S, cfg.decode_block_k)
     splits = int(np.clip(cfg.decode_programs // (B * Hkv), 1, pl.cdiv(S, bk)))
@@ -443,9 +481,9 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     position_heads = positions.shape[1]
     want_scores = weights is not None
     kernel = functools.partial(
-        _decode_kernel if want_scores else functools.partial(_no_logits, _decode_kernel),
-        S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
-        interpret=interpret, axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2),
+        _decode_kernel, S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
+        interpret=interpret, axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2), scaled=scaled,
+        logits=want_scores,
     )
     # grid (head, split, row): the programs of a row's split run side by side (with RoPE tables, rows first made
     # each head re-read its row's table from memory: at batch 64 on an H100, 1.15x slower)
@@ -474,13 +512,15 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
             spec((None, None, S), lambda b, h, s: (b, h, 0)),
             spec((None, None, S), lambda b, h, s: (b, h if position_heads > 1 else 0, 0)),
             pl.BlockSpec(),
+            *[spec((None, None, S), lambda b, h, s: (b, h, 0))] * (2 if scaled else 0),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=cfg.params(decode=True),
         interpret=interpret,
         name="jcascade_decode",
-    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), positions, freq)
+    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), positions, freq,
+      *((k_scale[..., first_slot:], v_scale[..., first_slot:]) if scaled else ()))
     return _finish(qg, k, v, lengths, weights, parts, reduction, interpret)
 
 
@@ -552,8 +592,8 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_blocks * bq - rows), (0, 0)))
     positions, freq = _rope_inputs(rope, cache_positions, D)
     position_heads = positions.shape[1]
-    kernel = functools.partial(_no_logits, _decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk,
-                               scale=D**-0.5, rope=fuse, interpret=interpret, axes=(0, 1, 2))
+    kernel = functools.partial(_decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk, scale=D**-0.5,
+                               rope=fuse, interpret=interpret, axes=(0, 1, 2), scaled=False, logits=False)
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(P, Hkv, splits, q_blocks),
@@ -588,13 +628,15 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
 
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
                     head_reduction="max", rope=None, layer=None, first_slot=0, *, config: TritonConfig = TritonConfig(),
-                    interpret: bool = False):
+                    interpret: bool = False, k_scale=None, v_scale=None):
     """Same contract as `reference.chunk_attention`, on Pallas-Triton, with `layer` and `first_slot` as in
-    `pallas_kernels.chunk_attention`: the decode kernel reads the cache in place; a chunk's kernels take a copy
-    of the attended slots."""
+    `pallas_kernels.chunk_attention`: the decode kernel reads the cache in place (a quantized one's codes with
+    their scales k_scale, v_scale f32 [B, Hkv, C]); a chunk's kernels take a copy of the attended slots."""
     if q.shape[1] == 1:
         return _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
-                       head_reduction, rope, layer, first_slot, config, interpret)
+                       head_reduction, rope, layer, first_slot, config, interpret, k_scale, v_scale)
+    if k_scale is not None:
+        raise ValueError("the Triton chunk kernels take a quantized cache dequantized (Kernels.chunk_attention does)")
     k_cache, v_cache = layer_of(k_cache, layer, first_slot), layer_of(v_cache, layer, first_slot)
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)

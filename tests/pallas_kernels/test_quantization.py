@@ -13,7 +13,7 @@ import jcascade as jc
 import tiny
 from jcascade import pallas_kernels as pk
 from jcascade.pallas_kernels import quantization
-from kernel_inputs import SMALL, XLA, random_inputs
+from kernel_inputs import SMALL, XLA, assert_close, random_inputs
 
 FORMATS = ["int8", "float8_e4m3fn"]
 
@@ -70,6 +70,68 @@ def test_every_backend_reads_a_quantized_stacked_cache_as_the_reference_reads_it
     want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_triton_decode_dequantizes_bfloat16_queries_codes_in_registers(fmt):
+    """bfloat16 queries: the decode kernel converts the codes exactly to bfloat16 and applies the scales to the
+    logits and probabilities; it agrees with the reference on the dequantized cache to bfloat16's precision."""
+    inputs, plain = quantized_inputs(random_inputs(np.random.default_rng(5), 3, 1, 8, 2, 64, 70, jnp.bfloat16,
+                                                   per_head_positions=True), fmt)
+    rope = jc.RoPE(10000.0)
+    got = jax.jit(lambda x: SMALL["triton"].chunk_attention(**x, rope=rope))(inputs)
+    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
+    for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        assert_close(g, w, jnp.bfloat16, name)
+
+
+def test_the_triton_decode_converts_every_int8_code_exactly():
+    """The decode kernel's int8 conversion by integer add (no int-to-float instruction) gives every code's value."""
+    codes = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    np.testing.assert_array_equal(pk.triton._int8_to_f32(codes), np.arange(-128, 128, dtype=np.float32))
+
+
+def test_stacks_the_triton_kernels_cannot_address_take_the_xla_path():
+    """jax 0.11's Triton lowering offsets elements in signed 32 bits below 2**32 bytes: an 8-bit stack of more than
+    2**31 codes (64 rows x 8 heads x 32,785 slots x 128) is read and written by XLA, not the in-place Triton decode
+    and insertion kernels, which take it at 32,768 slots, 2**31 codes (checked on the traced programs; nothing is
+    allocated)."""
+    assert pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31,), jnp.int8))
+    assert not pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31 + 1,), jnp.int8))
+    assert not pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**32,), jnp.float8_e4m3fn))
+    assert pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**32 + 1,), jnp.int8))
+    assert pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31 + 1,), jnp.bfloat16))
+    B, H, D = 64, 8, 128
+    s = jax.ShapeDtypeStruct
+    kernels = pk.Kernels("triton")
+
+    def equations(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for value in eqn.params.values():
+                if hasattr(value, "eqns") or hasattr(value, "jaxpr"):
+                    yield from equations(getattr(value, "jaxpr", value))
+
+    def kernels_on_codes(slots):
+        """The Triton kernels handed the 8-bit stack itself."""
+        stack, slot = s((1, B, H, slots, D), jnp.int8), s((B, H, slots), jnp.float32)
+        q, k = s((B, 1, 4 * H, D), jnp.bfloat16), s((B, 1, H, D), jnp.bfloat16)
+        attend = lambda *a, **kw: kernels.chunk_attention(*a, rope=jc.RoPE(5e5), layer=jnp.int32(0), **kw)  # noqa: E731
+        layout = pk.schedule.RingLayout(sinks=4, ring_size=slots - 4, num_rings=1)
+        insert = lambda *a, **kw: kernels.insert(layout, *a, **kw)  # noqa: E731
+        codes, scale = s((B, 1, H, D), jnp.int8), s((B, 1, H), jnp.float32)
+        programs = [jax.make_jaxpr(attend)(q, k, k, stack, stack, s((B, H, slots), jnp.bool_),
+                                           s((B, H, slots), jnp.int32), s((B,), jnp.int32), s((B, 1), jnp.float32),
+                                           k_scale=slot, v_scale=slot),
+                    jax.make_jaxpr(insert)(stack, stack, jnp.int32(0), slot, s((B, H, slots), jnp.int32),
+                                           s((B,), jnp.int32), codes, codes, s((B, H, 1), jnp.float32),
+                                           s((B,), jnp.int32), s((B,), jnp.int32), scales=((slot, slot), (scale, scale)))]
+        return sorted({eqn.params["name"] for program in programs for eqn in equations(program.jaxpr)
+                       if eqn.primitive.name == "pallas_call"
+                       and any((x.aval.shape, x.aval.dtype) == (stack.shape, stack.dtype) for x in eqn.invars)})
+
+    assert kernels_on_codes(32769) == []
+    assert kernels_on_codes(32768) == ["jcascade_decode", "jcascade_insert_one"]
 
 
 def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():
