@@ -10,10 +10,13 @@
   c  the paper's Figure 6a: 16K tokens pushed one at a time into a 16K cache (fill phase), then 16K more
      (steady phase), with 1 and 4 cascades, vs a concatenation-based sink cache written in JAX;
   d  decode attention (one query per row, scores on, RoPE fused) over a 16K cache at batch 1 and 32, over
-     the layers of a stacked cache inside one jitted loop: achieved bandwidth vs a device-to-device copy
-     measured in the same run.
+     the layers of a stacked cache inside one jitted loop, in each storage format asked for (bf16; int8 and
+     float8 codes dequantized in the kernel's registers), with --decode-ablation also without the RoPE and
+     without the scores: achieved bandwidth vs the memory bandwidth measured in the same run (best of copies and
+     reads over three sizes, as bench_model.py measures it).
 
-    python benchmarks/bench_kernels.py [--only abcd] [--decode-sweep] [--out benchmarks/results/kernels-<device>.json]
+    python benchmarks/bench_kernels.py [--only abcd] [--decode-sweep] [--decode-kv-dtypes model,int8,float8_e4m3fn] [--decode-ablation]
+        [--out benchmarks/results/kernels-<device>.json]
     python benchmarks/bench_kernels.py --tiny     # a seconds-long dry run of the same code on the CPU
 """
 
@@ -24,6 +27,7 @@ import dataclasses
 import json
 import pathlib
 import statistics
+import sys
 import time
 import warnings
 
@@ -33,6 +37,9 @@ import numpy as np
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_model import memory_bandwidth  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DT = jnp.bfloat16
@@ -52,13 +59,6 @@ def timed(f, *args, iters=5, warmup=1) -> float:
 
 def rand(key, shape, dtype=DT):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-
-
-def copy_bandwidth(gib: float) -> float:
-    """Bytes read + written per second by a large elementwise pass over `gib` GiB of bf16."""
-    x = rand(jax.random.key(9), (int(gib * 2**30) // 2,))
-    f = jax.jit(lambda x: x + 1)
-    return 2 * x.nbytes / timed(f, x, iters=10)
 
 
 def full_cache(policy, batch, key, kernels=None, seen=1 << 20):
@@ -219,18 +219,24 @@ def bench_push(a, kernels):
     return rows
 
 
-def decode_inputs(policy, batch: int, layers: int) -> dict:
-    """The decode op's inputs on a full cache: a stack of `layers` layers (stack_k, stack_v), one token's
-    q, k, v, lengths, weights, the cache's positions and validity."""
+def decode_inputs(policy, batch: int, layers: int, kv_dtype: str = "model") -> dict:
+    """The decode op's inputs on a full cache: a stack of `layers` layers (stack_k, stack_v: bf16, or the codes of
+    `kv_dtype` with each layer's scales k_scale, v_scale [layers, B, Hkv, S]), one token's q, k, v, lengths,
+    weights, the cache's positions and validity."""
     cache = full_cache(policy, batch, jax.random.key(7))
     offsets = jnp.arange(layers, dtype=DT)[:, None, None, None, None]
     ks = jax.random.split(jax.random.key(8), 3)
     lengths = jnp.ones((batch,), jnp.int32)
-    return dict(stack_k=jnp.broadcast_to(cache.k, (layers, *cache.k.shape)) + offsets,
-                stack_v=jnp.broadcast_to(cache.v, (layers, *cache.v.shape)) + offsets,
-                q=rand(ks[0], (batch, 1, HQ, D)), k=rand(ks[1], (batch, 1, HKV, D)), v=rand(ks[2], (batch, 1, HKV, D)),
-                lengths=lengths, weights=policy.query_weights(lengths, 1), positions=cache.pos[:, :1],
-                valid=cache.pos >= 0)
+    x = dict(stack_k=jnp.broadcast_to(cache.k, (layers, *cache.k.shape)) + offsets,
+             stack_v=jnp.broadcast_to(cache.v, (layers, *cache.v.shape)) + offsets,
+             q=rand(ks[0], (batch, 1, HQ, D)), k=rand(ks[1], (batch, 1, HKV, D)), v=rand(ks[2], (batch, 1, HKV, D)),
+             lengths=lengths, weights=policy.query_weights(lengths, 1), positions=cache.pos[:, :1],
+             valid=cache.pos >= 0, k_scale=None, v_scale=None)
+    if kv_dtype != "model":
+        dtype = pk.quantization.storage_dtype(kv_dtype, DT)
+        quantize = jax.jit(lambda stack: pk.quantization.quantize(stack, dtype))
+        (x["stack_k"], x["k_scale"]), (x["stack_v"], x["v_scale"]) = quantize(x["stack_k"]), quantize(x["stack_v"])
+    return x
 
 
 def decode_loop(x: dict, weights, rope, layers: int, calls: int, kernels):
@@ -238,9 +244,11 @@ def decode_loop(x: dict, weights, rope, layers: int, calls: int, kernels):
     i % layers of the stack in place; `weights` None turns the scores off."""
     def run(stack_k, stack_v):
         def one(i, acc):
+            scales = {} if x["k_scale"] is None else dict(k_scale=x["k_scale"][i % layers],
+                                                                          v_scale=x["v_scale"][i % layers])
             out, _, inc, _ = kernels.chunk_attention(x["q"], x["k"], x["v"], stack_k, stack_v, x["valid"],
                                                      x["positions"], x["lengths"], weights, "max", rope,
-                                                     layer=i % layers)
+                                                     layer=i % layers, **scales)
             return acc[0] + out.astype(jnp.float32), acc[1] + (0 if inc is None else inc)
         zeros = (jnp.zeros(x["q"].shape, jnp.float32), jnp.zeros(x["valid"].shape, jnp.float32))
         return jax.lax.fori_loop(0, calls, one, zeros)
@@ -252,23 +260,29 @@ def bench_decode(a, kernels, bandwidth):
     """The decode attention op (kernel + epilogue, scores and RoPE on) on a full cache, as the model's layer
     loop runs it: `a.decode_layers` layers of a stacked cache, each read in place at its layer index, inside
     one jitted loop of `a.decode_calls` calls (one dispatch for all, so that the host's ~40 us per jit call
-    does not hide a batch-1 op; each layer's cache is evicted from L2 by the next ones)."""
+    does not hide a batch-1 op; each layer's cache is evicted from L2 by the next ones), for each storage format of
+    `a.decode_kv_dtypes` (8-bit codes and their scales read by the kernel)."""
     S = a.cache + a.sinks
     policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
     rows = []
-    for batch in a.decode_batches:
-        x = decode_inputs(policy, batch, a.decode_layers)
-        kv_bytes = 2 * batch * HKV * S * D * 2
+    for batch, kv_dtype in ((b, f) for b in a.decode_batches for f in a.decode_kv_dtypes):
+        x = decode_inputs(policy, batch, a.decode_layers, kv_dtype)
+        kv_bytes = 2 * batch * HKV * S * (D * 2 if kv_dtype == "model" else D + 4)  # codes and their scales
         meta_bytes = batch * HKV * S * (4 + 1) + batch * S * 4  # validity, positions
         logit_bytes = 2 * batch * HQ * S * 4  # logits written by the kernel and read by the epilogue
-        for cfg in a.decode_configs:
-            run = decode_loop(x, x["weights"], rope, a.decode_layers, a.decode_calls,
+        variants = [("RoPE, scores", rope, x["weights"])]
+        if a.decode_ablation:  # what the kernel's RoPE and the scores' logits cost
+            variants += [("no RoPE, scores", None, x["weights"]), ("no RoPE, no scores", None, None)]
+        for cfg, (variant, variant_rope, weights) in ((c, v) for c in a.decode_configs for v in variants):
+            run = decode_loop(x, weights, variant_rope, a.decode_layers, a.decode_calls,
                               dataclasses.replace(kernels, triton=cfg))
             t = timed(run, x["stack_k"], x["stack_v"], iters=3) / a.decode_calls
-            rows.append(dict(batch=batch, config=str(cfg), us_per_step=t * 1e6, kv_gb_per_s=(kv_bytes + meta_bytes) / t / 1e9,
-                             fraction_of_copy=(kv_bytes + meta_bytes) / t / bandwidth,
-                             all_bytes_fraction=(kv_bytes + meta_bytes + logit_bytes) / t / bandwidth))
+            rows.append(dict(batch=batch, kv_dtype=kv_dtype, variant=variant, config=str(cfg), us_per_step=t * 1e6,
+                             kv_gb_per_s=(kv_bytes + meta_bytes) / t / 1e9,
+                             fraction_of_bandwidth=(kv_bytes + meta_bytes) / t / bandwidth,
+                             all_bytes_fraction=(kv_bytes + meta_bytes + (logit_bytes if weights is not None else 0))
+                             / t / bandwidth))
         del x
     return rows
 
@@ -281,9 +295,15 @@ def main():
     p.add_argument("--budget-s", type=float, default=480, help="skip the sections that would start after this")
     p.add_argument("--decode-sweep", action="store_true", help="d: time nine tilings and grid orders, not only the default one")
     p.add_argument("--decode-batches", default="1,32", help="d: comma-separated batch sizes")
+    p.add_argument("--decode-ablation", action="store_true", help="d: also without the fused RoPE, and without scores")
+    p.add_argument("--decode-kv-dtypes", default="model", help=f"d: comma-separated storage formats of "
+                   f"{pk.quantization.KV_DTYPES}")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     a.decode_batches = [int(b) for b in a.decode_batches.split(",")]
+    a.decode_kv_dtypes = a.decode_kv_dtypes.split(",")
+    for kv_dtype in a.decode_kv_dtypes:
+        pk.quantization.storage_dtype(kv_dtype, DT)  # a clear error for an unknown format
     on_gpu = jax.default_backend() == "gpu"
     kernels, cudnn = (jc.Kernels.default(), "cudnn") if on_gpu else (jc.Kernels("triton"), None)
     # the chunk kernels of each GPU backend side by side (Mosaic GPU on Hopper; interpret mode on the CPU)
@@ -307,7 +327,7 @@ def main():
                                                             (128, 2, 8, 512), (32, 4, 4, 512))
                         ] + [G(decode_heads_first=False)] if a.decode_sweep else [G()]
     a.decode_layers, a.decode_calls = 8, 64
-    gib = 4.0
+    sizes = [1 << 28, 1 << 30, 1 << 31]  # bf16 elements
     if a.tiny:
         a.chunk, a.cache, a.sinks, a.tokens = 32, 64, 4, 256
         a.strides, a.full_lengths = [16, 64], [64, 128, 256]
@@ -315,11 +335,11 @@ def main():
         a.decode_layers, a.decode_calls = 2, 4
         a.decode_configs = [G(16, 16, 16, 16, 16, 8)]
         a.configs = [triton(G(16, 16, 16, 16, 16, 8)), mosaic(M())]
-        gib = 0.01
+        sizes = [1 << 20]
     device = jax.devices()[0]
-    bandwidth = copy_bandwidth(gib)
+    bandwidth = memory_bandwidth([device], sizes)["rate"]  # the best of copies and reads over three sizes
     result = dict(benchmark="kernels", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  implementation=kernels.backend, copy_bandwidth_gb_s=bandwidth / 1e9)
+                  implementation=kernels.backend, bandwidth_gb_s=bandwidth / 1e9)
     out = pathlib.Path(a.out or f"benchmarks/results/kernels-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     sections = dict(a=("a_chunk", lambda: bench_chunk(a, cudnn)), b=("b_prefill_1m", lambda: bench_prefill(a, kernels, cudnn)),
@@ -339,7 +359,8 @@ def main():
 
 
 def report(r):
-    print(f"\n{r['device']}, jax {r['jax']}, {r['implementation']}; copy bandwidth {r['copy_bandwidth_gb_s']:.0f} GB/s")
+    print(f"\n{r['device']}, jax {r['jax']}, {r['implementation']}; memory bandwidth {r['bandwidth_gb_s']:.0f} GB/s "
+          f"(best of copies and reads)")
     if "a_chunk" in r:
         c = r["a_chunk"]
         print(f"a) chunk {c['T']} x cache {c['S']}: baseline {c['baseline']} {c['baseline_ms']:.2f} ms "
@@ -365,10 +386,12 @@ def report(r):
         for x in r["c_push"]:
             print(f"   {x['batch']:>3} {x['cascades']} {x['implementation']:<14} {x.get('fill_us_per_token', float('nan')):9.2f} {x['steady_us_per_token']:9.2f}")
     if "d_decode" in r:
-        print("d) decode attention over the cache: batch, us/step, GB/s (K, V, metadata), fraction of copy bandwidth, config")
+        print("d) decode attention over the cache: batch, format, variant, us/step, GB/s (K, V, scales, metadata), "
+              "fraction of the measured bandwidth, config")
         for x in r["d_decode"]:
-            print(f"   {x['batch']:>3} {x['us_per_step']:9.1f} {x['kv_gb_per_s']:8.0f} {x['fraction_of_copy']:6.2f} "
-                  f"(with logits {x['all_bytes_fraction']:.2f}) {x['config'][9:]}")
+            print(f"   {x['batch']:>3} {x['kv_dtype']:<13} {x['variant']:<18} {x['us_per_step']:9.1f} "
+                  f"{x['kv_gb_per_s']:8.0f} {x['fraction_of_bandwidth']:6.2f} (with logits {x['all_bytes_fraction']:.2f}) "
+                  f"{x['config'][9:]}")
 
 
 if __name__ == "__main__":
