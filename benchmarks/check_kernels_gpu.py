@@ -95,15 +95,18 @@ def check_insert(kv_dtype: str, batch: int = 4, steps: int = 40) -> dict:
                 reduction="-", ok=same, out=0.0 if same else 1.0, lse=0.0, inc_cache=0.0, inc_chunk=0.0)
 
 
-def check_codes_boundary(kv_dtype: str, slots: int, batch: int = 64) -> dict:
-    """Decode over one layer of `batch` rows x HKV heads x `slots` 8-bit codes on the GPU backend against the XLA
-    reference on the same codes: at 2**31 codes (32,768 slots at 64 rows of 8 heads of 128) the Triton kernel reads
-    them in place; one slot more, and the lowering's 32-bit offsets could not address them
-    (`triton.addresses_fit`): the call dequantizes a copy (the shape that faulted before the guard: 32,785)."""
+def check_codes_boundary(kv_dtype: str, slots: int, layers: int = 1, batch: int = 64) -> dict:
+    """Decode over the last layer of a stack of `layers` x `batch` rows x HKV heads x `slots` 8-bit codes on the GPU
+    backend against the XLA reference on the same codes. At 2**31 codes (one layer of 32,768 slots at 64 rows of 8
+    heads of 128) the Triton kernel reads the stack in place; past it the lowering's 32-bit offsets could not
+    address it (`triton.addresses_fit`): the call reads a copy of the layer's codes (two layers of 16,385 slots),
+    or dequantizes a copy when that layer alone is past 2**31 codes (one layer of 32,785: the shape that faulted
+    before the guard)."""
     ks = jax.random.split(jax.random.key(slots), 7)
     dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
-    codes = lambda k: (jax.random.randint(k, (batch, HKV, slots, D), -127, 128, jnp.int8) if dtype == jnp.int8  # noqa: E731
-                       else jax.random.uniform(k, (batch, HKV, slots, D), jnp.float32, -448, 448).astype(dtype))
+    shape = (layers, batch, HKV, slots, D)
+    codes = lambda k: (jax.random.randint(k, shape, -127, 128, jnp.int8) if dtype == jnp.int8  # noqa: E731
+                       else jax.random.uniform(k, shape, jnp.float32, -448, 448).astype(dtype))
     x = dict(q=jax.random.normal(ks[0], (batch, 1, HQ, D), jnp.bfloat16),
              k=jax.random.normal(ks[1], (batch, 1, HKV, D), jnp.bfloat16),
              v=jax.random.normal(ks[6], (batch, 1, HKV, D), jnp.bfloat16),
@@ -113,11 +116,13 @@ def check_codes_boundary(kv_dtype: str, slots: int, batch: int = 64) -> dict:
              cache_valid=jnp.ones((batch, HKV, slots), bool),
              cache_positions=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, 1, slots)),
              lengths=jnp.ones((batch,), jnp.int32), query_weights=jnp.ones((batch, 1), jnp.float32))
-    rope = jc.RoPE(500000.0)
-    got = jax.jit(lambda x: jc.Kernels("triton").chunk_attention(**x, rope=rope))(x)
-    want = jax.jit(lambda x: jc.Kernels("xla").chunk_attention(**x, rope=rope))(x)
-    path = "in place" if pk.triton.addresses_fit(x["k_cache"]) else "dequantized copy"
-    row = dict(case=f"decode {kv_dtype}, {batch * HKV * slots * D / 2**31:.4f} x 2**31 codes ({path})",
+    rope, layer = jc.RoPE(500000.0), jnp.int32(layers - 1)
+    got = jax.jit(lambda x: jc.Kernels("triton").chunk_attention(**x, rope=rope, layer=layer))(x)
+    want = jax.jit(lambda x: jc.Kernels("xla").chunk_attention(**x, rope=rope, layer=layer))(x)
+    one_layer = jax.ShapeDtypeStruct(shape[1:], dtype)
+    path = ("in place" if pk.triton.addresses_fit(x["k_cache"]) else
+            "a copy of the layer's codes" if pk.triton.addresses_fit(one_layer) else "dequantized copy")
+    row = dict(case=f"decode {kv_dtype}, {layers} x {batch * HKV * slots * D / 2**31:.4f} x 2**31 codes ({path})",
                implementation="Kernels('triton')", batch=batch, T=1, S=slots, reduction="max", ok=True, kv_dtype=kv_dtype)
     for part, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         err, same = relative_error(g, w)
@@ -170,7 +175,7 @@ def main():
                  check_insert(kv_dtype)]
     if a.shape == "llama-3.1-8b":
         rows += [check_codes_boundary("int8", 32768), check_codes_boundary("int8", 32785),
-                 check_codes_boundary("float8_e4m3fn", 32768)]
+                 check_codes_boundary("int8", 16385, layers=2), check_codes_boundary("float8_e4m3fn", 32768)]
     if pk.is_hopper() and D in pk.mosaic_gpu.HEAD_DIMS:
         rows += [check("chunk", mosaic, 1, 4096, S, "max"),
                  check("chunk, ragged rows", mosaic, 2, 512, 4096 + 64, "mean", ragged=True),

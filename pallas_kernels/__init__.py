@@ -106,12 +106,18 @@ class Kernels:
         cache's codes (`quantization`): a decode step on a GPU backend (with RoPE the kernel fuses, or none)
         dequantizes them in the Triton decode kernel's registers; the other paths dequantize (to q's dtype) in a
         copy of the attended slots (fused with the keys' rotation), then attend as to a cache in the model's
-        dtype. A stack the Triton kernels cannot address in place (`triton.addresses_fit`) takes those paths too."""
+        dtype. A stack the Triton kernels cannot address in place (`triton.addresses_fit`) is read from a copy of
+        the attended layer's codes, or, where that copy is still too large to address, takes the dequantizing path."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
-        in_registers = (self.on_gpu and q.shape[1] == 1 and (rope is None or triton.fuses_rope(rope))
-                        and triton.addresses_fit(k_cache) and triton.addresses_fit(v_cache))
+        in_registers = self.on_gpu and q.shape[1] == 1 and (rope is None or triton.fuses_rope(rope))
+        if k_scale is not None and in_registers and not (triton.addresses_fit(k_cache)
+                                                         and triton.addresses_fit(v_cache)):
+            # a stack the kernel cannot address: a copy of the layer's codes (1 byte a code) when that fits
+            k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
+            k_scale, v_scale, layer, first_slot = k_scale[..., first_slot:], v_scale[..., first_slot:], None, 0
+            in_registers = triton.addresses_fit(k_cache) and triton.addresses_fit(v_cache)
         if k_scale is not None and in_registers:
             return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
                                           query_weights, head_reduction, rope, layer, first_slot,

@@ -91,11 +91,12 @@ def test_the_triton_decode_converts_every_int8_code_exactly():
     np.testing.assert_array_equal(pk.triton._int8_to_f32(codes), np.arange(-128, 128, dtype=np.float32))
 
 
-def test_stacks_the_triton_kernels_cannot_address_take_the_xla_path():
-    """jax 0.11's Triton lowering offsets elements in signed 32 bits below 2**32 bytes: an 8-bit stack of more than
-    2**31 codes (64 rows x 8 heads x 32,785 slots x 128) is read and written by XLA, not the in-place Triton decode
-    and insertion kernels, which take it at 32,768 slots, 2**31 codes (checked on the traced programs; nothing is
-    allocated)."""
+def test_stacks_the_triton_kernels_cannot_address_take_other_paths():
+    """jax 0.11's Triton lowering offsets elements in signed 32 bits below 2**32 bytes, so the in-place Triton decode
+    and insertion kernels are not handed an 8-bit stack of more than 2**31 codes: decode reads a copy of the
+    attended layer's codes when that fits (two layers of 64 rows x 8 heads x 16,385 slots x 128), else dequantizes
+    (one layer of 32,785 slots: the shape that faulted); insertion runs in XLA. At 2**31 codes (32,768 slots) both
+    kernels take the stack in place (checked on the traced programs; nothing is allocated)."""
     assert pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31,), jnp.int8))
     assert not pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31 + 1,), jnp.int8))
     assert not pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**32,), jnp.float8_e4m3fn))
@@ -112,9 +113,9 @@ def test_stacks_the_triton_kernels_cannot_address_take_the_xla_path():
                 if hasattr(value, "eqns") or hasattr(value, "jaxpr"):
                     yield from equations(getattr(value, "jaxpr", value))
 
-    def kernels_on_codes(slots):
-        """The Triton kernels handed the 8-bit stack itself."""
-        stack, slot = s((1, B, H, slots, D), jnp.int8), s((B, H, slots), jnp.float32)
+    def codes_read_by_kernels(layers, slots):
+        """{Triton kernel: the shapes of the int8 arrays it is handed} for a stack of `layers` x B x H x slots."""
+        stack, slot = s((layers, B, H, slots, D), jnp.int8), s((B, H, slots), jnp.float32)
         q, k = s((B, 1, 4 * H, D), jnp.bfloat16), s((B, 1, H, D), jnp.bfloat16)
         attend = lambda *a, **kw: kernels.chunk_attention(*a, rope=jc.RoPE(5e5), layer=jnp.int32(0), **kw)  # noqa: E731
         layout = pk.schedule.RingLayout(sinks=4, ring_size=slots - 4, num_rings=1)
@@ -126,12 +127,13 @@ def test_stacks_the_triton_kernels_cannot_address_take_the_xla_path():
                     jax.make_jaxpr(insert)(stack, stack, jnp.int32(0), slot, s((B, H, slots), jnp.int32),
                                            s((B,), jnp.int32), codes, codes, s((B, H, 1), jnp.float32),
                                            s((B,), jnp.int32), s((B,), jnp.int32), scales=((slot, slot), (scale, scale)))]
-        return sorted({eqn.params["name"] for program in programs for eqn in equations(program.jaxpr)
-                       if eqn.primitive.name == "pallas_call"
-                       and any((x.aval.shape, x.aval.dtype) == (stack.shape, stack.dtype) for x in eqn.invars)})
+        return {eqn.params["name"]: {x.aval.shape for x in eqn.invars if x.aval.dtype == jnp.int8 and x.aval.ndim == 5}
+                for program in programs for eqn in equations(program.jaxpr) if eqn.primitive.name == "pallas_call"}
 
-    assert kernels_on_codes(32769) == []
-    assert kernels_on_codes(32768) == ["jcascade_decode", "jcascade_insert_one"]
+    assert codes_read_by_kernels(1, 32768) == {"jcascade_decode": {(1, B, H, 32768, D)}, "jcascade_decode_finish": set(),
+                                               "jcascade_insert_one": {(1, B, H, 32768, D)}}
+    assert codes_read_by_kernels(2, 16385) == {"jcascade_decode": {(1, B, H, 16385, D)}, "jcascade_decode_finish": set()}
+    assert codes_read_by_kernels(1, 32785) == {"jcascade_decode": set(), "jcascade_decode_finish": set()}
 
 
 def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():
