@@ -346,8 +346,8 @@ def addresses_fit(array) -> bool:
     computes element offsets in signed 32 bits unless the array holds more than 2**32 bytes, so in an array of
     1-byte elements (8-bit codes) with 2**31 < size <= 2**32, offsets past 2**31 wrap negative: the loads read
     before the array (CUDA_ERROR_ILLEGAL_ADDRESS, or another buffer's bytes). The kernels that address a whole
-    stack in place (decode, the single-token insertion) are not given such arrays: their callers take the XLA
-    path."""
+    stack in place (decode, the single-token insertion) refuse such arrays; `Kernels.chunk_attention` and
+    `Kernels.insert` route them elsewhere."""
     size = math.prod(array.shape)
     return size <= 2**31 or size * jnp.dtype(array.dtype).itemsize > 2**32
 
@@ -470,7 +470,7 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not addresses_fit(cache):
             raise ValueError(f"{name} {cache.dtype}{list(cache.shape)}: the Triton decode cannot address it in place "
-                             f"(`addresses_fit`); Kernels.chunk_attention takes the XLA path for it")
+                             f"(`addresses_fit`); Kernels.chunk_attention routes such a stack elsewhere")
     gp = max(16, pl.next_power_of_2(G))
     bk = _block(S, cfg.decode_block_k)
     splits = int(np.clip(cfg.decode_programs // (B * Hkv), 1, pl.cdiv(S, bk)))

@@ -134,6 +134,11 @@ def test_stacks_the_triton_kernels_cannot_address_take_other_paths():
                                                "jcascade_insert_one": {(1, B, H, 32768, D)}}
     assert codes_read_by_kernels(2, 16385) == {"jcascade_decode": {(1, B, H, 16385, D)}, "jcascade_decode_finish": set()}
     assert codes_read_by_kernels(1, 32785) == {"jcascade_decode": set(), "jcascade_decode_finish": set()}
+    stack, slot = s((1, B, H, 32785, D), jnp.int8), s((B, H, 32785), jnp.float32)
+    with pytest.raises(ValueError, match=r"k_cache int8\[1, 64, 8, 32785, 128\]: the Triton decode cannot address"):
+        jax.make_jaxpr(lambda *a: pk.triton.chunk_attention(*a, layer=jnp.int32(0), k_scale=slot, v_scale=slot))(
+            s((B, 1, 4 * H, D), jnp.bfloat16), s((B, 1, H, D), jnp.bfloat16), s((B, 1, H, D), jnp.bfloat16), stack,
+            stack, s((B, H, 32785), jnp.bool_), s((B, H, 32785), jnp.int32), s((B,), jnp.int32))
 
 
 def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():
