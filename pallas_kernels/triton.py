@@ -428,17 +428,20 @@ TWO_PI_LO = float(np.float32(2 * math.pi - TWO_PI_F32))  # 2 pi = TWO_PI_F32 + T
 def _cos_sin(angle, interpret: bool):
     """cos and sin of float32 angles (position x frequency, as XLA's RoPE computes them): reduced to about
     [-pi, pi] by k = round(angle / 2 pi), r = fma(-k, 2 pi_hi, angle) - k 2 pi_lo (one rounding: r within about
-    1e-6 of the exact reduction for any angle below 2**24), then the GPU's approximate sin/cos instructions
+    1e-6 of the exact reduction for any angle below 2**24, which k's rounding covers), then the GPU's approximate sin/cos instructions
     (absolute error about 1e-6; benchmarks/check_kernels_gpu.py checks them at positions near 1M). In interpret
     mode (the CPU, where PTX cannot run) XLA's cos and sin of the angle, as the reference computes them."""
     if interpret:
         return jnp.cos(angle), jnp.sin(angle)
-    k = jnp.floor(angle * (1 / (2 * math.pi)) + 0.5)
 
     def asm(code, *args):
         return plgpu.elementwise_inline_asm(code, args=list(args), constraints="=f" + ",f" * len(args), pack=1,
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(angle.shape, F32)])[0]
 
+    # round to nearest by adding and subtracting 1.5 * 2**23 (two full-rate adds, kept apart by the asm: a floor
+    # issues at a quarter of that rate on the unit the sine and cosine use); exact for |angle / 2 pi| < 2**22
+    rounder = jnp.full(angle.shape, 1.5 * 2**23, F32)
+    k = asm("sub.rn.f32 $0, $1, $2;", asm("add.rn.f32 $0, $1, $2;", angle * (1 / (2 * math.pi)), rounder), rounder)
     r = asm("fma.rn.f32 $0, $1, $2, $3;", -k, jnp.full(angle.shape, TWO_PI_F32, F32), angle) - k * TWO_PI_LO
     return asm("cos.approx.f32 $0, $1;", r), asm("sin.approx.f32 $0, $1;", r)
 
