@@ -9,7 +9,8 @@ request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
     flashinfer decode fp8      the same over float8_e4m3fn pages (a scale per tensor), keys stored rotated
     jcascade decode            `jc.attend` on a Full cache, keys rotated in the kernel
     jcascade decode int8 / fp8 the same over a quantized cache (Full(kv_dtype=...): codes + a scale per slot,
-                               dequantized in the kernel)
+                               dequantized in the kernel; the rows whose 2**31 to 2**32 codes the kernel cannot
+                               address in place, B = 64 here, say "dequantized copy")
   shared prefix (stored once):
     flashinfer cascade (fa2)   two-level cascade as MultiLevelCascadeAttentionWrapper runs it (a batch-prefill
                                pass per level, then merge_state_in_place) on the FA2 backend
@@ -122,9 +123,13 @@ def jcascade_rows(a) -> list[dict]:
         del state
         for kv_dtype, name in (("int8", "int8"), ("float8_e4m3fn", "fp8")):
             state = rows_state(B, n + 1, n, kv_dtype)
+            # off the GPU, or codes the Triton kernel cannot address in place (2**31 to 2**32), dequantize in a copy
+            in_registers = state.kernels.on_gpu and pk.triton.addresses_fit(state.k)
+            path = "in registers" if in_registers else "dequantized copy"
             rows.append(dict(batch=B, method=f"jcascade decode {name}", wall_ms=wall_ms(jax.jit(decode), q, state, k1,
                                                                                         v1),
-                             device_ms=device_ms(decode, q, state, k1, v1), kv_bytes=2 * B * HKV * (n + 1) * (D + 4)))
+                             device_ms=device_ms(decode, q, state, k1, v1), kv_bytes=2 * B * HKV * (n + 1) * (D + 4),
+                             path=path))
             del state
         print(f"   jcascade batch {B}: " + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms"
                                                     for r in rows if r["batch"] == B), flush=True)
@@ -363,7 +368,8 @@ def table(rows: list[dict]) -> list[str]:
         tbs = f"{r['kv_bytes'] / r['device_ms'] / 1e9:5.2f}" if r.get("kv_bytes") else ""
         peer = best_decode.get((r["batch"], eight_bit(r))) if r.get("kv_bytes") else cascade.get(r["batch"])
         ratio = f"{r['device_ms'] / peer:13.2f}" if peer else ""
-        lines.append(f"{r['batch']:>5} {r['method']:<26} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}")
+        path = f"  ({r['path']})" if r.get("path", "in registers") != "in registers" else ""
+        lines.append(f"{r['batch']:>5} {r['method']:<26} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}{path}")
     return lines
 
 
