@@ -123,9 +123,7 @@ def jcascade_rows(a) -> list[dict]:
         del state
         for kv_dtype, name in (("int8", "int8"), ("float8_e4m3fn", "fp8")):
             state = rows_state(B, n + 1, n, kv_dtype)
-            # off the GPU, or codes the Triton kernel cannot address in place (2**31 to 2**32), dequantize in a copy
-            in_registers = state.kernels.on_gpu and pk.triton.addresses_fit(state.k)
-            path = "in registers" if in_registers else "dequantized copy"
+            path = state.kernels.quantized_decode_path(state.k, rope=rope)
             rows.append(dict(batch=B, method=f"jcascade decode {name}", wall_ms=wall_ms(jax.jit(decode), q, state, k1,
                                                                                         v1),
                              device_ms=device_ms(decode, q, state, k1, v1), kv_bytes=2 * B * HKV * (n + 1) * (D + 4),
@@ -368,7 +366,7 @@ def table(rows: list[dict]) -> list[str]:
         tbs = f"{r['kv_bytes'] / r['device_ms'] / 1e9:5.2f}" if r.get("kv_bytes") else ""
         peer = best_decode.get((r["batch"], eight_bit(r))) if r.get("kv_bytes") else cascade.get(r["batch"])
         ratio = f"{r['device_ms'] / peer:13.2f}" if peer else ""
-        path = f"  ({r['path']})" if r.get("path", "in registers") != "in registers" else ""
+        path = f"  ({r['path']})" if r.get("path", "in place") != "in place" else ""
         lines.append(f"{r['batch']:>5} {r['method']:<26} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}{path}")
     return lines
 

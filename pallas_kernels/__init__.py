@@ -106,19 +106,15 @@ class Kernels:
         cache's codes (`quantization`): a decode step on a GPU backend (with RoPE the kernel fuses, or none)
         dequantizes them in the Triton decode kernel's registers; the other paths dequantize (to q's dtype) in a
         copy of the attended slots (fused with the keys' rotation), then attend as to a cache in the model's
-        dtype. A stack the Triton kernels cannot address in place (`triton.addresses_fit`) is read from a copy of
-        the attended layer's codes, or, where that copy is still too large to address, takes the dequantizing path."""
+        dtype. `quantized_decode_path` says which a decode step takes."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
-        in_registers = self.on_gpu and q.shape[1] == 1 and (rope is None or triton.fuses_rope(rope))
-        if k_scale is not None and in_registers and not (triton.addresses_fit(k_cache)
-                                                         and triton.addresses_fit(v_cache)):
-            # a stack the kernel cannot address: a copy of the layer's codes (1 byte a code) when that fits
+        path = self.quantized_decode_path(k_cache, layer, rope, first_slot) if k_scale is not None else None
+        if q.shape[1] == 1 and path == "layer copy":
             k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
             k_scale, v_scale, layer, first_slot = k_scale[..., first_slot:], v_scale[..., first_slot:], None, 0
-            in_registers = triton.addresses_fit(k_cache) and triton.addresses_fit(v_cache)
-        if k_scale is not None and in_registers:
+        if q.shape[1] == 1 and path in ("in place", "layer copy"):
             return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
                                           query_weights, head_reduction, rope, layer, first_slot,
                                           config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
@@ -147,6 +143,20 @@ class Kernels:
         if self.backend == "xla":
             return reference.chunk_attention(*args)
         return tpu.chunk_attention(*args, config=self.tpu, interpret=self.interpret)
+
+    def quantized_decode_path(self, codes, layer=None, rope=None, first_slot: int = 0) -> str:
+        """How a decode step (`chunk_attention` with T == 1) reads a quantized cache's `codes` (a layer [B, Hkv, C, D],
+        or a stack [L, B, Hkv, C, D] read at `layer`, from `first_slot`): "in place" (the Triton decode kernel
+        dequantizes them in registers), "layer copy" (the same kernel on a copy of the attended layer's codes: a
+        stack it cannot address, `triton.addresses_fit`) or "dequantized copy" (every other backend or RoPE, and a
+        layer too large to address)."""
+        if not (self.on_gpu and (rope is None or triton.fuses_rope(rope))):
+            return "dequantized copy"
+        if triton.addresses_fit(codes):
+            return "in place"
+        attended = jax.ShapeDtypeStruct((*codes.shape[-4:-2], codes.shape[-2] - first_slot, codes.shape[-1]),
+                                        codes.dtype)
+        return "layer copy" if triton.addresses_fit(attended) else "dequantized copy"
 
     def prefix_attention(self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None):
         """`reference.prefix_attention` (many requests' queries against a shared prefix) on this backend. On GPU:
