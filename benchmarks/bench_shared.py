@@ -7,9 +7,11 @@
   replicated  `jc.attend` on a Full cache holding prefix + own tokens for every request (what
               generating from B copies of the prompt does).
 
-Both outputs are compared (bf16). Times are medians over --iters calls after a warm-up.
+Both outputs are compared (bf16). Times are medians over --iters calls after a warm-up. --kv-dtypes: the shared
+prefix also stored in 8 bits (`share_prefix` of a quantized cache: codes and scales, read in the kernel's
+registers), timed beside the bf16 one and compared with the replicated bf16 output.
 
-    python benchmarks/bench_shared.py [--out benchmarks/results/shared-<device>.json]
+    python benchmarks/bench_shared.py [--kv-dtypes model,int8] [--out benchmarks/results/shared-<device>.json]
     python benchmarks/bench_shared.py --tiny      # a dry run with small shapes
 """
 
@@ -59,7 +61,12 @@ def main():
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--kv-dtypes", default="model", help="comma-separated storage formats of the shared prefix "
+                   f"(among {', '.join(jc.pallas_kernels.quantization.KV_DTYPES)})")
     a = p.parse_args()
+    formats = a.kv_dtypes.split(",")
+    for fmt in formats:
+        jc.pallas_kernels.quantization.storage_dtype(fmt, jnp.bfloat16)  # a clear error for an unknown format
     warnings.filterwarnings("ignore")
     S, Hq, H, D, own, batches = (256, 8, 2, 64, 4, [1, 8]) if a.tiny else (32768, 32, 8, 128, 16, [1, 8, 64, 256])
     dtype = jnp.bfloat16
@@ -67,11 +74,17 @@ def main():
     keys = jax.random.split(jax.random.key(0), 2)
     k = jax.random.normal(keys[0], (1, H, S, D), dtype)
     v = jax.random.normal(keys[1], (1, H, S, D), dtype)
-    prefix_state = jc.CacheState(k=k, v=v, score=jnp.zeros((1, H, S), jnp.float32),
-                                 pos=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, H, S)),
-                                 seen=jnp.full((1,), S, jnp.int32), kernels=jc.Kernels.default())
-    prefix = jc.share_prefix(policy, prefix_state)
-    shared_fn = jax.jit(lambda own_state, q, k1, v1: jc.attend_shared(policy, own_state, q, k1, v1, [prefix], None, rope))
+    prefixes = {}
+    for fmt in formats:
+        stored = jc.pallas_kernels.quantization.storage_dtype(fmt, dtype)
+        kv = dict(k=k, v=v) if stored == dtype else dict(zip(("k", "k_scale", "v", "v_scale"), (
+            *jc.pallas_kernels.quantization.quantize(k, stored), *jc.pallas_kernels.quantization.quantize(v, stored))))
+        prefix_state = jc.CacheState(score=jnp.zeros((1, H, S), jnp.float32),
+                                     pos=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, H, S)),
+                                     seen=jnp.full((1,), S, jnp.int32), kernels=jc.Kernels.default(), **kv)
+        prefixes[fmt] = jc.share_prefix(policy, prefix_state)
+    shared_fn = jax.jit(lambda own_state, q, k1, v1, prefix: jc.attend_shared(policy, own_state, q, k1, v1, [prefix],
+                                                                             None, rope))
     replicated_fn = jax.jit(lambda state, q, k1, v1: jc.attend(policy, state, q, k1, v1, None, rope)[0])
     device = jax.devices()[0]
     result = dict(benchmark="shared_prefix", device=device.device_kind, jax=jax.__version__,
@@ -86,24 +99,28 @@ def main():
         k1 = jax.random.normal(ks[3], (B, 1, H, D), dtype)
         v1 = jax.random.normal(ks[4], (B, 1, H, D), dtype)
         own_state = full_cache(jnp.zeros((1, H, 0, D), dtype), jnp.zeros((1, H, 0, D), dtype), own_k, own_v)
-        shared_ms = median_ms(shared_fn, (own_state, q, k1, v1), a.iters)
-        got = shared_fn(own_state, q, k1, v1)
+        shared = {}
+        for fmt, prefix in prefixes.items():
+            shared[fmt] = (median_ms(shared_fn, (own_state, q, k1, v1, prefix), a.iters),
+                           shared_fn(own_state, q, k1, v1, prefix))
         del own_state
         flat = jax.jit(full_cache)(k, v, own_k, own_v)
         replicated_ms = median_ms(replicated_fn, (flat, q, k1, v1), a.iters)
         want = replicated_fn(flat, q, k1, v1)
-        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         del flat
-        row = dict(batch=B, shared_ms=shared_ms, replicated_ms=replicated_ms, speedup=replicated_ms / shared_ms,
-                   max_abs_difference=err)
-        result["rows"].append(row)
+        for fmt, (shared_ms, got) in shared.items():
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            row = dict(batch=B, kv_dtype=fmt, shared_ms=shared_ms, replicated_ms=replicated_ms,
+                       speedup=replicated_ms / shared_ms, max_abs_difference=err)
+            result["rows"].append(row)
+            print(f"   batch {B}, prefix {fmt}: shared {shared_ms:.3f} ms, replicated bf16 {replicated_ms:.3f} ms",
+                  flush=True)
         out.write_text(json.dumps(result, indent=2))
-        print(f"   batch {B}: shared {shared_ms:.3f} ms, replicated {replicated_ms:.3f} ms", flush=True)
     print(f"\n{device.device_kind}, {S}-token shared prefix + {own} own tokens, one decode step of one layer: "
-          "batch, shared ms, replicated ms, speed-up, max |difference|")
+          "batch, prefix format, shared ms, replicated bf16 ms, speed-up, max |difference| from it")
     for r in result["rows"]:
-        print(f"   {r['batch']:>4} {r['shared_ms']:9.3f} {r['replicated_ms']:9.3f} {r['speedup']:7.1f} "
-              f"{r['max_abs_difference']:.1e}")
+        print(f"   {r['batch']:>4} {r['kv_dtype']:>14} {r['shared_ms']:9.3f} {r['replicated_ms']:9.3f} "
+              f"{r['speedup']:7.1f} {r['max_abs_difference']:.1e}")
     print(f"wrote {out}")
 
 

@@ -250,7 +250,7 @@ def _shared_prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Arra
     level (layers stacked, keys rotated by the model's RoPE; `share_prefix`): the level and the prompt rows' last
     hidden states [P, hidden]."""
     state, last, _ = _prompt(model, policy, tokens, lengths, 0)
-    return jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope, dtype=model.dtype))(state), last
+    return jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope))(state), last
 
 
 def _after_context(model: CausalLM, policy, context: jax.Array, context_lengths: jax.Array, tokens: jax.Array,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcascade import cache_state, checks
+from jcascade.pallas_kernels import quantization
 from jcascade.pallas_kernels.attention_state import merge
 from jcascade.policies import Policy, check_policy, policy_names
 from jcascade.rope import rotate_chunk
@@ -28,11 +29,13 @@ class SharedPrefix:
     """One level of shared prefixes (one layer, or L layers stacked on a leading axis).
 
     k, v:    [P, Hkv, S, D] keys/values of the P prefix rows (zeros in empty slots); the keys un-rotated, or
-             rotated at key_pos when `rope` is set;
+             rotated at key_pos when `rope` is set; 8-bit codes when the prefix is quantized (k_scale set);
     valid:   bool [P, Hkv, S] slots that hold a token;
     key_pos: int32 [P, 1 or Hkv, S] RoPE position of each slot;
     length:  int32 [P] the first position after the prefix (including the levels before it): where the
              next level, or its requests' own tokens, start;
+    k_scale, v_scale: f32 [P, Hkv, S] the scale of each slot's codes (`jcascade.pallas_kernels.quantization`),
+             or None for keys and values stored as floats;
     rope:    (static) None, or the RoPE that k was rotated with (`share_prefix(..., rope=)`): the requests must
              decode with the same one, and no step rotates the prefix's keys again.
     """
@@ -42,6 +45,8 @@ class SharedPrefix:
     valid: jax.Array
     key_pos: jax.Array
     length: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
     rope: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
@@ -51,9 +56,10 @@ def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Arra
     shifted by `offset` (an int, or an integer array [P]: positions of the levels before it, >= 0). rope: the
     RoPE the requests decode with, or None; when given, the keys are stored rotated at their positions (which a
     frozen prefix never changes), so that decoding reads them without rotating them in every step (and, on a
-    Hopper GPU, many requests' queries run on the tensor-core kernel, `Kernels.prefix_attention`). dtype: of the
-    stored keys and values (None: the cache's); a quantized cache's are stored dequantized (to float32 when
-    None: pass the requests' dtype)."""
+    Hopper GPU, many requests' queries run on the tensor-core kernel, `Kernels.prefix_attention`). dtype: None
+    stores the keys and values as the cache does: a quantized cache's prefix holds its codes and scales as they are,
+    the keys un-rotated whatever `rope` says (rotating would round them a second time; the requests' steps rotate
+    them as they read, in the GPU kernel's registers); a floating dtype stores them dequantized in it."""
     check_policy(policy)
     if not policy.shareable:
         raise ValueError(f"{type(policy).__name__} cannot be a shared prefix (its cache is chosen per request)")
@@ -66,6 +72,14 @@ def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Arra
     offset = jnp.broadcast_to(offset, start.shape)
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     valid = state.pos >= 0
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be None (the cache's storage) or a floating dtype, got {dtype}")
+    if state.k_scale is not None and dtype is None:  # codes and scales as they are, zero in empty slots
+        k, v = (state.k, state.v) if state.layer is None else (state.k[state.layer], state.v[state.layer])
+        k, v = (jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)) for x in (k, v))
+        k_scale, v_scale = (jnp.where(valid, x, 0.0) for x in (state.k_scale, state.v_scale))
+        return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, k_scale=k_scale,
+                            v_scale=v_scale)
     held_k, held_v = cache_state.cached_kv(state)
     k = held_k if rope is None else rope(held_k, key_pos)
     k, v = (jnp.where(valid[..., None], x, 0).astype(dtype or x.dtype) for x in (k, held_v))
@@ -110,6 +124,13 @@ def _check_prefixes(prefixes, batch: int, num_kv_heads: int, head_dim: int, rope
             if getattr(prefix, field).shape not in want:
                 raise ValueError(f"{name}.{field} must have shape {' or '.join(str(list(w)) for w in want)} "
                                  f"(k {list(prefix.k.shape)}), got {list(getattr(prefix, field).shape)}")
+        quantized = quantization.is_quantized(prefix.k.dtype)
+        for field in ("k_scale", "v_scale"):
+            scale = getattr(prefix, field)
+            if (scale is not None) != quantized or (scale is not None and scale.shape != (P, H, S)):
+                want = f"shape {[P, H, S]} (codes k {prefix.k.dtype})" if quantized else f"None (k {prefix.k.dtype})"
+                raise ValueError(f"{name}.{field} must be {want}, got "
+                                 f"{None if scale is None else list(scale.shape)}")
         if batch % P:
             raise ValueError(f"{name}: a shared-prefix level with {P} rows cannot serve a batch of {batch} requests "
                              "(each row serves batch / rows consecutive requests)")
@@ -161,7 +182,8 @@ def attend_shared(
     for prefix, per_row in zip(prefixes, fan_out):
         grouped = q.reshape(B // per_row, per_row * T, Hq, D)
         p_out, p_lse = state.kernels.prefix_attention(grouped, prefix.k, prefix.v, prefix.valid, prefix.key_pos,
-                                                      rope if prefix.rope is None else None)
+                                                      rope if prefix.rope is None else None, k_scale=prefix.k_scale,
+                                                      v_scale=prefix.v_scale)
         out, lse = merge(out, lse, p_out.reshape(B, T, Hq, D), p_lse.reshape(B, T, Hq))
     valid = (jnp.arange(T)[None, :] < n[:, None])[:, :, None, None]
     return jnp.where(valid, out, 0.0).astype(q.dtype)

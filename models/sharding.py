@@ -136,9 +136,10 @@ def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ())
         row = rows if level_rows % mesh.shape["data"] == 0 else None
         kv = PartitionSpec(row, heads, None, None)
         key_pos_heads = heads if prefix.key_pos.shape[-2] == num_kv_heads else None  # 1 or Hkv
+        slot = None if prefix.k_scale is None else PartitionSpec(row, heads, None)
         levels.append(SharedPrefix(k=kv, v=kv, valid=PartitionSpec(row, heads, None),
                                    key_pos=PartitionSpec(row, key_pos_heads, None), length=PartitionSpec(row),
-                                   rope=prefix.rope))
+                                   k_scale=slot, v_scale=slot, rope=prefix.rope))
     return dict(state=state, chunk=PartitionSpec(rows, None, heads, None), lengths=PartitionSpec(rows),
                 prefixes=tuple(levels))
 

@@ -158,12 +158,23 @@ class Kernels:
                                         codes.dtype)
         return "layer copy" if triton.addresses_fit(attended) else "dequantized copy"
 
-    def prefix_attention(self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None):
+    def prefix_attention(self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *, k_scale=None,
+                         v_scale=None):
         """`reference.prefix_attention` (many requests' queries against a shared prefix) on this backend. On GPU:
         with the keys already rotated (rope None, as `jcascade.share_prefix(..., rope=)` stores them) and calls
         that `mosaic_gpu.supports_prefix` (many query rows per KV head), the Mosaic GPU forward ("mosaic_gpu");
         otherwise the Triton multi-query kernel. On TPU it runs the XLA reference. The Mosaic GPU path needs
-        finite keys and values in empty slots (`SharedPrefix` stores zeros there)."""
+        finite keys and values in empty slots (`SharedPrefix` stores zeros there). k_scale, v_scale: f32
+        [P, Hkv, S] when k_cache, v_cache hold a quantized prefix's codes: the Triton kernel dequantizes them in
+        registers (on GPU, with RoPE it fuses or none, codes it can address: `triton.addresses_fit`); every other
+        path dequantizes a copy (to q's dtype) first."""
+        if k_scale is not None:
+            if self.on_gpu and (rope is None or triton.fuses_rope(rope)) and triton.addresses_fit(k_cache):
+                return triton.prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope,
+                                               config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
+                                               k_scale=k_scale, v_scale=v_scale)
+            k_cache, v_cache = (quantization.dequantize(codes, scale, q.dtype)
+                                for codes, scale in ((k_cache, k_scale), (v_cache, v_scale)))
         args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
         if not self.on_gpu:
             return reference.prefix_attention(*args)

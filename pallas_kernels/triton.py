@@ -575,13 +575,18 @@ def _finish(qg, k, v, lengths, weights, parts, reduction, interpret):
 
 
 def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *, config: TritonConfig = TritonConfig(),
-                     interpret: bool = False):
+                     interpret: bool = False, k_scale=None, v_scale=None):
     """Same contract as `reference.prefix_attention`: grid (prefix row, KV head, split, query block), so
-    every query of a prefix row's requests shares the loads of each key block of its split."""
+    every query of a prefix row's requests shares the loads of each key block of its split. k_scale, v_scale:
+    f32 [P, Hkv, S] when k_cache, v_cache hold a quantized prefix's codes, dequantized in registers as the decode
+    kernel does (RoPE then fused, or none)."""
     P, R, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     fuse = fuses_rope(rope)
+    scaled = k_scale is not None
+    if scaled and rope is not None and not fuse:
+        raise ValueError("a quantized prefix's Triton kernel needs a RoPE the kernel fuses (jcascade.RoPE) or none")
     if rope is not None and not fuse:
         k_cache = rope(k_cache, cache_positions)
     rows = R * G
@@ -596,7 +601,8 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
     positions, freq = _rope_inputs(rope, cache_positions, D)
     position_heads = positions.shape[1]
     kernel = functools.partial(_decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk, scale=D**-0.5,
-                               rope=fuse, interpret=interpret, axes=(0, 1, 2), scaled=False, logits=False)
+                               rope=fuse, interpret=interpret, axes=(0, 1, 2), scaled=scaled, logits=False)
+    slots = pl.BlockSpec((None, None, S), lambda p, h, s, i: (p, h, 0))
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(P, Hkv, splits, q_blocks),
@@ -606,9 +612,10 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
             pl.BlockSpec((None, None, bq, D), lambda p, h, s, i: (p, h, i, 0)),
             pl.BlockSpec(),
             pl.BlockSpec(),
-            pl.BlockSpec((None, None, S), lambda p, h, s, i: (p, h, 0)),
+            slots,
             pl.BlockSpec((None, None, S), lambda p, h, s, i: (p, h if position_heads > 1 else 0, 0)),
             pl.BlockSpec(),
+            *[slots] * (2 if scaled else 0),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, bq, D), lambda p, h, s, i: (p, h, s, i, 0)),
@@ -620,7 +627,7 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
         interpret=interpret,
         name="jcascade_shared_prefix",
     )(_scalar(0), jnp.ones((P,), jnp.int32), qg, k_cache[None], v_cache[None], cache_valid.astype(jnp.int32), positions,
-      freq)
+      freq, *((k_scale, v_scale) if scaled else ()))
     out, lse = attention_state.merge_all(o_parts[..., :rows, :], lse_parts[..., :rows], axis=2)  # [P, Hkv, rows, (D)]
     out = out.reshape(P, Hkv, R, G, D).transpose(0, 2, 1, 3, 4).reshape(P, R, Hq, D)
     return out, lse.reshape(P, Hkv, R, G).transpose(0, 2, 1, 3).reshape(P, R, Hq)

@@ -76,6 +76,17 @@ def test_a_shared_context_equals_it_repeated_per_row(model):
         jc.generate(model, QUESTIONS, SNAPKV, lengths=LENGTHS, context=repeated, max_new_tokens=2))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_a_quantized_context_reads_as_the_concatenated_prompt(model, fmt):
+    """Under a quantized Full cache (the context shared as its codes: tests/pallas_kernels/test_quantization.py),
+    the log-probs after a context equal the concatenated prompt's under the same policy, as Full's do."""
+    policy = jc.Full(stride=8, kv_dtype=fmt)
+    prompt, prompt_lengths = concatenated(np.repeat(CONTEXT, 3, axis=0), [S] * 3)
+    got = np.asarray(jc.score(model, QUESTIONS, policy, lengths=LENGTHS, context=CONTEXT))
+    want = scored_part(jc.score(model, prompt, policy, lengths=prompt_lengths), [S] * 3)
+    np.testing.assert_allclose(got, np.where(np.arange(T) < LENGTHS[:, None], want, 0.0), atol=1e-5)
+
+
 def kvzip(budget):
     return jc.KVzip(budget=budget, instruction=(1, 2, 3), continuation=(4,), turn=(5,), chunk=16, stride=8)
 

@@ -4,6 +4,7 @@ here is marked `devices(8)` and runs in a pytest process started with them (test
 x 4 devices: test_sharding_multiprocess.py."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import re
@@ -144,13 +145,15 @@ def test_shared_prefix_levels_run_per_shard_when_their_rows_allow(sharded):
     assert sharding.layer_specs(requests(8), mesh_of((2, 4)), (three_rows,)) is None
 
 
-@pytest.mark.parametrize("backend", ["xla", "triton"])
-def test_num_samples_share_the_prompt_per_shard(model, sharded, backend):
-    """num_samples: the prompt's cache is a shared prefix (one row, replicated over "data") under shard_map."""
+@pytest.mark.parametrize("backend, kv_dtype", [("xla", "model"), ("triton", "model"), ("triton", "int8")])
+def test_num_samples_share_the_prompt_per_shard(model, sharded, backend, kv_dtype):
+    """num_samples: the prompt's cache is a shared prefix (one row, replicated over "data") under shard_map (an int8
+    prefix's codes and scales split over "model" with its KV heads)."""
     one = inputs()[0][:1, :30]
+    policy = dataclasses.replace(CASCADE, kv_dtype=kv_dtype)
     samples = dict(max_new_tokens=6, temperature=1.0, num_samples=4, rng=jax.random.key(3))  # 2 rows per data shard
-    np.testing.assert_array_equal(jc.generate(sharded.with_kernels(jc.Kernels(backend)), one, CASCADE, **samples),
-                                  jc.generate(model, one, CASCADE, **samples))
+    np.testing.assert_array_equal(jc.generate(sharded.with_kernels(jc.Kernels(backend)), one, policy, **samples),
+                                  jc.generate(model, one, policy, **samples))
 
 
 def test_three_prompts_as_one_shared_level_per_shard(model):

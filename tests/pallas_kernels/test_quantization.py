@@ -151,6 +151,59 @@ def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rope", [None, jc.RoPE(100.0)], ids=["rotated", "fused"])
+@pytest.mark.parametrize("backend", ["xla", "triton", "mosaic_gpu", "mosaic_tpu"])
+def test_every_backend_reads_a_quantized_shared_prefix_as_the_reference_reads_it_dequantized(backend, rope, fmt):
+    """A shared prefix's codes and scales (`jc.share_prefix` of a quantized cache): the Triton kernel dequantizes
+    them in registers (every GPU backend; keys stored rotated, or rotated in the kernel), the other backends in a
+    copy: output and log-sum-exp equal the XLA reference on the dequantized prefix."""
+    rng = np.random.default_rng(len(fmt))
+    P, R, Hq, Hkv, D, S = 2, 5, 8, 2, 64, 70
+    q = jnp.asarray(rng.normal(size=(P, R, Hq, D)), jnp.bfloat16)
+    dtype = quantization.storage_dtype(fmt, jnp.float32)
+    (k, k_scale), (v, v_scale) = (quantization.quantize(jnp.asarray(rng.normal(size=(P, Hkv, S, D)), jnp.float32),
+                                                        dtype) for _ in range(2))
+    valid = jnp.asarray(rng.random((P, Hkv, S)) < 0.8)
+    positions = jnp.asarray(rng.integers(0, 1000, (P, Hkv, S)), jnp.int32)
+    plain = [quantization.dequantize(c, scale, jnp.bfloat16) for c, scale in ((k, k_scale), (v, v_scale))]
+    want = pk.Kernels("xla").prefix_attention(q, *plain, valid, positions, rope)
+    got = pk.Kernels(backend).prefix_attention(q, k, v, valid, positions, rope, k_scale=k_scale, v_scale=v_scale)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_quantized_cache_is_shared_as_codes(fmt):
+    """`share_prefix` keeps a quantized cache's codes and scales as they are (zero in empty slots), its keys
+    un-rotated even when given a rope (the requests rotate them as they read: no second rounding); `dtype` stores
+    them dequantized instead (rotated when given a rope); a prefix's scales are checked against its codes."""
+    rope = jc.RoPE(100.0)
+    policy = jc.Full(stride=8, kv_dtype=fmt)
+    k = jnp.asarray(np.random.default_rng(1).normal(size=(1, 6, 2, 16)), jnp.float32)
+    state = jc.update(policy, jc.init_cache(policy, 1, 2, 16, jnp.float32, max_tokens=8), k, -k, None,
+                      jnp.array([5]))
+    held = np.asarray(state.pos >= 0)
+    for prefix in (jc.share_prefix(policy, state), jc.share_prefix(policy, state, rope=rope)):
+        assert prefix.rope is None and prefix.k.dtype == state.k.dtype
+        for codes, stored in ((prefix.k, state.k), (prefix.v, state.v)):
+            np.testing.assert_array_equal(np.asarray(codes, np.float32),
+                                          np.where(held[..., None], np.asarray(stored, np.float32), 0))
+        for scale, stored in ((prefix.k_scale, state.k_scale), (prefix.v_scale, state.v_scale)):
+            np.testing.assert_array_equal(np.asarray(scale), np.where(held, np.asarray(stored), 0))
+    floats = jc.share_prefix(policy, state, rope=rope, dtype=jnp.float32)
+    assert floats.k_scale is None and floats.k.dtype == jnp.float32 and floats.rope == rope
+    exact = rope(jc.cached_kv(state)[0], floats.key_pos)
+    np.testing.assert_allclose(np.asarray(floats.k), np.where(held[..., None], np.asarray(exact), 0), atol=1e-6)
+    q = jnp.ones((1, 1, 2, 16), jnp.float32)
+    bad = dataclasses.replace(jc.share_prefix(policy, state), v_scale=None)
+    requests = jc.init_cache(jc.Full(), 1, 2, 16, jnp.float32, max_tokens=4)
+    with pytest.raises(ValueError, match=r"prefixes\[0\]\.v_scale must be shape \[1, 2, \d+\] \(codes"):
+        jc.attend_shared(jc.Full(), requests, q, q, q, [bad])
+    with pytest.raises(ValueError, match="dtype must be None .* or a floating dtype"):
+        jc.share_prefix(policy, state, dtype=jnp.int8)
+
+
 POLICIES = [  # each at cache pressure (48 tokens into fewer slots): the cascade's moves, heavy slots, compaction
     lambda d: jc.Cascade(cache_size=24, sinks=2, num_cascades=3, stride=8, kv_dtype=d),
     lambda d: jc.H2O(heavy=8, recent=8, stride=8, kv_dtype=d),

@@ -22,13 +22,17 @@ def test_kernels_lower_for_gpu(shape):
     assert text.count("xla.gpu.triton") == (2 if shape[1] == 1 else 3)  # decode: split-K + finish; chunk: forward + 2 scores
 
 
-def test_shared_prefix_kernel_lowers_for_gpu():
+@pytest.mark.parametrize("stored", [jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+def test_shared_prefix_kernel_lowers_for_gpu(stored):
+    """In the model's dtype, or a quantized prefix's codes with their scales."""
     s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
-    args = (s(1, 64, 32, 128), s(1, 8, 32768, 128), s(1, 8, 32768, 128), s(1, 8, 32768, dtype=jnp.bool_),
-            s(1, 1, 32768, dtype=jnp.int32))
-    f = jax.jit(lambda *a: pk.triton.prefix_attention(*a, jc.RoPE(500000.0)))
+    args = (s(1, 64, 32, 128), s(1, 8, 32768, 128, dtype=stored), s(1, 8, 32768, 128, dtype=stored),
+            s(1, 8, 32768, dtype=jnp.bool_), s(1, 1, 32768, dtype=jnp.int32))
+    scales = {} if stored == jnp.bfloat16 else dict(k_scale=s(1, 8, 32768, dtype=jnp.float32),
+                                                    v_scale=s(1, 8, 32768, dtype=jnp.float32))
+    f = jax.jit(lambda *a, **kw: pk.triton.prefix_attention(*a, jc.RoPE(500000.0), **kw))
     with jax.sharding.use_abstract_mesh(h100_mesh()):
-        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = f.trace(*args, **scales).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
 
 
