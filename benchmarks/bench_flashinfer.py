@@ -10,7 +10,7 @@ request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
     jcascade decode            `jc.attend` on a Full cache, keys rotated in the kernel
     jcascade decode int8 / fp8 the same over a quantized cache (Full(kv_dtype=...): codes + a scale per slot,
                                dequantized in the kernel; the rows whose 2**31 to 2**32 codes the kernel cannot
-                               address in place, B = 64 here, say "dequantized copy")
+                               address by the byte, B = 64 here, say "in place as pairs": read as int16 pairs)
   shared prefix (stored once):
     flashinfer cascade (fa2)   two-level cascade as MultiLevelCascadeAttentionWrapper runs it (a batch-prefill
                                pass per level, then merge_state_in_place) on the FA2 backend

@@ -99,9 +99,8 @@ def check_codes_boundary(kv_dtype: str, slots: int, layers: int = 1, batch: int 
     """Decode over the last layer of a stack of `layers` x `batch` rows x HKV heads x `slots` 8-bit codes on the GPU
     backend against the XLA reference on the same codes. At 2**31 codes (one layer of 32,768 slots at 64 rows of 8
     heads of 128) the Triton kernel reads the stack in place; past it the lowering's 32-bit offsets could not
-    address it (`triton.addresses_fit`): the call reads a copy of the layer's codes (two layers of 16,385 slots),
-    or dequantizes a copy when that layer alone is past 2**31 codes (one layer of 32,785: the shape that faulted
-    before the guard)."""
+    address it by the byte (`triton.addresses_fit`): the kernel reads it as int16 pairs of codes (two layers of
+    16,385 slots; one layer of 32,785, the shape that faulted before the guard)."""
     ks = jax.random.split(jax.random.key(slots), 7)
     dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
     shape = (layers, batch, HKV, slots, D)
@@ -173,7 +172,8 @@ def main():
                  check_insert(kv_dtype)]
     if a.shape == "llama-3.1-8b":
         rows += [check_codes_boundary("int8", 32768), check_codes_boundary("int8", 32785),
-                 check_codes_boundary("int8", 16385, layers=2), check_codes_boundary("float8_e4m3fn", 32768)]
+                 check_codes_boundary("int8", 16385, layers=2), check_codes_boundary("float8_e4m3fn", 32768),
+                 check_codes_boundary("float8_e4m3fn", 32785)]
     if pk.is_hopper() and D in pk.mosaic_gpu.HEAD_DIMS:
         rows += [check("chunk", mosaic, 1, 4096, S, "max"),
                  check("chunk, ragged rows", mosaic, 2, 512, 4096 + 64, "mean", ragged=True),

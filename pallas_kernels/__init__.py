@@ -111,10 +111,7 @@ class Kernels:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
         path = self.quantized_decode_path(k_cache, layer, rope, first_slot) if k_scale is not None else None
-        if q.shape[1] == 1 and path == "layer copy":
-            k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
-            k_scale, v_scale, layer, first_slot = k_scale[..., first_slot:], v_scale[..., first_slot:], None, 0
-        if q.shape[1] == 1 and path in ("in place", "layer copy"):
+        if q.shape[1] == 1 and path in ("in place", "in place as pairs"):
             return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
                                           query_weights, head_reduction, rope, layer, first_slot,
                                           config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
@@ -147,16 +144,15 @@ class Kernels:
     def quantized_decode_path(self, codes, layer=None, rope=None, first_slot: int = 0) -> str:
         """How a decode step (`chunk_attention` with T == 1) reads a quantized cache's `codes` (a layer [B, Hkv, C, D],
         or a stack [L, B, Hkv, C, D] read at `layer`, from `first_slot`): "in place" (the Triton decode kernel
-        dequantizes them in registers), "layer copy" (the same kernel on a copy of the attended layer's codes: a
-        stack it cannot address, `triton.addresses_fit`) or "dequantized copy" (every other backend or RoPE, and a
-        layer too large to address)."""
+        dequantizes them in registers), "in place as pairs" (the same kernel reading them as int16 pairs: a stack
+        of 2**31 to 2**32 codes it cannot address by the byte, `triton.addresses_fit`; head_dim a multiple of 4
+        and >= 64) or "dequantized copy" (every other backend, RoPE or head_dim)."""
         if not (self.on_gpu and (rope is None or triton.fuses_rope(rope))):
             return "dequantized copy"
         if triton.addresses_fit(codes):
             return "in place"
-        attended = jax.ShapeDtypeStruct((*codes.shape[-4:-2], codes.shape[-2] - first_slot, codes.shape[-1]),
-                                        codes.dtype)
-        return "layer copy" if triton.addresses_fit(attended) else "dequantized copy"
+        D = codes.shape[-1]
+        return "in place as pairs" if D % 4 == 0 and D >= 64 else "dequantized copy"
 
     def prefix_attention(self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *, k_scale=None,
                          v_scale=None):

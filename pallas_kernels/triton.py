@@ -257,7 +257,7 @@ def _scalar(x) -> jax.Array:
     return jnp.reshape(x, (1,)).astype(jnp.int32)
 
 
-def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, axes, scaled, logits):
+def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, axes, scaled, logits, paired=None):
     """refs: layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, (ks_ref, vs_ref when
     `scaled`), o_ref, lse_ref, (logits_ref when `logits`).
     q_ref: the KV head's G queries [G, D], read as gp rows (the rest zero); kc_ref, vc_ref: the whole stack
@@ -265,7 +265,11 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
     valid_ref [S]; pos_ref [S] the slots' RoPE positions and freq_ref [D / 2] the RoPE frequencies (read when
     `rope`: the keys are rotated here, cos and sin computed in the loop); ks_ref, vs_ref [S] the slots' scales of
     a quantized cache, whose codes kc_ref and vc_ref then hold: converted exactly to q's dtype in registers, a
-    key's scale multiplying its logits and a value's its probabilities. axes: the grid axes of (row, head, split)."""
+    key's scale multiplying its logits and a value's its probabilities. axes: the grid axes of (row, head, split).
+    paired: None, or the codes' dtype when kc_ref and vc_ref hold them as int16 pairs [L, B, Hkv, C, D / 2]
+    (`as_pairs`: a stack too large to address by the byte, `addresses_fit`); q_ref then holds each half's even
+    columns, then its odd ones (`_pair_order`), freq_ref the even frequencies then the odd ones, and o_ref gets the
+    values' even columns, then their odd ones."""
     layer_ref, len_ref, q_ref, kc_ref, vc_ref, valid_ref, pos_ref, freq_ref, *refs = refs
     ks_ref, vs_ref, *refs = refs if scaled else (None, None, *refs)
     o_ref, lse_ref, logits_ref = refs if logits else (*refs, None)
@@ -280,12 +284,17 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
     def load_q(cols):
         return plgpu.load(q_ref.at[qrows, cols], mask=rows_ok[:, None], other=0.0)
 
-    if rope:
+    if paired:
+        quarter = D // 4
+        quarters = [load_q(pl.ds(i * quarter, quarter)) for i in range(4)]  # each half's even, then odd columns
+        if rope:
+            freqs = freq_ref[pl.ds(0, quarter)], freq_ref[pl.ds(quarter, quarter)]
+    elif rope:
         q1, q2 = load_q(pl.ds(0, half)), load_q(pl.ds(half, half))
         freq = freq_ref[...]
     else:
         q = load_q(slice(None))
-    dtype = (q1 if rope else q).dtype if scaled else vc_ref.dtype  # codes convert exactly to q's dtype
+    dtype = q_ref.dtype if scaled else vc_ref.dtype  # codes convert exactly to q's dtype
     start = s_idx * split
 
     def load_rows(ref, rows, cols, ok, as_dtype):
@@ -295,6 +304,25 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         x = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=fill)
         return (_int8_to_f32(x) if ref.dtype == jnp.int8 else x).astype(as_dtype)
 
+    def load_pairs(ref, rows, cols, ok):
+        """A block of int16 pairs of codes -> their even and odd codes, each exactly in float32."""
+        x = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=0).astype(jnp.int32)
+        return tuple(_code_to_f32(byte, paired) for byte in (lax.shift_right_arithmetic(x << 24, 24),
+                                                             lax.shift_right_arithmetic(x, 8)))
+
+    def paired_logits(kv_blk, blk, ok):
+        """The G queries' logits against a block of int16-paired keys (rotated here when `rope`)."""
+        k1e, k1o = load_pairs(kc_ref, kv_blk, pl.ds(0, quarter), ok)
+        k2e, k2o = load_pairs(kc_ref, kv_blk, pl.ds(quarter, quarter), ok)
+        keys = [k1e, k1o, k2e, k2o]
+        if rope:  # the pairs (x[i], x[i + D/2]) of even i, then of odd i
+            positions = plgpu.load(pos_ref.at[blk], mask=ok, other=0).astype(F32)
+            for i, f in enumerate(freqs):
+                cos, sin = _cos_sin(positions[:, None] * f[None, :], interpret)
+                k1, k2 = keys[i], keys[2 + i]
+                keys[i], keys[2 + i] = k1 * cos - k2 * sin, k2 * cos + k1 * sin
+        return sum(_dot(qx, kx.astype(dtype), trans_b=True) for qx, kx in zip(quarters, keys))
+
     def body(j, carry):
         acc, m, l = carry
         off = start + j * bk
@@ -302,7 +330,9 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         ok = keys < S
         blk, kv_blk = pl.ds(off, bk), pl.ds(first + off, bk)
         allowed = (plgpu.load(valid_ref.at[blk], mask=ok, other=0) != 0) & ok & has_query
-        if rope:  # rotate-half at the slots' positions
+        if paired:
+            s = paired_logits(kv_blk, blk, ok)
+        elif rope:  # rotate-half at the slots' positions
             k1, k2 = load_rows(kc_ref, kv_blk, pl.ds(0, half), ok, F32), load_rows(kc_ref, kv_blk, pl.ds(half, half), ok, F32)
             positions = plgpu.load(pos_ref.at[blk], mask=ok, other=0).astype(F32)
             cos, sin = _cos_sin(positions[:, None] * freq[None, :], interpret)
@@ -319,18 +349,44 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         m_new = jnp.maximum(m, s2.max(axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s2 - m_new[:, None])
-        v = load_rows(vc_ref, kv_blk, slice(None), ok, dtype)
-        pv = p * plgpu.load(vs_ref.at[blk], mask=ok, other=0.0)[None, :] if scaled else p
-        return corr[:, None] * acc + _dot(pv.astype(dtype), v), m_new, corr * l + p.sum(axis=1)
+        pv = (p * plgpu.load(vs_ref.at[blk], mask=ok, other=0.0)[None, :] if scaled else p).astype(dtype)
+        if paired:  # the values' even columns, then their odd ones
+            acc = tuple(corr[:, None] * a + _dot(pv, v.astype(dtype))
+                        for a, v in zip(acc, load_pairs(vc_ref, kv_blk, slice(None), ok)))
+        else:
+            acc = corr[:, None] * acc + _dot(pv, load_rows(vc_ref, kv_blk, slice(None), ok, dtype))
+        return acc, m_new, corr * l + p.sum(axis=1)
 
-    init = (jnp.zeros((gp, D), F32), jnp.full((gp,), MASK, F32), jnp.zeros((gp,), F32))
-    acc, m, l = lax.fori_loop(0, split // bk, body, init)
+    zeros = (jnp.zeros((gp, half), F32),) * 2 if paired else jnp.zeros((gp, D), F32)
+    acc, m, l = lax.fori_loop(0, split // bk, body, (zeros, jnp.full((gp,), MASK, F32), jnp.zeros((gp,), F32)))
     seen_any = ~(m <= 0.5 * MASK)  # NaN counts as seen: it propagates
-    o_ref[...] = jnp.where(seen_any[:, None], acc / l[:, None], 0.0)
+    for cols, a in ([(pl.ds(0, half), acc[0]), (pl.ds(half, half), acc[1])] if paired else [(slice(None), acc)]):
+        plgpu.store(o_ref.at[:, cols], jnp.where(seen_any[:, None], a / l[:, None], 0.0))
     lse_ref[...] = jnp.where(seen_any, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
 
 
 MAGIC = 0x4B400000  # the bits of 1.5 * 2**23: an int c with |c| < 2**22 added to them gives the float 1.5 * 2**23 + c
+
+
+def _code_to_f32(byte, dtype):
+    """A code's byte (int32 in [-128, 127], sign-extended) -> its value in float32: an int8 code's, or that of the
+    float8_e4m3fn code with these bits."""
+    if dtype == jnp.int8:
+        return _int8_to_f32(byte)
+    return lax.bitcast_convert_type(byte.astype(jnp.int8), dtype).astype(F32)
+
+
+def as_pairs(codes: jax.Array) -> jax.Array:
+    """8-bit codes [..., D] as int16 pairs [..., D / 2] (element 2i the low byte of pair i): the same bytes, half the
+    elements, so that a stack of 2**31 to 2**32 codes is addressed correctly (`addresses_fit`)."""
+    as_int8 = lax.bitcast_convert_type(codes, jnp.int8) if codes.dtype != jnp.int8 else codes
+    return lax.bitcast_convert_type(as_int8.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), jnp.int16)
+
+
+def _pair_order(D: int) -> np.ndarray:
+    """The columns of a head [D] as the paired decode reads the keys: each half's even columns, then its odd ones."""
+    half = np.arange(D // 2).reshape(-1, 2).T.reshape(-1)
+    return np.concatenate([half, D // 2 + half])
 
 
 def _int8_to_f32(codes):
@@ -470,6 +526,13 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
         v_cache, layer, first_slot = layer_of(v_cache, layer, first_slot)[None], 0, 0
     elif layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    paired = None  # a stack too large to address by the byte is read as int16 pairs of codes
+    if scaled and not (addresses_fit(k_cache) and addresses_fit(v_cache)):
+        if D % 4 or D < 64:
+            raise ValueError(f"k_cache {k_cache.dtype}{list(k_cache.shape)}: a stack the Triton decode cannot address "
+                             f"by the byte (`addresses_fit`) is read as pairs, which needs head_dim a multiple of 4 "
+                             f"and >= 64; Kernels.chunk_attention routes such a stack elsewhere")
+        paired, k_cache, v_cache = k_cache.dtype, as_pairs(k_cache), as_pairs(v_cache)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not addresses_fit(cache):
             raise ValueError(f"{name} {cache.dtype}{list(cache.shape)}: the Triton decode cannot address it in place "
@@ -481,12 +544,13 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     splits = pl.cdiv(S, split)
     qg = q.reshape(B, Hkv, G, D)
     positions, freq = _rope_inputs(rope, cache_positions, D)
+    values = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])  # paired: the values' even, then odd columns
     position_heads = positions.shape[1]
     want_scores = weights is not None
     kernel = functools.partial(
         _decode_kernel, S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
         interpret=interpret, axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2), scaled=scaled,
-        logits=want_scores,
+        logits=want_scores, paired=paired,
     )
     # grid (head, split, row): the programs of a row's split run side by side (with RoPE tables, rows first made
     # each head re-read its row's table from memory: at batch 64 on an H100, 1.15x slower)
@@ -522,9 +586,13 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
         compiler_params=cfg.params(decode=True),
         interpret=interpret,
         name="jcascade_decode",
-    )(_scalar(layer), lengths, qg, k_cache, v_cache, cache_valid.astype(jnp.int32), positions, freq,
+    )(_scalar(layer), lengths, qg if paired is None else qg[..., _pair_order(D)], k_cache, v_cache,
+      cache_valid.astype(jnp.int32), positions, freq if paired is None else jnp.concatenate([freq[0::2], freq[1::2]]),
       *((k_scale[..., first_slot:], v_scale[..., first_slot:]) if scaled else ()))
-    return _finish(qg, k, v, lengths, weights, parts, reduction, interpret)
+    if paired is None:
+        return _finish(qg, k, v, lengths, weights, parts, reduction, interpret)
+    out, *rest = _finish(qg, k, v[..., values], lengths, weights, parts, reduction, interpret)
+    return out[..., np.argsort(values)], *rest
 
 
 def _finish(qg, k, v, lengths, weights, parts, reduction, interpret):

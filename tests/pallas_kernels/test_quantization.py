@@ -85,24 +85,46 @@ def test_the_triton_decode_dequantizes_bfloat16_queries_codes_in_registers(fmt):
         assert_close(g, w, jnp.bfloat16, name)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rope", [jc.RoPE(10000.0), None], ids=["fused", "none"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_triton_decode_reads_a_stack_as_int16_pairs_as_the_reference_reads_it_dequantized(monkeypatch, fmt, rope,
+                                                                                             dtype):
+    """The pairs path (`triton.as_pairs`: the same bytes as half as many int16 elements, taken by stacks of 2**31 to
+    2**32 codes) on a small stack with every 8-bit array treated as unaddressable: each pair split into its two
+    codes, the keys' halves rotated in even and odd columns, the values' columns put back in order; output,
+    log-sum-exp and score increments equal the reference on the dequantized slots (the order of the sums aside)."""
+    monkeypatch.setattr(pk.triton, "addresses_fit", lambda array: jnp.dtype(array.dtype).itemsize != 1)
+    inputs, plain = quantized_inputs(random_inputs(np.random.default_rng(6), 3, 1, 8, 2, 64, 70, dtype,
+                                                   per_head_positions=True), fmt)
+    kernels = SMALL["triton"]
+    assert kernels.quantized_decode_path(inputs["k_cache"], rope=rope) == "in place as pairs"
+    text = jax.jit(lambda x: kernels.chunk_attention(**x, rope=rope)).lower(inputs).as_text()
+    assert "tensor<1x3x2x70x32xi16>" in text  # the kernel's operand: the codes as int16 pairs
+    got = jax.jit(lambda x: kernels.chunk_attention(**x, rope=rope))(inputs)
+    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
+    for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
+        assert_close(g, w, dtype, name)
+
+
 def test_the_triton_decode_converts_every_int8_code_exactly():
     """The decode kernel's int8 conversion by integer add (no int-to-float instruction) gives every code's value."""
     codes = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
     np.testing.assert_array_equal(pk.triton._int8_to_f32(codes), np.arange(-128, 128, dtype=np.float32))
 
 
-def test_stacks_the_triton_kernels_cannot_address_take_other_paths():
+def test_stacks_the_triton_kernels_cannot_address_by_the_byte_are_read_as_pairs():
     """jax 0.11's Triton lowering offsets elements in signed 32 bits below 2**32 bytes, so the in-place Triton decode
-    and insertion kernels are not handed an 8-bit stack of more than 2**31 codes: decode reads a copy of the
-    attended layer's codes when that fits (two layers of 64 rows x 8 heads x 16,385 slots x 128), else dequantizes
-    (one layer of 32,785 slots: the shape that faulted); insertion runs in XLA. At 2**31 codes (32,768 slots) both
-    kernels take the stack in place (checked on the traced programs; nothing is allocated)."""
+    and insertion kernels are not handed an 8-bit stack of more than 2**31 codes: decode reads it as int16 pairs of
+    codes (half the elements: two layers of 64 rows x 8 heads x 16,385 slots x 128, and one layer of 32,785 slots,
+    the shape that faulted; a head_dim under 64 is dequantized in a copy), insertion runs in XLA. At 2**31 codes
+    (32,768 slots) both take the stack of codes as it is (checked on the traced programs; nothing is allocated)."""
     assert pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31,), jnp.int8))
     assert not pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31 + 1,), jnp.int8))
     assert not pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**32,), jnp.float8_e4m3fn))
     assert pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**32 + 1,), jnp.int8))
     assert pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31 + 1,), jnp.bfloat16))
-    B, H, D = 64, 8, 128
+    B, H = 64, 8
     s = jax.ShapeDtypeStruct
     kernels = pk.Kernels("triton")
 
@@ -113,32 +135,35 @@ def test_stacks_the_triton_kernels_cannot_address_take_other_paths():
                 if hasattr(value, "eqns") or hasattr(value, "jaxpr"):
                     yield from equations(getattr(value, "jaxpr", value))
 
-    def codes_read_by_kernels(layers, slots):
-        """{Triton kernel: the shapes of the int8 arrays it is handed} for a stack of `layers` x B x H x slots."""
-        stack, slot = s((layers, B, H, slots, D), jnp.int8), s((B, H, slots), jnp.float32)
-        q, k = s((B, 1, 4 * H, D), jnp.bfloat16), s((B, 1, H, D), jnp.bfloat16)
+    def codes_read_by_kernels(layers, slots, D=128, heads=H):
+        """{Triton kernel: the shapes and dtypes of the 8- or 16-bit stacks it is handed} for a stack of `layers` x
+        B x heads x slots x D codes."""
+        stack, slot = s((layers, B, heads, slots, D), jnp.int8), s((B, heads, slots), jnp.float32)
+        q, k = s((B, 1, 4 * heads, D), jnp.bfloat16), s((B, 1, heads, D), jnp.bfloat16)
         attend = lambda *a, **kw: kernels.chunk_attention(*a, rope=jc.RoPE(5e5), layer=jnp.int32(0), **kw)  # noqa: E731
         layout = pk.schedule.RingLayout(sinks=4, ring_size=slots - 4, num_rings=1)
         insert = lambda *a, **kw: kernels.insert(layout, *a, **kw)  # noqa: E731
-        codes, scale = s((B, 1, H, D), jnp.int8), s((B, 1, H), jnp.float32)
-        programs = [jax.make_jaxpr(attend)(q, k, k, stack, stack, s((B, H, slots), jnp.bool_),
-                                           s((B, H, slots), jnp.int32), s((B,), jnp.int32), s((B, 1), jnp.float32),
+        codes, scale = s((B, 1, heads, D), jnp.int8), s((B, 1, heads), jnp.float32)
+        programs = [jax.make_jaxpr(attend)(q, k, k, stack, stack, s((B, heads, slots), jnp.bool_),
+                                           s((B, heads, slots), jnp.int32), s((B,), jnp.int32), s((B, 1), jnp.float32),
                                            k_scale=slot, v_scale=slot),
-                    jax.make_jaxpr(insert)(stack, stack, jnp.int32(0), slot, s((B, H, slots), jnp.int32),
-                                           s((B,), jnp.int32), codes, codes, s((B, H, 1), jnp.float32),
+                    jax.make_jaxpr(insert)(stack, stack, jnp.int32(0), slot, s((B, heads, slots), jnp.int32),
+                                           s((B,), jnp.int32), codes, codes, s((B, heads, 1), jnp.float32),
                                            s((B,), jnp.int32), s((B,), jnp.int32), scales=((slot, slot), (scale, scale)))]
-        return {eqn.params["name"]: {x.aval.shape for x in eqn.invars if x.aval.dtype == jnp.int8 and x.aval.ndim == 5}
+        return {eqn.params["name"]: {(x.aval.shape, str(x.aval.dtype)) for x in eqn.invars
+                                     if x.aval.dtype in (jnp.int8, jnp.int16) and x.aval.ndim == 5}
                 for program in programs for eqn in equations(program.jaxpr) if eqn.primitive.name == "pallas_call"}
 
-    assert codes_read_by_kernels(1, 32768) == {"jcascade_decode": {(1, B, H, 32768, D)}, "jcascade_decode_finish": set(),
-                                               "jcascade_insert_one": {(1, B, H, 32768, D)}}
-    assert codes_read_by_kernels(2, 16385) == {"jcascade_decode": {(1, B, H, 16385, D)}, "jcascade_decode_finish": set()}
-    assert codes_read_by_kernels(1, 32785) == {"jcascade_decode": set(), "jcascade_decode_finish": set()}
-    stack, slot = s((1, B, H, 32785, D), jnp.int8), s((B, H, 32785), jnp.float32)
-    with pytest.raises(ValueError, match=r"k_cache int8\[1, 64, 8, 32785, 128\]: the Triton decode cannot address"):
-        jax.make_jaxpr(lambda *a: pk.triton.chunk_attention(*a, layer=jnp.int32(0), k_scale=slot, v_scale=slot))(
-            s((B, 1, 4 * H, D), jnp.bfloat16), s((B, 1, H, D), jnp.bfloat16), s((B, 1, H, D), jnp.bfloat16), stack,
-            stack, s((B, H, 32785), jnp.bool_), s((B, H, 32785), jnp.int32), s((B,), jnp.int32))
+    assert codes_read_by_kernels(1, 32768) == {"jcascade_decode": {((1, B, H, 32768, 128), "int8")},
+                                               "jcascade_decode_finish": set(),
+                                               "jcascade_insert_one": {((1, B, H, 32768, 128), "int8")}}
+    for layers, slots in ((2, 16385), (1, 32785)):
+        assert kernels.quantized_decode_path(s((layers, B, H, slots, 128), jnp.int8)) == "in place as pairs"
+        assert codes_read_by_kernels(layers, slots) == {"jcascade_decode": {((layers, B, H, slots, 64), "int16")},
+                                                        "jcascade_decode_finish": set()}
+    assert kernels.quantized_decode_path(s((1, B, 4 * H, 32785, 32), jnp.int8)) == "dequantized copy"
+    assert codes_read_by_kernels(1, 32785, D=32, heads=4 * H) == {"jcascade_decode": set(),
+                                                                  "jcascade_decode_finish": set()}
 
 
 def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():

@@ -22,6 +22,21 @@ def test_kernels_lower_for_gpu(shape):
     assert text.count("xla.gpu.triton") == (2 if shape[1] == 1 else 3)  # decode: split-K + finish; chunk: forward + 2 scores
 
 
+@pytest.mark.parametrize("stored", [jnp.int8, jnp.float8_e4m3fn])
+def test_the_decode_lowers_for_gpu_on_a_stack_read_as_int16_pairs(stored):
+    """A decode step over one layer of 64 rows x 8 heads x 32,785 slots x 128 codes (past 2**31: read as int16
+    pairs, `triton.as_pairs`), scores included."""
+    s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    B, H, S, D = 64, 8, 32785, 128
+    stack, slot = s(1, B, H, S, D, dtype=stored), s(B, H, S, dtype=jnp.float32)
+    args = (s(B, 1, 4 * H, D), s(B, 1, H, D), s(B, 1, H, D), stack, stack, s(B, H, S, dtype=jnp.bool_),
+            s(B, H, S, dtype=jnp.int32), s(B, dtype=jnp.int32), s(B, 1, dtype=jnp.float32))
+    f = jax.jit(lambda *a, **kw: pk.triton.chunk_attention(*a, "max", jc.RoPE(500000.0), jnp.int32(0), **kw))
+    with jax.sharding.use_abstract_mesh(h100_mesh()):
+        text = f.trace(*args, k_scale=slot, v_scale=slot).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 2 and f"tensor<1x{B}x{H}x{S}x{D // 2}xi16>" in text
+
+
 @pytest.mark.parametrize("stored", [jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
 def test_shared_prefix_kernel_lowers_for_gpu(stored):
     """In the model's dtype, or a quantized prefix's codes with their scales."""
