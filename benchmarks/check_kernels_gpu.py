@@ -118,7 +118,7 @@ def check_codes_boundary(kv_dtype: str, slots: int, layers: int = 1, batch: int 
     rope, layer = jc.RoPE(500000.0), jnp.int32(layers - 1)
     got = jax.jit(lambda x: jc.Kernels("triton").chunk_attention(**x, rope=rope, layer=layer))(x)
     want = jax.jit(lambda x: jc.Kernels("xla").chunk_attention(**x, rope=rope, layer=layer))(x)
-    path = jc.Kernels("triton").quantized_decode_path(x["k_cache"], layer, rope)
+    path = jc.Kernels("triton").quantized_decode_path(x["k_cache"], rope)
     row = dict(case=f"decode {kv_dtype}, {layers} x {batch * HKV * slots * D / 2**31:.4f} x 2**31 codes ({path})",
                implementation="Kernels('triton')", batch=batch, T=1, S=slots, reduction="max", ok=True, kv_dtype=kv_dtype)
     for part, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):

@@ -110,7 +110,7 @@ class Kernels:
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
-        path = self.quantized_decode_path(k_cache, layer, rope, first_slot) if k_scale is not None else None
+        path = self.quantized_decode_path(k_cache, rope) if k_scale is not None else None
         if q.shape[1] == 1 and path in ("in place", "in place as pairs"):
             return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
                                           query_weights, head_reduction, rope, layer, first_slot,
@@ -141,12 +141,12 @@ class Kernels:
             return reference.chunk_attention(*args)
         return tpu.chunk_attention(*args, config=self.tpu, interpret=self.interpret)
 
-    def quantized_decode_path(self, codes, layer=None, rope=None, first_slot: int = 0) -> str:
+    def quantized_decode_path(self, codes, rope=None) -> str:
         """How a decode step (`chunk_attention` with T == 1) reads a quantized cache's `codes` (a layer [B, Hkv, C, D],
-        or a stack [L, B, Hkv, C, D] read at `layer`, from `first_slot`): "in place" (the Triton decode kernel
-        dequantizes them in registers), "in place as pairs" (the same kernel reading them as int16 pairs: a stack
-        of 2**31 to 2**32 codes it cannot address by the byte, `triton.addresses_fit`; head_dim a multiple of 4
-        and >= 64) or "dequantized copy" (every other backend, RoPE or head_dim)."""
+        or a stack [L, B, Hkv, C, D]) under `rope`: "in place" (the Triton decode kernel dequantizes them in
+        registers), "in place as pairs" (the same kernel reading them as int16 pairs: a stack of 2**31 to 2**32
+        codes it cannot address by the byte, `triton.addresses_fit`; head_dim a multiple of 4 and >= 64) or
+        "dequantized copy" (every other backend, RoPE or head_dim)."""
         if not (self.on_gpu and (rope is None or triton.fuses_rope(rope))):
             return "dequantized copy"
         if triton.addresses_fit(codes):

@@ -544,7 +544,6 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     splits = pl.cdiv(S, split)
     qg = q.reshape(B, Hkv, G, D)
     positions, freq = _rope_inputs(rope, cache_positions, D)
-    values = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])  # paired: the values' even, then odd columns
     position_heads = positions.shape[1]
     want_scores = weights is not None
     kernel = functools.partial(
@@ -591,6 +590,7 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
       *((k_scale[..., first_slot:], v_scale[..., first_slot:]) if scaled else ()))
     if paired is None:
         return _finish(qg, k, v, lengths, weights, parts, reduction, interpret)
+    values = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])  # o's columns: the values' even, then odd
     out, *rest = _finish(qg, k, v[..., values], lengths, weights, parts, reduction, interpret)
     return out[..., np.argsort(values)], *rest
 
