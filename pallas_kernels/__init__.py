@@ -116,6 +116,11 @@ class Kernels:
                                           query_weights, head_reduction, rope, layer, first_slot,
                                           config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
                                           k_scale=k_scale, v_scale=v_scale)
+        if k_scale is not None and self.backend == "mosaic_tpu":  # its kernels take the codes
+            k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
+            return tpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
+                                       query_weights, head_reduction, rope, config=self.tpu, interpret=self.interpret,
+                                       k_scale=k_scale[..., first_slot:], v_scale=v_scale[..., first_slot:])
         if k_scale is not None:
             k_cache, v_cache = (quantization.dequantize(triton.layer_of(codes, layer, first_slot),
                                                         scale[..., first_slot:], q.dtype)

@@ -7,8 +7,10 @@ results deterministic:
      once causally over the chunk's keys, and the two (v, lse) states are merged exactly;
   2. a scores kernel, grid (row, KV head, key block, query block), recomputes q.k against the final
      lse and accumulates the weighted column sums of the group in VMEM, then reduces them (max/mean).
-Keys are rotated by XLA before the kernels. Blocks at the ends of the arrays may be partial: their
-out-of-range rows are masked (values) or dropped (writes).
+Keys are rotated by XLA before the kernels (a quantized cache's keys dequantized in the same pass); a quantized
+cache's values are read as codes, converted to q's dtype in the segment kernel, their scales applied to the
+probabilities. Blocks at the ends of the arrays may be partial: their out-of-range rows are masked (values) or
+dropped (writes).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import attention_state
+from . import attention_state, quantization
 from .tuning import check_fields
 
 MASK = -0.7 * float(np.finfo(np.float32).max)
@@ -68,8 +70,9 @@ def _qk(q_ref, k_ref, scale):
     return (s * scale).reshape(G, bq, k_ref.shape[0])
 
 
-def _segment_kernel(len_ref, q_ref, k_ref, v_ref, *refs, causal, T, S, scale):
+def _segment_kernel(len_ref, q_ref, k_ref, v_ref, *refs, causal, T, S, scale, scaled):
     valid_ref = None if causal else refs[0]
+    vs_ref = refs[0 if causal else 1] if scaled else None
     o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[-5:]
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     G, bq, D = q_ref.shape
@@ -86,12 +89,15 @@ def _segment_kernel(len_ref, q_ref, k_ref, v_ref, *refs, causal, T, S, scale):
         allowed = _allowed(G, bq, bk, i, j, len_ref[b], T, S, causal, valid_ref)
         s = jnp.where(allowed, _qk(q_ref, k_ref, scale), MASK).reshape(G * bq, bk)
         key_in_range = j * bk + lax.broadcasted_iota(jnp.int32, (bk, D), 0) < S
-        v = jnp.where(key_in_range, v_ref[...], 0)
+        v = jnp.where(key_in_range, v_ref[...], jnp.zeros((), v_ref.dtype))
         m_prev = m_sc[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         corr = jnp.exp(m_prev - m_new)
         p = jnp.exp(s - m_new)
         l_sc[...] = corr * l_sc[...] + p.sum(axis=1, keepdims=True)
+        if scaled:  # value codes: exact in q's dtype, each value's scale on its probabilities
+            in_range = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1) < S
+            p, v = p * jnp.where(in_range, vs_ref[...], 0.0), v.astype(q_ref.dtype)
         acc_sc[...] = corr * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
         m_sc[...] = m_new
 
@@ -103,8 +109,9 @@ def _segment_kernel(len_ref, q_ref, k_ref, v_ref, *refs, causal, T, S, scale):
         lse_ref[...] = jnp.where(seen_any, m + jnp.log(l), -jnp.inf).reshape(G, bq)
 
 
-def _segment(q, keys, values, valid, lengths, *, causal, cfg, interpret):
-    """Online softmax of q [B, Hkv, G, T, D] over keys/values [B, Hkv, S, D] -> o f32, lse f32."""
+def _segment(q, keys, values, valid, lengths, *, causal, cfg, interpret, v_scale=None):
+    """Online softmax of q [B, Hkv, G, T, D] over keys/values [B, Hkv, S, D] -> o f32, lse f32. v_scale: f32
+    [B, Hkv, 1, S] when values holds a quantized cache's codes."""
     B, Hkv, G, T, D = q.shape
     S = keys.shape[2]
     bq, bk = _blocks(T, S, cfg)
@@ -114,11 +121,12 @@ def _segment(q, keys, values, valid, lengths, *, causal, cfg, interpret):
         pl.BlockSpec((None, None, bk, D), lambda b, h, i, j, n: (b, h, j, 0)),
     ]
     args = [q, keys, values]
-    if not causal:
-        in_specs.append(pl.BlockSpec((None, None, 1, bk), lambda b, h, i, j, n: (b, h, 0, j)))
-        args.append(valid)
+    for per_slot in (None if causal else valid, v_scale):
+        if per_slot is not None:
+            in_specs.append(pl.BlockSpec((None, None, 1, bk), lambda b, h, i, j, n: (b, h, 0, j)))
+            args.append(per_slot)
     return pl.pallas_call(
-        functools.partial(_segment_kernel, causal=causal, T=T, S=S, scale=D**-0.5),
+        functools.partial(_segment_kernel, causal=causal, T=T, S=S, scale=D**-0.5, scaled=v_scale is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(B, Hkv, pl.cdiv(T, bq), pl.cdiv(S, bk)),
@@ -194,18 +202,24 @@ def _scores(q, lse, weights, keys, valid, lengths, *, causal, reduction, cfg, in
 
 
 def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, *, config: TpuConfig = TpuConfig(), interpret: bool = False):
-    """Same contract as `reference.chunk_attention`, on Pallas-Mosaic TPU."""
+                    head_reduction="max", rope=None, *, config: TpuConfig = TpuConfig(), interpret: bool = False,
+                    k_scale=None, v_scale=None):
+    """Same contract as `reference.chunk_attention`, on Pallas-Mosaic TPU. k_scale, v_scale: f32 [B, Hkv, S] when
+    k_cache, v_cache hold a quantized cache's codes: the keys are dequantized (to q's dtype) where XLA rotates them,
+    the values read as codes by the segment kernel."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
+    if k_scale is not None:
+        k_cache = quantization.dequantize(k_cache, k_scale, q.dtype)
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)
     qt = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
     valid = cache_valid.astype(jnp.int32)[:, :, None, :]
     common = dict(cfg=config, interpret=interpret)
-    o_cache, lse_cache = _segment(qt, k_cache, v_cache, valid, lengths, causal=False, **common)
+    o_cache, lse_cache = _segment(qt, k_cache, v_cache, valid, lengths, causal=False, **common,
+                                  v_scale=None if v_scale is None else v_scale[:, :, None, :])
     o_chunk, lse_chunk = _segment(qt, kt, vt, None, lengths, causal=True, **common)
     o, lse = attention_state.merge(o_cache, lse_cache, o_chunk, lse_chunk)
     out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)

@@ -1,7 +1,8 @@
-"""The Mosaic TPU kernels (pallas_kernels/tpu.py) lower for TPU from the CPU. Against the reference in
-interpret mode: test_pallas_kernels.py."""
+"""The Mosaic TPU kernels (pallas_kernels/tpu.py) lower for TPU from the CPU, on a cache in the model's dtype and on
+a quantized one's codes. Against the reference in interpret mode: test_pallas_kernels.py, test_quantization.py."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import jcascade as jc
@@ -14,3 +15,17 @@ def test_kernels_lower_for_tpu(shape):
     f = jax.jit(lambda *a: pk.tpu.chunk_attention(*a, "max", jc.RoPE(500000.0)))
     text = f.trace(*abstract_inputs(*shape)).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 4
+
+
+@pytest.mark.parametrize("stored", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("shape", LOWERING_SHAPES[1:], ids=str)
+def test_kernels_lower_for_tpu_on_codes(shape, stored):
+    """A quantized cache's codes and scales: the segment kernel reads the value codes (an 8-bit operand)."""
+    args = list(abstract_inputs(*shape))
+    B, Hkv, S, D = args[3].shape
+    args[3] = args[4] = jax.ShapeDtypeStruct((B, Hkv, S, D), stored)
+    scale = jax.ShapeDtypeStruct((B, Hkv, S), jnp.float32)
+    f = jax.jit(lambda *a, **kw: pk.tpu.chunk_attention(*a, "max", jc.RoPE(500000.0), **kw))
+    text = f.trace(*args, k_scale=scale, v_scale=scale).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 4
+    assert f"tensor<{B}x{Hkv}x{S}x{D}x{'i8' if stored == jnp.int8 else 'f8E4M3FN'}>" in text
