@@ -104,9 +104,10 @@ class Kernels:
         (cache_valid and cache_positions cover those slots alone). The Triton decode kernel reads both in place;
         the other paths take the slice. k_scale, v_scale: f32 [B, Hkv, C] when k_cache, v_cache hold a quantized
         cache's codes (`quantization`): a decode step on a GPU backend (with RoPE the kernel fuses, or none)
-        dequantizes them in the Triton decode kernel's registers; the other paths dequantize (to q's dtype) in a
-        copy of the attended slots (fused with the keys' rotation), then attend as to a cache in the model's
-        dtype. `quantized_decode_path` says which a decode step takes."""
+        dequantizes them in the Triton decode kernel's registers, and the Mosaic TPU kernels read the value codes
+        (the keys dequantized with their rotation); the other paths dequantize (to q's dtype) in a copy of the
+        attended slots (fused with the keys' rotation), then attend as to a cache in the model's dtype.
+        `quantized_decode_path` says which a decode step takes."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
             raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                              f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
