@@ -89,10 +89,15 @@ def cached_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
     `cached_positions` (the state's layer of a stacked cache when `state.layer` is set); a quantized cache's
     dequantized to float32 (code * scale)."""
     check_state(state, stacked_ok=True)
-    k, v = (state.k, state.v) if state.layer is None else (state.k[state.layer], state.v[state.layer])
+    k, v = stored_kv(state)
     if state.k_scale is None:
         return k, v
     return quantization.dequantize(k, state.k_scale), quantization.dequantize(v, state.v_scale)
+
+
+def stored_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
+    """(k, v) as the cache stores them (a quantized cache's codes), of the state's layer when `state.layer` is set."""
+    return (state.k, state.v) if state.layer is None else (state.k[state.layer], state.v[state.layer])
 
 
 def write_kv(state: CacheState, index: tuple, k: jax.Array, v: jax.Array) -> CacheState:

@@ -75,8 +75,7 @@ def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Arra
     if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be None (the cache's storage) or a floating dtype, got {dtype}")
     if state.k_scale is not None and dtype is None:  # codes and scales as they are, zero in empty slots
-        k, v = (state.k, state.v) if state.layer is None else (state.k[state.layer], state.v[state.layer])
-        k, v = (jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)) for x in (k, v))
+        k, v = (jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)) for x in cache_state.stored_kv(state))
         k_scale, v_scale = (jnp.where(valid, x, 0.0) for x in (state.k_scale, state.v_scale))
         return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, k_scale=k_scale,
                             v_scale=v_scale)

@@ -157,8 +157,7 @@ class Kernels:
             return "dequantized copy"
         if triton.addresses_fit(codes):
             return "in place"
-        D = codes.shape[-1]
-        return "in place as pairs" if D % 4 == 0 and D >= 64 else "dequantized copy"
+        return "in place as pairs" if triton.reads_pairs(codes.shape[-1]) else "dequantized copy"
 
     def prefix_attention(self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *, k_scale=None,
                          v_scale=None):
@@ -171,7 +170,7 @@ class Kernels:
         registers (on GPU, with RoPE it fuses or none, codes it can address: `triton.addresses_fit`); every other
         path dequantizes a copy (to q's dtype) first."""
         if k_scale is not None:
-            if self.on_gpu and (rope is None or triton.fuses_rope(rope)) and triton.addresses_fit(k_cache):
+            if self.quantized_decode_path(k_cache, rope) == "in place":  # the decode kernel, many queries
                 return triton.prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope,
                                                config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
                                                k_scale=k_scale, v_scale=v_scale)

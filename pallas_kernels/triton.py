@@ -383,6 +383,12 @@ def as_pairs(codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(as_int8.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), jnp.int16)
 
 
+def reads_pairs(head_dim: int) -> bool:
+    """Whether the decode kernel can read heads of `head_dim` as int16 pairs: four products of head_dim / 4 columns,
+    each at least 16 (Triton's smallest)."""
+    return head_dim % 4 == 0 and head_dim >= 64
+
+
 def _pair_order(D: int) -> np.ndarray:
     """The columns of a head [D] as the paired decode reads the keys: each half's even columns, then its odd ones."""
     half = np.arange(D // 2).reshape(-1, 2).T.reshape(-1)
@@ -528,7 +534,7 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     paired = None  # a stack too large to address by the byte is read as int16 pairs of codes
     if scaled and not (addresses_fit(k_cache) and addresses_fit(v_cache)):
-        if D % 4 or D < 64:
+        if not reads_pairs(D):
             raise ValueError(f"k_cache {k_cache.dtype}{list(k_cache.shape)}: a stack the Triton decode cannot address "
                              f"by the byte (`addresses_fit`) is read as pairs, which needs head_dim a multiple of 4 "
                              f"and >= 64; Kernels.chunk_attention routes such a stack elsewhere")
