@@ -21,6 +21,7 @@ a quantized Cascade cache's codes and scales exactly as the XLA insertion does. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -76,22 +77,31 @@ def quantized(x: dict, kv_dtype: str) -> dict:
     return x | dict(k_cache=k, v_cache=v, k_scale=k_scale[LAYER], v_scale=v_scale[LAYER])
 
 
-def check_insert(kv_dtype: str, batch: int = 4, steps: int = 40) -> dict:
-    """Single tokens into a quantized Cascade cache (2 sinks, 3 rings of 8) on the Triton insertion kernel and on
-    the XLA insertion: every array of the two states must be equal."""
-    policy = jc.Cascade(cache_size=24, sinks=2, num_cascades=3, stride=1, kv_dtype=kv_dtype)
+def check_insert(kv_dtype: str, batch: int = 4, steps: int = 40, cache_size: int = 24, sinks: int = 2,
+                 num_cascades: int = 3) -> dict:
+    """Single tokens into a quantized Cascade cache on the Triton insertion kernel and on the XLA insertion: every
+    array of the two states must be equal. The default cache is 2 sinks and 3 rings of 8; a cache of 2**31 to
+    2**32 codes (`cache_size=32768, sinks=64, num_cascades=4` at 64 rows) is written as int16 pairs, each row's
+    clock started past its sinks at a row's own offset so that the rings' writes reach every part of the cache."""
+    policy = jc.Cascade(cache_size=cache_size, sinks=sinks, num_cascades=num_cascades, stride=1, kv_dtype=kv_dtype)
     kernels = [jc.Kernels("triton"), jc.Kernels("xla")]
     states = [jc.init_cache(policy, batch, HKV, D, jnp.bfloat16, kernels=k) for k in kernels]
+    capacity = states[0].capacity
+    if capacity > 26:
+        seen = (sinks + 7919 * jnp.arange(batch, dtype=jnp.int32) % (4 * capacity)).astype(jnp.int32)
+        states = [dataclasses.replace(s, seen=seen) for s in states]
+    path = "pairs" if not pk.triton.addresses_fit(states[0].k) else "in place"
     step = jax.jit(lambda s, k, v, sc: jc.update(policy, s, k, v, sc))
     for i in range(steps):
         ks = jax.random.split(jax.random.key(i), 4)
         k, v = (jax.random.normal(key, (batch, 1, HKV, D), jnp.bfloat16) for key in ks[:2])
-        scores = jc.Scores(cache=jax.random.uniform(ks[2], (batch, HKV, 26)),
+        scores = jc.Scores(cache=jax.random.uniform(ks[2], (batch, HKV, capacity)),
                            chunk=jax.random.uniform(ks[3], (batch, HKV, 1)))
         states = [step(s, k, v, scores) for s in states]
     same = all(bool(jnp.array_equal(a, b, equal_nan=True)) for a, b in zip(jax.tree.leaves(states[0]),
                                                                            jax.tree.leaves(states[1])))
-    return dict(case=f"insert {kv_dtype}", implementation="Triton insert_one vs XLA", batch=batch, T=1, S=26,
+    return dict(case=f"insert {kv_dtype}, {batch * HKV * capacity * D / 2**31:.4f} x 2**31 codes ({path})",
+                implementation="Triton insert_one vs XLA", batch=batch, T=1, S=capacity,
                 reduction="-", ok=same, out=0.0 if same else 1.0, lse=0.0, inc_cache=0.0, inc_chunk=0.0)
 
 
@@ -100,18 +110,20 @@ def check_codes_boundary(kv_dtype: str, slots: int, layers: int = 1, batch: int 
     backend against the XLA reference on the same codes. At 2**31 codes (one layer of 32,768 slots at 64 rows of 8
     heads of 128) the Triton kernel reads the stack in place; past it the lowering's 32-bit offsets could not
     address it by the byte (`triton.addresses_fit`): the kernel reads it as int16 pairs of codes (two layers of
-    16,385 slots; one layer of 32,785, the shape that faulted before the guard)."""
+    16,385 slots; one layer of 32,785, the shape that faulted before the guard). Codes span their format's range
+    and scales are drawn so that values span about +-2.5 in both formats (scales up to 2.5 / 127 or 2.5 / 448)."""
     ks = jax.random.split(jax.random.key(slots), 7)
     dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
     shape = (layers, batch, HKV, slots, D)
+    code_max = 127 if dtype == jnp.int8 else 448
     codes = lambda k: (jax.random.randint(k, shape, -127, 128, jnp.int8) if dtype == jnp.int8  # noqa: E731
                        else jax.random.uniform(k, shape, jnp.float32, -448, 448).astype(dtype))
+    scale = lambda k: jax.random.uniform(k, (batch, HKV, slots), jnp.float32, 0, 2.5 / code_max)  # noqa: E731
     x = dict(q=jax.random.normal(ks[0], (batch, 1, HQ, D), jnp.bfloat16),
              k=jax.random.normal(ks[1], (batch, 1, HKV, D), jnp.bfloat16),
              v=jax.random.normal(ks[6], (batch, 1, HKV, D), jnp.bfloat16),
              k_cache=codes(ks[2]), v_cache=codes(ks[3]),
-             k_scale=jax.random.uniform(ks[4], (batch, HKV, slots), jnp.float32, 0, 0.02),
-             v_scale=jax.random.uniform(ks[5], (batch, HKV, slots), jnp.float32, 0, 0.02),
+             k_scale=scale(ks[4]), v_scale=scale(ks[5]),
              cache_valid=jnp.ones((batch, HKV, slots), bool),
              cache_positions=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, 1, slots)),
              lengths=jnp.ones((batch,), jnp.int32), query_weights=jnp.ones((batch, 1), jnp.float32))
@@ -173,7 +185,8 @@ def main():
     if a.shape == "llama-3.1-8b":
         rows += [check_codes_boundary("int8", 32768), check_codes_boundary("int8", 32785),
                  check_codes_boundary("int8", 16385, layers=2), check_codes_boundary("float8_e4m3fn", 32768),
-                 check_codes_boundary("float8_e4m3fn", 32785)]
+                 check_codes_boundary("float8_e4m3fn", 32785),
+                 check_insert("int8", batch=64, steps=8, cache_size=32768, sinks=64, num_cascades=4)]
     if pk.is_hopper() and D in pk.mosaic_gpu.HEAD_DIMS:
         rows += [check("chunk", mosaic, 1, 4096, S, "max"),
                  check("chunk, ragged rows", mosaic, 2, 512, 4096 + 64, "mean", ragged=True),

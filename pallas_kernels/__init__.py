@@ -187,10 +187,11 @@ class Kernels:
     def insert(self, layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n,
                place_evicted=None, *, scales=None):
         """`ring_insertion.insert_chunk` (same arguments and result) on this backend: a single-token chunk on a
-        GPU backend runs the in-place Triton kernel (layouts without heavy slots, stacks it can address in place:
-        `triton.addresses_fit`); everything else runs the vectorised XLA formulation."""
-        if (k.shape[1] == 1 and self.on_gpu and not layout.heavy and triton.addresses_fit(k_cache)
-                and triton.addresses_fit(v_cache)):
+        GPU backend runs the in-place Triton kernel (layouts without heavy slots; a stack it cannot address by the
+        byte, `triton.addresses_fit`, as int16 pairs where head_dim is even); everything else runs the vectorised XLA
+        formulation."""
+        if (k.shape[1] == 1 and self.on_gpu and not layout.heavy
+                and all(triton.addresses_fit(c) or c.shape[-1] % 2 == 0 for c in (k_cache, v_cache))):
             score, pos, k_cache, v_cache, scales = insert_one(layout, score, pos, k_cache, v_cache, chunk_score, k, v,
                                                               placed, n, seen, layer=layer, scales=scales,
                                                               interpret=self.interpret)

@@ -36,6 +36,7 @@ from .tuning import check_fields, power_of_two
 LOG2E = math.log2(math.e)
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity": keeps inf - inf out of the online softmax
 F32 = jnp.float32
+F16 = jnp.float16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +295,20 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         freq = freq_ref[...]
     else:
         q = load_q(slice(None))
-    dtype = q_ref.dtype if scaled else vc_ref.dtype  # codes convert exactly to q's dtype
+    # 8-bit codes under bfloat16 queries: the products take float16 operands (codes convert to float16 exactly and
+    # cheaply, `_codes_to_f16`; RoPE rotates keys in float16, 3 more bits than bfloat16). q is scaled by the power of
+    # two `q_unit` that brings its largest entry into (128, 256]; each block's value scales by their largest, v_unit.
+    f16 = scaled and not paired and q_ref.dtype != F32
+    if f16:
+        qs = [x.astype(F32) for x in ((q1, q2) if rope else (q,))]
+        top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)) for x in qs])
+        q_unit = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(top, 2.0**-100))) - 8)
+        qs = [(x / q_unit).astype(F16) for x in qs]
+        if rope:
+            q1, q2 = qs
+        else:
+            (q,) = qs
+    dtype = F16 if f16 else q_ref.dtype if scaled else vc_ref.dtype  # codes convert exactly to this dtype
     start = s_idx * split
 
     def load_rows(ref, rows, cols, ok, as_dtype):
@@ -302,6 +316,8 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         kind: an int for int8 codes; a fill applied after the load breaks the loads' pipelining)."""
         fill = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
         x = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=fill)
+        if as_dtype == F16:
+            return _codes_to_f16(x, interpret)
         return (_int8_to_f32(x) if ref.dtype == jnp.int8 else x).astype(as_dtype)
 
     def load_pairs(ref, rows, cols, ok):
@@ -333,15 +349,16 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         if paired:
             s = paired_logits(kv_blk, blk, ok)
         elif rope:  # rotate-half at the slots' positions
-            k1, k2 = load_rows(kc_ref, kv_blk, pl.ds(0, half), ok, F32), load_rows(kc_ref, kv_blk, pl.ds(half, half), ok, F32)
+            rotation = F16 if f16 else F32
+            k1, k2 = (load_rows(kc_ref, kv_blk, pl.ds(i * half, half), ok, rotation) for i in range(2))
             positions = plgpu.load(pos_ref.at[blk], mask=ok, other=0).astype(F32)
-            cos, sin = _cos_sin(positions[:, None] * freq[None, :], interpret)
+            cos, sin = (x.astype(rotation) for x in _cos_sin(positions[:, None] * freq[None, :], interpret))
             r1, r2 = (k1 * cos - k2 * sin).astype(q1.dtype), (k2 * cos + k1 * sin).astype(q1.dtype)
             s = _dot(q1, r1, trans_b=True) + _dot(q2, r2, trans_b=True)
         else:
             s = _dot(q, load_rows(kc_ref, kv_blk, slice(None), ok, dtype), trans_b=True)
         if scaled:
-            s = s * plgpu.load(ks_ref.at[blk], mask=ok, other=0.0)[None, :]
+            s = s * (plgpu.load(ks_ref.at[blk], mask=ok, other=0.0) * (q_unit if f16 else 1.0))[None, :]
         s = jnp.where(allowed[None, :], s * scale, MASK)
         if logits_ref is not None:
             plgpu.store(logits_ref.at[:, blk], s, mask=rows_ok[:, None] & ok[None, :])
@@ -349,12 +366,14 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         m_new = jnp.maximum(m, s2.max(axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s2 - m_new[:, None])
-        pv = (p * plgpu.load(vs_ref.at[blk], mask=ok, other=0.0)[None, :] if scaled else p).astype(dtype)
+        vs = plgpu.load(vs_ref.at[blk], mask=ok, other=0.0) if scaled else None
+        v_unit = jnp.maximum(jnp.max(vs), 2.0**-126) if f16 else 1.0
+        pv = (p * (vs / v_unit)[None, :] if scaled else p).astype(dtype)
         if paired:  # the values' even columns, then their odd ones
             acc = tuple(corr[:, None] * a + _dot(pv, v.astype(dtype))
                         for a, v in zip(acc, load_pairs(vc_ref, kv_blk, slice(None), ok)))
         else:
-            acc = corr[:, None] * acc + _dot(pv, load_rows(vc_ref, kv_blk, slice(None), ok, dtype))
+            acc = corr[:, None] * acc + v_unit * _dot(pv, load_rows(vc_ref, kv_blk, slice(None), ok, dtype))
         return acc, m_new, corr * l + p.sum(axis=1)
 
     zeros = (jnp.zeros((gp, half), F32),) * 2 if paired else jnp.zeros((gp, D), F32)
@@ -383,6 +402,12 @@ def as_pairs(codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(as_int8.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), jnp.int16)
 
 
+def from_pairs(pairs: jax.Array, dtype) -> jax.Array:
+    """`as_pairs` undone: int16 pairs [..., D / 2] -> 8-bit codes of `dtype` [..., D]."""
+    as_int8 = lax.bitcast_convert_type(pairs, jnp.int8).reshape(*pairs.shape[:-1], 2 * pairs.shape[-1])
+    return lax.bitcast_convert_type(as_int8, dtype) if jnp.dtype(dtype) != jnp.int8 else as_int8
+
+
 def reads_pairs(head_dim: int) -> bool:
     """Whether the decode kernel can read heads of `head_dim` as int16 pairs: four products of head_dim / 4 columns,
     each at least 16 (Triton's smallest)."""
@@ -393,6 +418,26 @@ def _pair_order(D: int) -> np.ndarray:
     """The columns of a head [D] as the paired decode reads the keys: each half's even columns, then its odd ones."""
     half = np.arange(D // 2).reshape(-1, 2).T.reshape(-1)
     return np.concatenate([half, D // 2 + half])
+
+
+def _codes_to_f16(codes, interpret: bool):
+    """8-bit codes -> exact float16. float8 by the hardware's paired conversion; int8 four at a time: each byte's
+    sign bit flipped (c + 128 as an unsigned byte) and put under the exponent byte 0x64 (the float16 1024 + c + 128),
+    then 1152 subtracted: one logic op, two byte permutes and two paired subtractions per four codes, where the
+    float32 path spends an add, a subtraction and a conversion on each. In interpret mode XLA's conversion."""
+    if codes.dtype != jnp.int8 or interpret:
+        return codes.astype(F16)
+    asm = """{
+    .reg .b32 t, m;
+    xor.b32 t, $2, 0x80808080;
+    prmt.b32 $0, t, 0x64646464, 0x4140;
+    prmt.b32 $1, t, 0x64646464, 0x4342;
+    mov.b32 m, 0x64806480;
+    sub.rn.f16x2 $0, $0, m;
+    sub.rn.f16x2 $1, $1, m;
+    }"""
+    return plgpu.elementwise_inline_asm(asm, args=[codes], constraints="=r,=r,r", pack=4,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, F16)])[0]
 
 
 def _int8_to_f32(codes):
@@ -408,8 +453,7 @@ def addresses_fit(array) -> bool:
     computes element offsets in signed 32 bits unless the array holds more than 2**32 bytes, so in an array of
     1-byte elements (8-bit codes) with 2**31 < size <= 2**32, offsets past 2**31 wrap negative: the loads read
     before the array (CUDA_ERROR_ILLEGAL_ADDRESS, or another buffer's bytes). The kernels that address a whole
-    stack in place (decode, the single-token insertion) refuse such arrays; `Kernels.chunk_attention` and
-    `Kernels.insert` route them elsewhere."""
+    stack in place (decode, the single-token insertion) take such arrays as int16 pairs (`as_pairs`)."""
     size = math.prod(array.shape)
     return size <= 2**31 or size * jnp.dtype(array.dtype).itemsize > 2**32
 

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .schedule import RingLayout, ring_schedules
+from . import triton
 
 
 def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, *refs,
@@ -75,12 +76,18 @@ def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, n
     (tokens placed so far), n int32 [B] 1 or 0 (padding), position int32 [B] the token's original position
     (= seen, except in compressed append caches); scales: None, or for a quantized cache (k, v and new_k, new_v
     being codes) ((k_scale, v_scale) f32 [B, H, cap], (the token's k_scale, v_scale) f32 [B, 1, H]), moved with
-    their tokens as mu and pos are.
+    their tokens as mu and pos are. A stack of 2**31 to 2**32 8-bit codes, which the lowering cannot address by the
+    byte (`triton.addresses_fit`), is written as int16 pairs (`triton.as_pairs`, D even): the kernel copies rows.
     Returns the new (mu, pos, k_cache, v_cache, scales), k_cache and v_cache of the shape given, scales the new
     (k_scale, v_scale) or None."""
     stacked = layer is not None
     if not stacked:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    new_k, new_v = new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype)
+    codes_dtype = k_cache.dtype
+    paired = not (triton.addresses_fit(k_cache) and triton.addresses_fit(v_cache))
+    if paired:  # 8-bit codes the lowering cannot address by the byte: the same bytes as int16 pairs, copied as rows
+        k_cache, v_cache, new_k, new_v = (triton.as_pairs(x) for x in (k_cache, v_cache, new_k, new_v))
     _, B, H, cap, D = k_cache.shape
     held, token = ((), ()) if scales is None else scales
     per_slot = 2 + len(held)
@@ -111,8 +118,9 @@ def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, n
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jcascade_insert_one",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), seen, n, position, chunk_mu, new_k.astype(k_cache.dtype),
-      new_v.astype(v_cache.dtype), *token, *state)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), seen, n, position, chunk_mu, new_k, new_v, *token, *state)
     mu, pos, *held, k_cache, v_cache = out
+    if paired:
+        k_cache, v_cache = (triton.from_pairs(x, codes_dtype) for x in (k_cache, v_cache))
     scales = tuple(held) if scales is not None else None
     return (mu, pos, k_cache, v_cache, scales) if stacked else (mu, pos, k_cache[0], v_cache[0], scales)

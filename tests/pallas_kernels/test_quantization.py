@@ -117,8 +117,9 @@ def test_stacks_the_triton_kernels_cannot_address_by_the_byte_are_read_as_pairs(
     """jax 0.11's Triton lowering offsets elements in signed 32 bits below 2**32 bytes, so the in-place Triton decode
     and insertion kernels are not handed an 8-bit stack of more than 2**31 codes: decode reads it as int16 pairs of
     codes (half the elements: two layers of 64 rows x 8 heads x 16,385 slots x 128, and one layer of 32,785 slots,
-    the shape that faulted; a head_dim under 64 is dequantized in a copy), insertion runs in XLA. At 2**31 codes
-    (32,768 slots) both take the stack of codes as it is (checked on the traced programs; nothing is allocated)."""
+    the shape that faulted; a head_dim under 64 is dequantized in a copy), insertion writes it as int16 pairs (any
+    even head_dim). At 2**31 codes (32,768 slots) both take the stack of codes as it is (checked on the traced
+    programs; nothing is allocated)."""
     assert pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31,), jnp.int8))
     assert not pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**31 + 1,), jnp.int8))
     assert not pk.triton.addresses_fit(jax.ShapeDtypeStruct((2**32,), jnp.float8_e4m3fn))
@@ -159,11 +160,41 @@ def test_stacks_the_triton_kernels_cannot_address_by_the_byte_are_read_as_pairs(
                                                "jcascade_insert_one": {((1, B, H, 32768, 128), "int8")}}
     for layers, slots in ((2, 16385), (1, 32785)):
         assert kernels.quantized_decode_path(s((layers, B, H, slots, 128), jnp.int8)) == "in place as pairs"
-        assert codes_read_by_kernels(layers, slots) == {"jcascade_decode": {((layers, B, H, slots, 64), "int16")},
-                                                        "jcascade_decode_finish": set()}
+        pairs = {((layers, B, H, slots, 64), "int16")}
+        assert codes_read_by_kernels(layers, slots) == {"jcascade_decode": pairs, "jcascade_decode_finish": set(),
+                                                        "jcascade_insert_one": pairs}
     assert kernels.quantized_decode_path(s((1, B, 4 * H, 32785, 32), jnp.int8)) == "dequantized copy"
-    assert codes_read_by_kernels(1, 32785, D=32, heads=4 * H) == {"jcascade_decode": set(),
-                                                                  "jcascade_decode_finish": set()}
+    assert codes_read_by_kernels(1, 32785, D=32, heads=4 * H) == {
+        "jcascade_decode": set(), "jcascade_decode_finish": set(),
+        "jcascade_insert_one": {((1, B, 4 * H, 32785, 16), "int16")}}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_triton_insertion_writes_a_stack_as_int16_pairs_as_xla_writes_its_codes(monkeypatch, fmt):
+    """The single-token insertion kernel (interpret mode) with every 8-bit stack treated as unaddressable, so that
+    it copies rows of int16 pairs: codes, scales, scores and positions equal the XLA insertion's bit for bit, from
+    the empty cache into the steady phase."""
+    monkeypatch.setattr(pk.triton, "addresses_fit", lambda array: jnp.dtype(array.dtype).itemsize != 1)
+    policy = jc.Cascade(cache_size=12, sinks=2, num_cascades=2, kv_dtype=fmt)
+    B, H, D = 2, 2, 16
+    update = jax.jit(jc.update, static_argnums=0)
+    xla = jc.init_cache(policy, B, H, D, jnp.float32)
+    kernel = jc.init_cache(policy, B, H, D, jnp.float32, kernels=SMALL["triton"])
+    zeros = jc.Scores(jnp.zeros((B, H, kernel.capacity)), jnp.zeros((B, H, 1)))
+    text = jax.jit(lambda s, k: jc.update(policy, s, k, k, zeros, jnp.ones((B,), jnp.int32))).lower(
+        kernel, jnp.zeros((B, 1, H, D))).as_text()
+    assert f"tensor<1x{B}x{H}x{kernel.capacity}x{D // 2}xi16>" in text  # the kernel's operand: the codes as pairs
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        k = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.float32)
+        lengths = jnp.asarray(rng.integers(0, 2, B), jnp.int32)
+        scores = jc.Scores(jnp.asarray(rng.choice([0.0, 0.25, 0.5], (B, H, xla.capacity)), jnp.float32),
+                           jnp.asarray(rng.choice([0.0, 0.5, 1.0], (B, H, 1)), jnp.float32))
+        xla, kernel = (update(policy, state, k, -k, scores, lengths) for state in (xla, kernel))
+    for a, b in zip(jax.tree.leaves(xla), jax.tree.leaves(kernel)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a),
+                                      np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1 else np.asarray(b))
+    assert int(np.asarray(xla.seen).max()) > xla.capacity
 
 
 def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():
