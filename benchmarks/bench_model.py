@@ -106,28 +106,36 @@ def matmul_peak(n: int) -> float:
 
 
 # The memory bandwidth of each card class, bytes/s: what its HBM is rated at (H100 SXM 3.35 TB/s, PCIe about 2.0,
-# NVL 3.9; H200 4.8) less what copies fall short of it (four H100 SXM measured 2.67-2.81 TB/s each by
-# `memory_bandwidth`, benchmarks/RESULTS.md "Four GPUs"). A measurement outside its class is reported.
+# NVL 3.9; H200 4.8) less what copies fall short of it (`memory_bandwidth`: one H100 SXM 3.04-3.07 TB/s, one H200
+# 4.31-4.40; timed one pass a call, as before 2026-11-27's sixth session, four H100 SXM read 2.67-2.81 and H200s
+# 3.5-4.0: benchmarks/RESULTS.md "Four GPUs"). A measurement outside its class is reported.
 CARD_BANDWIDTH = {"H100": (2.6e12, 3.35e12), "H200": (4.3e12, 4.8e12)}
 
 
-def memory_bandwidth(devices, sizes: list[int], repeats: int = 10) -> dict:
+def memory_bandwidth(devices, sizes: list[int], repeats: int = 10, passes_per_call: int = 8) -> dict:
     """Bytes per second each of `devices` moves: over each of `sizes` bf16 elements made on the device, an
-    elementwise pass (bytes read + written) and a sum (bytes read), each called twice to warm up, then timed
-    `repeats` times; a device's rate is the best of them all. `rate` is the slowest device's (a sharded step waits
-    for it). Returns dict(rate, per_device {device: rate}, card_class (low, high) or None)."""
+    elementwise pass (bytes read + written) and a sum (bytes read), each run `passes_per_call` times inside one
+    jitted loop (so the host's dispatch of a call, tens of microseconds, does not count against a pass of a few
+    hundred), called once to warm up, then timed `repeats` times; a device's rate is the best of them all. `rate` is
+    the slowest device's (a sharded step waits for it). Returns dict(rate, per_device {device: rate}, card_class
+    (low, high) or None)."""
     per_device = {}
-    passes = ((jax.jit(lambda x: x + 1), 2), (jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), 1))  # bytes moved / x's
+    k = passes_per_call
+    add = jax.jit(lambda x: jax.lax.fori_loop(0, k, lambda i, y: y + 1, x))
+    # each pass's sum depends on the pass, so that XLA cannot hoist it out of the loop
+    total = jax.jit(lambda x: jax.lax.fori_loop(
+        0, k, lambda i, s: s + jnp.sum(x + i.astype(x.dtype), dtype=jnp.float32), jnp.float32(0)))
+    passes = ((add, 2 * k), (total, k))  # (loop, bytes moved / x's)
     for device in devices:
         best = 0.0
         for n in sizes:
             x = jax.jit(lambda: jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16),  # noqa: B023
                         out_shardings=jax.sharding.SingleDeviceSharding(device))()
             for f, times_x in passes:
-                for i in range(2 + repeats):
+                for i in range(1 + repeats):
                     t0 = time.perf_counter()
                     block(f(x))
-                    if i >= 2:
+                    if i >= 1:
                         best = max(best, times_x * x.nbytes / (time.perf_counter() - t0))
             del x
         per_device[str(device)] = best
