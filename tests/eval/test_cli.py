@@ -39,7 +39,7 @@ def test_parse_policy_is_generic_over_the_policy_fields():
         jc.SlidingWindow(window=8, positions="original")
     assert parse_policy("full") == jc.Full()
     assert parse_policy("h2o:heavy=4,recent=4,stride=16") == jc.H2O(heavy=4, recent=4, stride=16)
-    for spec, match in [("nope", "unknown policy 'nope'; known: .*cascade"),
+    for text, match in [("nope", "unknown policy 'nope'; known: .*cascade"),
                         ("cascade:size=4", "FIELD one of cache_size, sinks"),
                         ("cascade:cache_size", "expected FIELD=VALUE"),
                         ("cascade:sinks=4", "Cascade needs cache_size=..."),
@@ -47,7 +47,7 @@ def test_parse_policy_is_generic_over_the_policy_fields():
                         ("cascade:cache_size=64,positions=rope", "Cascade.positions must be one of"),
                         ("cascade:cache_size=63", "must be divisible")]:
         with pytest.raises(ValueError, match=match):
-            parse_policy(spec)
+            parse_policy(text)
 
 
 def test_generate(model_dir, tmp_path, capsys):
