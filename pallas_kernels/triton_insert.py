@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .schedule import RingLayout, ring_schedules
 from . import triton
+from .schedule import RingLayout, ring_schedules
 
 
 def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, *refs,
