@@ -298,13 +298,15 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
     # 8-bit codes under bfloat16 queries: the products take float16 operands (codes convert to float16 exactly and
     # cheaply, `_codes_to_f16`; RoPE rotates keys in float16, 3 more bits than bfloat16). q is scaled by the power of
     # two `q_unit` that brings its largest entry into (128, 256]; each block's value scales by their largest, v_unit.
-    f16 = scaled and not paired and q_ref.dtype != F32
+    f16 = scaled and q_ref.dtype != F32
     if f16:
-        qs = [x.astype(F32) for x in ((q1, q2) if rope else (q,))]
+        qs = [x.astype(F32) for x in (quarters if paired else (q1, q2) if rope else (q,))]
         top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)) for x in qs])
         q_unit = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(top, 2.0**-100))) - 8)
         qs = [(x / q_unit).astype(F16) for x in qs]
-        if rope:
+        if paired:
+            quarters = qs
+        elif rope:
             q1, q2 = qs
         else:
             (q,) = qs
@@ -321,8 +323,11 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         return (_int8_to_f32(x) if ref.dtype == jnp.int8 else x).astype(as_dtype)
 
     def load_pairs(ref, rows, cols, ok):
-        """A block of int16 pairs of codes -> their even and odd codes, each exactly in float32."""
-        x = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=0).astype(jnp.int32)
+        """A block of int16 pairs of codes -> their even and odd codes, each exactly in `dtype` (float16) or float32."""
+        x = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=0)
+        if f16:
+            return _pairs_to_f16(x, paired, interpret)
+        x = x.astype(jnp.int32)
         return tuple(_code_to_f32(byte, paired) for byte in (lax.shift_right_arithmetic(x << 24, 24),
                                                              lax.shift_right_arithmetic(x, 8)))
 
@@ -334,7 +339,7 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         if rope:  # the pairs (x[i], x[i + D/2]) of even i, then of odd i
             positions = plgpu.load(pos_ref.at[blk], mask=ok, other=0).astype(F32)
             for i, f in enumerate(freqs):
-                cos, sin = _cos_sin(positions[:, None] * f[None, :], interpret)
+                cos, sin = (x.astype(keys[i].dtype) for x in _cos_sin(positions[:, None] * f[None, :], interpret))
                 k1, k2 = keys[i], keys[2 + i]
                 keys[i], keys[2 + i] = k1 * cos - k2 * sin, k2 * cos + k1 * sin
         return sum(_dot(qx, kx.astype(dtype), trans_b=True) for qx, kx in zip(quarters, keys))
@@ -370,7 +375,7 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         v_unit = jnp.maximum(jnp.max(vs), 2.0**-126) if f16 else 1.0
         pv = (p * (vs / v_unit)[None, :] if scaled else p).astype(dtype)
         if paired:  # the values' even columns, then their odd ones
-            acc = tuple(corr[:, None] * a + _dot(pv, v.astype(dtype))
+            acc = tuple(corr[:, None] * a + v_unit * _dot(pv, v.astype(dtype))
                         for a, v in zip(acc, load_pairs(vc_ref, kv_blk, slice(None), ok)))
         else:
             acc = corr[:, None] * acc + v_unit * _dot(pv, load_rows(vc_ref, kv_blk, slice(None), ok, dtype))
@@ -393,6 +398,26 @@ def _code_to_f32(byte, dtype):
     if dtype == jnp.int8:
         return _int8_to_f32(byte)
     return lax.bitcast_convert_type(byte.astype(jnp.int8), dtype).astype(F32)
+
+
+def _pairs_to_f16(pairs, dtype, interpret: bool):
+    """int16 pairs of 8-bit codes of `dtype` (`as_pairs`) -> (even codes, odd codes), each exactly in float16. int8
+    as `_codes_to_f16` converts it, two pairs at a time (their even bytes, then their odd ones, under the float16
+    exponent); float8 (and interpret mode) by splitting the bytes and converting each."""
+    if dtype == jnp.int8 and not interpret:
+        asm = """{{
+        .reg .b32 t, m;
+        xor.b32 t, $1, 0x80808080;
+        prmt.b32 $0, t, 0x64646464, {};
+        mov.b32 m, 0x64806480;
+        sub.rn.f16x2 $0, $0, m;
+        }}"""
+        return tuple(plgpu.elementwise_inline_asm(asm.format(select), args=[pairs], constraints="=r,r", pack=2,
+                                                  result_shape_dtypes=[jax.ShapeDtypeStruct(pairs.shape, F16)])[0]
+                     for select in ("0x4240", "0x4341"))  # bytes 0 and 2 (even codes), 1 and 3 (odd)
+    x = pairs.astype(jnp.int32)
+    return tuple(_codes_to_f16(lax.bitcast_convert_type(byte.astype(jnp.int8), dtype), interpret)
+                 for byte in (lax.shift_right_arithmetic(x << 24, 24), lax.shift_right_arithmetic(x, 8)))
 
 
 def as_pairs(codes: jax.Array) -> jax.Array:
