@@ -327,9 +327,7 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         x = plgpu.load(ref.at[layer, b, h, rows, cols], mask=ok[:, None], other=0)
         if f16:
             return _pairs_to_f16(x, paired, interpret)
-        x = x.astype(jnp.int32)
-        return tuple(_code_to_f32(byte, paired) for byte in (lax.shift_right_arithmetic(x << 24, 24),
-                                                             lax.shift_right_arithmetic(x, 8)))
+        return tuple(_code_to_f32(byte, paired) for byte in _split_pairs(x))
 
     def paired_logits(kv_blk, blk, ok):
         """The G queries' logits against a block of int16-paired keys (rotated here when `rope`)."""
@@ -402,22 +400,31 @@ def _code_to_f32(byte, dtype):
 
 def _pairs_to_f16(pairs, dtype, interpret: bool):
     """int16 pairs of 8-bit codes of `dtype` (`as_pairs`) -> (even codes, odd codes), each exactly in float16. int8
-    as `_codes_to_f16` converts it, two pairs at a time (their even bytes, then their odd ones, under the float16
-    exponent); float8 (and interpret mode) by splitting the bytes and converting each."""
+    as `_codes_to_f16` converts it, two pairs at a time (their even bytes, then their odd ones); float8 (and
+    interpret mode) by splitting the bytes and converting each."""
     if dtype == jnp.int8 and not interpret:
-        asm = """{{
-        .reg .b32 t, m;
-        xor.b32 t, $1, 0x80808080;
-        prmt.b32 $0, t, 0x64646464, {};
-        mov.b32 m, 0x64806480;
-        sub.rn.f16x2 $0, $0, m;
-        }}"""
-        return tuple(plgpu.elementwise_inline_asm(asm.format(select), args=[pairs], constraints="=r,r", pack=2,
-                                                  result_shape_dtypes=[jax.ShapeDtypeStruct(pairs.shape, F16)])[0]
+        return tuple(_bytes_to_f16(pairs, [select], pack=2)[0]
                      for select in ("0x4240", "0x4341"))  # bytes 0 and 2 (even codes), 1 and 3 (odd)
-    x = pairs.astype(jnp.int32)
     return tuple(_codes_to_f16(lax.bitcast_convert_type(byte.astype(jnp.int8), dtype), interpret)
-                 for byte in (lax.shift_right_arithmetic(x << 24, 24), lax.shift_right_arithmetic(x, 8)))
+                 for byte in _split_pairs(pairs))
+
+
+def _split_pairs(pairs):
+    """int16 pairs -> (even codes' bytes, odd codes' bytes), each sign-extended into int32."""
+    x = pairs.astype(jnp.int32)
+    return lax.shift_right_arithmetic(x << 24, 24), lax.shift_right_arithmetic(x, 8)
+
+
+def _bytes_to_f16(x, selects, *, pack: int) -> list:
+    """Inline PTX, one float16 per element of `x`: each 32-bit word of `x` (`pack` int8 codes, or int16 pairs) gives
+    one float16 pair per byte selector in `selects`: the bytes' sign bits flipped (code + 128 as an unsigned byte),
+    the two selected bytes put under the float16 exponent byte 0x64 (1024 + code + 128), then 1152 subtracted."""
+    outs = len(selects)
+    permutes = "\n".join(f"prmt.b32 ${i}, t, 0x64646464, {sel};\nsub.rn.f16x2 ${i}, ${i}, m;"
+                          for i, sel in enumerate(selects))
+    asm = f"{{\n.reg .b32 t, m;\nxor.b32 t, ${outs}, 0x80808080;\nmov.b32 m, 0x64806480;\n{permutes}\n}}"
+    return plgpu.elementwise_inline_asm(asm, args=[x], constraints=",".join(["=r"] * outs + ["r"]), pack=pack,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F16)])
 
 
 def as_pairs(codes: jax.Array) -> jax.Array:
@@ -452,17 +459,7 @@ def _codes_to_f16(codes, interpret: bool):
     float32 path spends an add, a subtraction and a conversion on each. In interpret mode XLA's conversion."""
     if codes.dtype != jnp.int8 or interpret:
         return codes.astype(F16)
-    asm = """{
-    .reg .b32 t, m;
-    xor.b32 t, $2, 0x80808080;
-    prmt.b32 $0, t, 0x64646464, 0x4140;
-    prmt.b32 $1, t, 0x64646464, 0x4342;
-    mov.b32 m, 0x64806480;
-    sub.rn.f16x2 $0, $0, m;
-    sub.rn.f16x2 $1, $1, m;
-    }"""
-    return plgpu.elementwise_inline_asm(asm, args=[codes], constraints="=r,=r,r", pack=4,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, F16)])[0]
+    return _bytes_to_f16(codes, ["0x4140", "0x4342"], pack=4)[0]  # bytes 0 and 1, then 2 and 3
 
 
 def _int8_to_f32(codes):
