@@ -117,16 +117,15 @@ class Kernels:
                                           query_weights, head_reduction, rope, layer, first_slot,
                                           config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
                                           k_scale=k_scale, v_scale=v_scale)
-        if k_scale is not None and self.backend == "mosaic_tpu":  # its kernels take the codes
+        if k_scale is not None:  # the attended layer's codes and scales from first_slot
             k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
-            return tpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
-                                       query_weights, head_reduction, rope, config=self.tpu, interpret=self.interpret,
-                                       k_scale=k_scale[..., first_slot:], v_scale=v_scale[..., first_slot:])
-        if k_scale is not None:
-            k_cache, v_cache = (quantization.dequantize(triton.layer_of(codes, layer, first_slot),
-                                                        scale[..., first_slot:], q.dtype)
-                                for codes, scale in ((k_cache, k_scale), (v_cache, v_scale)))
-            layer, first_slot = None, 0
+            k_scale, v_scale, layer, first_slot = k_scale[..., first_slot:], v_scale[..., first_slot:], None, 0
+            if self.backend == "mosaic_tpu":  # its kernels take the codes
+                return tpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
+                                           query_weights, head_reduction, rope, config=self.tpu,
+                                           interpret=self.interpret, k_scale=k_scale, v_scale=v_scale)
+            k_cache, v_cache = (quantization.dequantize(c, scale, q.dtype) for c, scale in ((k_cache, k_scale),
+                                                                                         (v_cache, v_scale)))
         if self.backend == "mosaic_gpu" and q.shape[1] > 1:
             if mosaic_gpu.supports(q, k_cache):
                 k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
