@@ -27,25 +27,53 @@ def kind_of(name: str) -> str:
     return max(matches)[1] if matches else OTHER
 
 
-def kernels_of_trace(trace_dir: str | pathlib.Path) -> list[tuple[str, float]]:
-    """(kernel name, microseconds) of every kernel on the first GPU's streams in the newest profile under trace_dir
-    (on a mesh, each device runs the same program: device 0's kernels are one device's step)."""
+def _gpu_kernels(trace_dir: str | pathlib.Path) -> dict[str, list[tuple[str, int, int]]]:
+    """{GPU plane name: [(kernel name, start ns, duration ns)] on its streams} of the newest profile under
+    trace_dir, every GPU present (sorted by name); raises ValueError where no GPU stream holds a kernel."""
     from jax.profiler import ProfileData
 
     paths = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not paths:
         raise ValueError(f"no *.xplane.pb under {trace_dir}")
-    kernels, lines = [], []
-    gpus = sorted((p for p in ProfileData.from_file(str(paths[-1])).planes if p.name.startswith("/device:GPU")),
-                  key=lambda p: p.name)
-    for plane in gpus[:1]:
+    found, lines = {}, []
+    for plane in sorted(ProfileData.from_file(str(paths[-1])).planes, key=lambda p: p.name):
+        if not plane.name.startswith("/device:GPU"):
+            continue
         for line in plane.lines:
             lines.append(line.name)
             if line.name.startswith("Stream"):  # the kernels; "XLA Ops" / "XLA Modules" lines repeat them by op
-                kernels += [(event.name, event.duration_ns / 1e3) for event in line.events]
-    if not kernels:
+                found.setdefault(plane.name, []).extend(
+                    (event.name, event.start_ns, event.duration_ns) for event in line.events)
+    if not found:
         raise ValueError(f"the profile {paths[-1]} holds no kernels on a GPU stream (GPU lines: {lines})")
-    return kernels
+    return found
+
+
+def kernels_of_trace(trace_dir: str | pathlib.Path) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) of every kernel on the first GPU's streams in the newest profile under trace_dir
+    (on a mesh, each device runs the same program: device 0's kernels are one device's step)."""
+    first = next(iter(_gpu_kernels(trace_dir).values()))
+    return [(name, duration / 1e3) for name, _, duration in first]
+
+
+def device_activity(trace_dir: str | pathlib.Path) -> dict[str, dict]:
+    """Per GPU of the newest profile under trace_dir: its kernels (count, summed ms), the time at least one of them
+    runs (busy ms: overlapping kernels count once), the span from its first kernel's start to its last one's end,
+    and the idle time inside that span (span - busy: the device waits, e.g. for the host's launches)."""
+    activity = {}
+    for device, kernels in _gpu_kernels(trace_dir).items():
+        intervals = sorted((start, start + duration) for _, start, duration in kernels)
+        busy, (run_start, run_end) = 0, intervals[0]
+        for start, end in intervals[1:]:
+            if start > run_end:
+                busy, run_start, run_end = busy + run_end - run_start, start, end
+            else:
+                run_end = max(run_end, end)
+        busy += run_end - run_start
+        span = max(end for _, end in intervals) - intervals[0][0]
+        activity[device] = dict(kernels=len(kernels), kernel_ms=sum(d for _, _, d in kernels) / 1e6,
+                                busy_ms=busy / 1e6, span_ms=span / 1e6, idle_ms=(span - busy) / 1e6)
+    return activity
 
 
 def breakdown(kernels: list[tuple[str, float]], layers: int, step_ms: float | None) -> dict:

@@ -1,0 +1,117 @@
+"""Where a data mesh's `jc.generate` call spends its time (GPU). Every device of `data=D` gets the same `--rows`
+prompts (so each device's work is one device's work at D = 1), and every call decodes `--new-tokens` tokens (no
+eos), under Full and Cascade at a quarter of the context. Per policy and D: the median wall time of `--calls` calls
+after one that compiles, then one more call under the JAX profiler: per device its kernels (count, summed time),
+the time they run (busy) and the time the device waits inside the call (idle: launches the host has not made yet,
+waits at collectives). The prompts are random token ids; the model defaults to the packaged SmolLM2-135M-Instruct.
+
+    python benchmarks/profile_data_parallel.py --data 1,2,4 --out results/profile-data-parallel.json
+    # one process per GPU, timed together (each waits at the barrier until 4 processes have compiled):
+    for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i python benchmarks/profile_data_parallel.py --data 1 --no-profile \\
+        --calls 20 --barrier /tmp/barrier:4 --out results/process$i.json & done; wait
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jcascade as jc
+from jcascade.cli import count
+from jcascade.models import sharding
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import decode_breakdown  # noqa: E402
+
+
+def barrier(spec: str, name: str) -> None:
+    """Waits until N processes have reached `name` at DIR (spec "DIR:N")."""
+    folder, n = spec.rsplit(":", 1)
+    here = pathlib.Path(folder) / name
+    here.mkdir(parents=True, exist_ok=True)
+    (here / str(os.getpid())).touch()
+    while len(list(here.iterdir())) < int(n):
+        time.sleep(0.01)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
+    p.add_argument("--length", type=count, default=4096, help="prompt length (e.g. 4K; rows are 0-199 tokens shorter)")
+    p.add_argument("--rows", type=count, default=8, help="rows per device per call")
+    p.add_argument("--new-tokens", type=count, default=48)
+    p.add_argument("--policies", default="full,cascade", help="full and/or cascade (a quarter of --length)")
+    p.add_argument("--data", default="1,2,4", help="comma-separated data-axis sizes")
+    p.add_argument("--calls", type=count, default=5, help="timed calls per policy and mesh")
+    p.add_argument("--no-profile", action="store_true", help="time only")
+    p.add_argument("--barrier", metavar="DIR:N", help="time together with N processes (see above)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    policies = dict(full=jc.Full(), cascade=jc.Cascade(cache_size=a.length // 4, sinks=64, num_cascades=4))
+    names = a.policies.split(",")
+    if unknown := set(names) - set(policies):
+        raise SystemExit(f"--policies: expected full and/or cascade, got {sorted(unknown)}")
+    path = pathlib.Path(a.model) if a.model else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT)
+    meshes = [int(d) for d in a.data.split(",")]
+    rng = np.random.default_rng(0)
+    vocab = min(40000, jc.models.read_config(path).vocab_size)
+    prompts = rng.integers(100, vocab, size=(a.rows, a.length)).astype(np.int32)
+    lengths = a.length - rng.integers(0, 200, size=a.rows).astype(np.int32)
+    result = dict(benchmark="profile_data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d"), model=path.name, length=a.length, rows_per_device=a.rows,
+                  new_tokens=a.new_tokens, calls=a.calls, runs={})
+    rows = []
+    for name in names:
+        for data in meshes:
+            model = jc.load_pretrained(path, mesh=sharding.device_mesh((data, 1), batched=True))
+            tokens, lens = jnp.asarray(np.tile(prompts, (data, 1))), jnp.asarray(np.tile(lengths, data))
+
+            def call(model=model, tokens=tokens, lens=lens, policy=policies[name]):
+                return jc.generate(model, tokens, policy, max_new_tokens=a.new_tokens, lengths=lens)
+
+            first = np.asarray(call())  # compiles
+            if a.barrier:
+                barrier(a.barrier, f"{name}-{data}")
+            times = []
+            for _ in range(a.calls):
+                t0 = time.perf_counter()
+                np.asarray(call())
+                times.append(time.perf_counter() - t0)
+            run = result["runs"][f"{name} data={data}"] = dict(
+                call_ms=statistics.median(times) * 1e3, times_ms=[t * 1e3 for t in times],
+                outputs_equal_across_devices=bool((first.reshape(data, a.rows, -1) == first[: a.rows]).all()))
+            if not a.no_profile:
+                with tempfile.TemporaryDirectory() as trace_dir:
+                    with jax.profiler.trace(trace_dir):
+                        jax.block_until_ready(call())
+                    try:
+                        run["devices"] = decode_breakdown.device_activity(trace_dir)
+                    except ValueError as e:  # no GPU kernels (e.g. on the CPU)
+                        run["profile_error"] = str(e)
+            first_device = next(iter(run.get("devices", {}).values()), {})
+            rows.append(f"  {name:8s} {data:4d} {run['call_ms']:9.1f}  " + (
+                f"{first_device['kernels']:8d} {first_device['kernel_ms']:9.1f} {first_device['busy_ms']:8.1f} "
+                f"{first_device['idle_ms']:8.1f}  " + " ".join(f"{d['idle_ms']:.0f}" for d in run["devices"].values())
+                if first_device else run.get("profile_error", "(not profiled)")[:80]))
+            print(rows[-1], flush=True)
+            del model
+    if a.out:
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"\npolicy, data, call ms (median of {a.calls}), first device under the profiler: kernels, kernel ms, busy ms, "
+          f"idle ms; every device's idle ms ({path.name}, {a.rows} rows x {a.length} per device, {a.new_tokens} new tokens)")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
