@@ -1,7 +1,8 @@
 """Where a decode step's or a prefill segment's GPU time goes, for `bench_model.py --profile-step`: the kernels of
 one step recorded by the JAX profiler, summed by kind, per step and per layer. Given the step's wall time (timed
 without the profiler), the time between and around the kernels (launch gaps, host waits) is the step minus the sum
-of the kernels.
+of the kernels. `device_activity` says, per GPU, how long its kernels run and how long it waits between them
+(profile_data_parallel.py).
 """
 
 from __future__ import annotations
