@@ -1,9 +1,10 @@
 """Where a data mesh's `jc.generate` call spends its time (GPU). Every device of `data=D` gets the same `--rows`
 prompts (so each device's work is one device's work at D = 1), and every call decodes `--new-tokens` tokens (no
-eos), under Full and Cascade at a quarter of the context. Per policy and D: the median wall time of `--calls` calls
-after one that compiles, then one more call under the JAX profiler: per device its kernels (count, summed time),
-the time they run (busy) and the time the device waits inside the call (idle: launches the host has not made yet,
-waits at collectives). The prompts are random token ids; the model defaults to the packaged SmolLM2-135M-Instruct.
+eos), under Full and Cascade (a quarter of `--length` plus 64 sinks, 4 cascades). Per policy and D: the median
+wall time of `--calls` calls after one that compiles, then one more call under the JAX profiler: per device its
+kernels (count, summed time), the time they run (busy) and the time the device waits inside the call (idle:
+launches the host has not made yet, waits at collectives). The prompts are random token ids; the model defaults to
+the packaged SmolLM2-135M-Instruct.
 
     python benchmarks/profile_data_parallel.py --data 1,2,4 --out results/profile-data-parallel.json
     # one process per GPU, timed together (each waits at the barrier until 4 processes have compiled):
@@ -34,13 +35,32 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import decode_breakdown  # noqa: E402
 
 
-def barrier(spec: str, name: str) -> None:
-    """Waits until N processes have reached `name` at DIR (spec "DIR:N")."""
-    folder, n = spec.rsplit(":", 1)
+def sizes(text: str) -> list[int]:
+    """--data: "1,2,4" -> [1, 2, 4]."""
+    try:
+        found = [int(d) for d in text.split(",")]
+    except ValueError:
+        found = []
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints (e.g. 1,2,4), got {text!r}")
+    return found
+
+
+def barrier_spec(text: str) -> tuple[str, int]:
+    """--barrier: "DIR:N" -> (DIR, N)."""
+    folder, _, n = text.rpartition(":")
+    if not folder or not n.isdigit() or int(n) < 1:
+        raise argparse.ArgumentTypeError(f"expected DIR:N with N a positive int (e.g. /tmp/barrier:4), got {text!r}")
+    return folder, int(n)
+
+
+def barrier(spec: tuple[str, int], name: str) -> None:
+    """Waits until N processes have reached `name` in DIR (spec (DIR, N)): each leaves a file named by its pid."""
+    folder, n = spec
     here = pathlib.Path(folder) / name
     here.mkdir(parents=True, exist_ok=True)
     (here / str(os.getpid())).touch()
-    while len(list(here.iterdir())) < int(n):
+    while len(list(here.iterdir())) < n:
         time.sleep(0.01)
 
 
@@ -51,10 +71,11 @@ def main():
     p.add_argument("--rows", type=count, default=8, help="rows per device per call")
     p.add_argument("--new-tokens", type=count, default=48)
     p.add_argument("--policies", default="full,cascade", help="full and/or cascade (a quarter of --length)")
-    p.add_argument("--data", default="1,2,4", help="comma-separated data-axis sizes")
+    p.add_argument("--data", type=sizes, default="1,2,4", help="comma-separated data-axis sizes")
     p.add_argument("--calls", type=count, default=5, help="timed calls per policy and mesh")
     p.add_argument("--no-profile", action="store_true", help="time only")
-    p.add_argument("--barrier", metavar="DIR:N", help="time together with N processes (see above)")
+    p.add_argument("--barrier", type=barrier_spec, metavar="DIR:N",
+                   help="time together with N processes (see above); DIR new or empty for each run")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     policies = dict(full=jc.Full(), cascade=jc.Cascade(cache_size=a.length // 4, sinks=64, num_cascades=4))
@@ -62,9 +83,8 @@ def main():
     if unknown := set(names) - set(policies):
         raise SystemExit(f"--policies: expected full and/or cascade, got {sorted(unknown)}")
     path = pathlib.Path(a.model) if a.model else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT)
-    meshes = [int(d) for d in a.data.split(",")]
     rng = np.random.default_rng(0)
-    vocab = min(40000, jc.models.read_config(path).vocab_size)
+    vocab = min(40000, jc.models.read_config(path).vocab_size)  # ordinary ids (the runs in RESULTS.md drew these)
     prompts = rng.integers(100, vocab, size=(a.rows, a.length)).astype(np.int32)
     lengths = a.length - rng.integers(0, 200, size=a.rows).astype(np.int32)
     result = dict(benchmark="profile_data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
@@ -72,7 +92,7 @@ def main():
                   new_tokens=a.new_tokens, calls=a.calls, runs={})
     rows = []
     for name in names:
-        for data in meshes:
+        for data in a.data:
             model = jc.load_pretrained(path, mesh=sharding.device_mesh((data, 1), batched=True))
             tokens, lens = jnp.asarray(np.tile(prompts, (data, 1))), jnp.asarray(np.tile(lengths, data))
 
@@ -108,8 +128,9 @@ def main():
     if a.out:
         pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"\npolicy, data, call ms (median of {a.calls}), first device under the profiler: kernels, kernel ms, busy ms, "
-          f"idle ms; every device's idle ms ({path.name}, {a.rows} rows x {a.length} per device, {a.new_tokens} new tokens)")
+    print(f"\npolicy, data, call ms (median of {a.calls}), first device under the profiler: kernels, kernel ms, "
+          f"busy ms, idle ms; every device's idle ms ({path.name}, {a.rows} rows x {a.length} per device, "
+          f"{a.new_tokens} new tokens)")
     print("\n".join(rows))
 
 
