@@ -28,23 +28,24 @@ def kind_of(name: str) -> str:
     return max(matches)[1] if matches else OTHER
 
 
-def _gpu_kernels(trace_dir: str | pathlib.Path) -> dict[str, list[tuple[str, int, int]]]:
+def _gpu_kernels(trace_dir: str | pathlib.Path) -> dict[str, list[tuple[str, float, float]]]:
     """{GPU plane name: [(kernel name, start ns, duration ns)] on its streams} of the newest profile under
-    trace_dir, every GPU present (sorted by name); raises ValueError where no GPU stream holds a kernel."""
+    trace_dir, for every GPU whose streams hold any (by device number); raises ValueError where none does."""
     from jax.profiler import ProfileData
 
     paths = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not paths:
         raise ValueError(f"no *.xplane.pb under {trace_dir}")
     found, lines = {}, []
-    for plane in sorted(ProfileData.from_file(str(paths[-1])).planes, key=lambda p: p.name):
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    gpus = [p for p in ProfileData.from_file(str(paths[-1])).planes if p.name.startswith("/device:GPU")]
+    for plane in sorted(gpus, key=lambda p: int(p.name.rsplit(":", 1)[-1])):
+        kernels = []
         for line in plane.lines:
             lines.append(line.name)
             if line.name.startswith("Stream"):  # the kernels; "XLA Ops" / "XLA Modules" lines repeat them by op
-                found.setdefault(plane.name, []).extend(
-                    (event.name, event.start_ns, event.duration_ns) for event in line.events)
+                kernels += [(event.name, event.start_ns, event.duration_ns) for event in line.events]
+        if kernels:
+            found[plane.name] = kernels
     if not found:
         raise ValueError(f"the profile {paths[-1]} holds no kernels on a GPU stream (GPU lines: {lines})")
     return found
@@ -60,7 +61,8 @@ def kernels_of_trace(trace_dir: str | pathlib.Path) -> list[tuple[str, float]]:
 def device_activity(trace_dir: str | pathlib.Path) -> dict[str, dict]:
     """Per GPU of the newest profile under trace_dir: its kernels (count, summed ms), the time at least one of them
     runs (busy ms: overlapping kernels count once), the span from its first kernel's start to its last one's end,
-    and the idle time inside that span (span - busy: the device waits, e.g. for the host's launches)."""
+    and the idle time inside that span (span - busy: the device waits, e.g. for the host's launches, and, as
+    recorded, the profiler's own cost). A GPU without kernels in the profile is left out."""
     activity = {}
     for device, kernels in _gpu_kernels(trace_dir).items():
         intervals = sorted((start, start + duration) for _, start, duration in kernels)

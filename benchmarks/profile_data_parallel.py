@@ -1,10 +1,10 @@
 """Where a data mesh's `jc.generate` call spends its time (GPU). Every device of `data=D` gets the same `--rows`
-prompts (so each device's work is one device's work at D = 1), and every call decodes `--new-tokens` tokens (no
-eos), under Full and Cascade (a quarter of `--length` plus 64 sinks, 4 cascades). Per policy and D: the median
-wall time of `--calls` calls after one that compiles, then one more call under the JAX profiler: per device its
-kernels (count, summed time), the time they run (busy) and the time the device waits inside the call (idle:
-launches the host has not made yet, waits at collectives). The prompts are random token ids; the model defaults to
-the packaged SmolLM2-135M-Instruct.
+prompts (so each device's work is one device's work at D = 1), and every call decodes `--new-tokens` tokens
+(unless `--eos-id`), under Full and Cascade (a quarter of `--length` plus 64 sinks, 4 cascades). Per policy and D:
+the median wall time of `--calls` calls after one that compiles, then one more call under the JAX profiler: per
+device its kernels (count, summed time), the time they run (busy) and the time the device waits inside the call
+(idle: launches the host has not made yet, waits at collectives, the profiler's own cost). The prompts are random
+token ids; the model defaults to the packaged SmolLM2-135M-Instruct.
 
     python benchmarks/profile_data_parallel.py --data 1,2,4 --out results/profile-data-parallel.json
     # one process per GPU, timed together (each waits at the barrier until 4 processes have compiled):
@@ -70,6 +70,9 @@ def main():
     p.add_argument("--length", type=count, default=4096, help="prompt length (e.g. 4K; rows are 0-199 tokens shorter)")
     p.add_argument("--rows", type=count, default=8, help="rows per device per call")
     p.add_argument("--new-tokens", type=count, default=48)
+    p.add_argument("--eos-id", type=int, help="stop rows at this token id, as evaluations do: the decode loop's "
+                   "condition then reduces over the devices at every step, and calls may decode fewer steps "
+                   "(default: none, every call decodes --new-tokens)")
     p.add_argument("--policies", default="full,cascade", help="full and/or cascade (a quarter of --length)")
     p.add_argument("--data", type=sizes, default="1,2,4", help="comma-separated data-axis sizes")
     p.add_argument("--calls", type=count, default=5, help="timed calls per policy and mesh")
@@ -82,6 +85,8 @@ def main():
     names = a.policies.split(",")
     if unknown := set(names) - set(policies):
         raise SystemExit(f"--policies: expected full and/or cascade, got {sorted(unknown)}")
+    if max(a.data) > jax.device_count():
+        raise SystemExit(f"--data: {max(a.data)} devices asked for, {jax.device_count()} present")
     path = pathlib.Path(a.model) if a.model else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT)
     rng = np.random.default_rng(0)
     vocab = min(40000, jc.models.read_config(path).vocab_size)  # ordinary ids (the runs in RESULTS.md drew these)
@@ -89,7 +94,7 @@ def main():
     lengths = a.length - rng.integers(0, 200, size=a.rows).astype(np.int32)
     result = dict(benchmark="profile_data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d"), model=path.name, length=a.length, rows_per_device=a.rows,
-                  new_tokens=a.new_tokens, calls=a.calls, runs={})
+                  new_tokens=a.new_tokens, eos_id=a.eos_id, calls=a.calls, runs={})
     rows = []
     for name in names:
         for data in a.data:
@@ -97,7 +102,8 @@ def main():
             tokens, lens = jnp.asarray(np.tile(prompts, (data, 1))), jnp.asarray(np.tile(lengths, data))
 
             def call(model=model, tokens=tokens, lens=lens, policy=policies[name]):
-                return jc.generate(model, tokens, policy, max_new_tokens=a.new_tokens, lengths=lens)
+                return jc.generate(model, tokens, policy, max_new_tokens=a.new_tokens, lengths=lens,
+                                   eos_id=a.eos_id)
 
             first = np.asarray(call())  # compiles
             if a.barrier:
@@ -125,9 +131,9 @@ def main():
                 if first_device else run.get("profile_error", "(not profiled)")[:80]))
             print(rows[-1], flush=True)
             del model
-    if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
+            if a.out:  # after each run: a run stopped later keeps what it measured
+                pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
     print(f"\npolicy, data, call ms (median of {a.calls}), first device under the profiler: kernels, kernel ms, "
           f"busy ms, idle ms; every device's idle ms ({path.name}, {a.rows} rows x {a.length} per device, "
           f"{a.new_tokens} new tokens)")
