@@ -73,7 +73,7 @@ def device_activity(trace_dir: str | pathlib.Path) -> dict[str, dict]:
             else:
                 run_end = max(run_end, end)
         busy += run_end - run_start
-        span = max(end for _, end in intervals) - intervals[0][0]
+        span = run_end - intervals[0][0]  # the last run of overlapping kernels ends last
         activity[device] = dict(kernels=len(kernels), kernel_ms=sum(d for _, _, d in kernels) / 1e6,
                                 busy_ms=busy / 1e6, span_ms=span / 1e6, idle_ms=(span - busy) / 1e6)
     return activity

@@ -36,14 +36,8 @@ import decode_breakdown  # noqa: E402
 
 
 def sizes(text: str) -> list[int]:
-    """--data: "1,2,4" -> [1, 2, 4]."""
-    try:
-        found = [int(d) for d in text.split(",")]
-    except ValueError:
-        found = []
-    if not found or min(found) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints (e.g. 1,2,4), got {text!r}")
-    return found
+    """--data: "1,2,4" -> [1, 2, 4], each a `count`."""
+    return [count(d) for d in text.split(",")]
 
 
 def barrier_spec(text: str) -> tuple[str, int]:
@@ -62,6 +56,17 @@ def barrier(spec: tuple[str, int], name: str) -> None:
     (here / str(os.getpid())).touch()
     while len(list(here.iterdir())) < n:
         time.sleep(0.01)
+
+
+def table_row(name: str, data: int, run: dict) -> str:
+    """One printed line: policy, D, call ms, then the first device's kernels, kernel, busy and idle ms and every
+    device's idle ms (or why there is no profile)."""
+    head = f"  {name:8s} {data:4d} {run['call_ms']:9.1f}  "
+    if "devices" not in run:
+        return head + run.get("profile_error", "(not profiled)")[:80]
+    first = next(iter(run["devices"].values()))
+    return head + (f"{first['kernels']:8d} {first['kernel_ms']:9.1f} {first['busy_ms']:8.1f} {first['idle_ms']:8.1f}  "
+                   + " ".join(f"{d['idle_ms']:.0f}" for d in run["devices"].values()))
 
 
 def main():
@@ -124,11 +129,7 @@ def main():
                         run["devices"] = decode_breakdown.device_activity(trace_dir)
                     except ValueError as e:  # no GPU kernels (e.g. on the CPU)
                         run["profile_error"] = str(e)
-            first_device = next(iter(run.get("devices", {}).values()), {})
-            rows.append(f"  {name:8s} {data:4d} {run['call_ms']:9.1f}  " + (
-                f"{first_device['kernels']:8d} {first_device['kernel_ms']:9.1f} {first_device['busy_ms']:8.1f} "
-                f"{first_device['idle_ms']:8.1f}  " + " ".join(f"{d['idle_ms']:.0f}" for d in run["devices"].values())
-                if first_device else run.get("profile_error", "(not profiled)")[:80]))
+            rows.append(table_row(name, data, run))
             print(rows[-1], flush=True)
             del model
             if a.out:  # after each run: a run stopped later keeps what it measured
