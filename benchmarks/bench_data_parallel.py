@@ -4,11 +4,16 @@ after compilation, whether every prompt's output is identical to one device's, a
 with its difference from one device's (paired on the same prompts, 95 % intervals, tasks as strata).
 
 Each mesh runs the sweep twice on the same prompts: the first run compiles (every policy at the length) and is not
-timed; the time the sweep spends building its prompts (measured apart, `ruler.plan`) is subtracted. One device
-takes `--rows` rows per call, a mesh D x `--rows`.
+timed; the second is timed from the end of its first batch to the end of its last (the prompts of the batches
+between), so neither the prompts' building, which comes first, nor the first batch counts. One device takes
+`--rows` rows per call, a mesh D x `--rows`. With `--processes N` the script runs as N processes of one device each
+(`jcascade.eval.processes`, as `jcascade ruler --processes N`): process 0 runs the one-device sweep alone (on a 1 x 1
+mesh, which no process splits) while the others wait, then all N run it with each batch's rows split over them;
+process 0 prints and writes.
 
     python benchmarks/bench_data_parallel.py --mesh data=4 --mesh data=2,model=2 --length 4K --samples 16 \
         --out results/data-parallel.json
+    python benchmarks/bench_data_parallel.py --processes 4 --length 4K --samples 64 --out results/dp-processes.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_data_parallel.py --tiny   # dry run
 """
 
@@ -19,20 +24,29 @@ import json
 import pathlib
 import time
 
+import sys
+
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 import jcascade as jc
 from jcascade.cli import count
-from jcascade.eval import ruler, stats, texts
+from jcascade.eval import processes, ruler, stats, texts
 from jcascade.models import sharding
 
 
-def sweep(model, tokenizer, prose, tasks, length, names, budget, samples, rows, build_s) -> tuple[list, float]:
-    """The sweep's results and seconds, less `build_s` (its prompt building)."""
-    t0 = time.perf_counter()
+def sweep(model, tokenizer, prose, tasks, length, names, budget, samples, rows) -> tuple[list, int, float]:
+    """(the sweep's results, the prompts timed, their seconds): from the end of the first batch to the end of
+    the last."""
+    ends = []
     out = ruler.sweep(model, tokenizer, ruler.policy_grid(names, [budget]), [length], tasks=tasks, prose=prose,
-                      samples=samples, batch_size=rows)
-    return out, time.perf_counter() - t0 - build_s
+                      samples=samples, batch_size=rows, progress=lambda n: ends.append((n, time.perf_counter())))
+    if len(ends) < 2:
+        raise SystemExit(f"--samples {samples}: one batch of {rows} rows holds every prompt, so none is timed; use "
+                         "more samples")
+    return out, sum(n for n, _ in ends[1:]), ends[-1][1] - ends[0][1]
 
 
 def main():
@@ -48,12 +62,28 @@ def main():
     p.add_argument("--rows", type=count, default=8, help="rows per device per generate call")
     p.add_argument("--book", default="paradise_lost", help="prose haystack")
     p.add_argument("--tiny", action="store_true", help="a random tiny model and two short tasks (dry run)")
+    p.add_argument("--processes", type=count, default=1, help="run as this many processes of one device each")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    meshes = [(1, 1), *(a.mesh or [(len(jax.devices()), 1)])]
-    for data, model in meshes[1:]:
-        if data * model < 2 or data * model > len(jax.devices()):
-            raise SystemExit(f"--mesh data={data},model={model}: needs 2 to the {len(jax.devices())} devices present")
+    if a.processes > 1 and not processes.launched():
+        if not (a.model or a.tiny):  # fetched once, on the CPU, before the processes start
+            jax.config.update("jax_platforms", "cpu")
+            jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT)
+        raise SystemExit(processes.launch([__file__, *sys.argv[1:]], a.processes))
+    if processes.launched():
+        processes.join()
+    first = jax.process_index() == 0  # prints and writes
+    if processes.launched():  # process 0 alone on a 1 x 1 mesh (no split over processes), then all N
+        alone = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), sharding.AXES)
+        runs_of = [("data=1,model=1", lambda: alone, a.rows), (f"processes={a.processes}", lambda: None,
+                                                               a.rows * a.processes)]
+    else:
+        for data, model in a.mesh or []:
+            if data * model < 2 or data * model > len(jax.devices()):
+                raise SystemExit(f"--mesh data={data},model={model}: needs 2 to the {len(jax.devices())} devices present")
+        runs_of = [("data=1,model=1", lambda: None, a.rows)] + [
+            (f"data={d},model={m}", lambda d=d, m=m: sharding.device_mesh((d, m), batched=True), a.rows * d)
+            for d, m in a.mesh or [(len(jax.devices()), 1)]]
     tasks = list(ruler.TASKS) if a.tasks == "all" else a.tasks.split(",")
     names = a.policy.split(",")
     path = pathlib.Path(a.model) if a.model else (None if a.tiny else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT))
@@ -65,39 +95,47 @@ def main():
                                        rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                        qkv_bias=False, o_bias=False, max_position_embeddings=4096)
     prose = texts.load_book(a.book) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
-    t0 = time.perf_counter()
-    ruler.plan(ruler.Generator(tokenizer, prose), tasks, [a.length], a.samples)
-    build_s = time.perf_counter() - t0
     runs, one_outputs, one_scores = {}, None, None
     result = dict(benchmark="data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                  date=time.strftime("%Y-%m-%d"), model=path.name if path else "tiny random", length=a.length,
+                  date=time.strftime("%Y-%m-%d"), processes=a.processes, model=path.name if path else "tiny random", length=a.length,
                   tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
-                  prompt_build_s=build_s, runs=runs)
-    for data, model_axis in meshes:  # one device first: the reference every mesh's outputs are compared with
-        mesh = sharding.device_mesh((data, model_axis), batched=True)
-        model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny
+                  runs=runs)
+    for label, mesh_of, rows in runs_of:  # one device first: the reference every run's outputs are compared with
+        mesh = mesh_of()
+        model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny  # every process: orbax syncs them
                  else jc.load_pretrained(path, mesh=mesh))
-        run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, a.rows * data, build_s)
-        _, compile_s = sweep(*run)
-        results, seconds = sweep(*run)
+        if mesh is not None and jax.process_count() > 1 and not first:  # process 0's device alone
+            multihost_utils.sync_global_devices("one device")
+            continue
+        run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, rows)
+        t0 = time.perf_counter()
+        sweep(*run)
+        compile_s = time.perf_counter() - t0
+        results, timed, seconds = sweep(*run)
+        if mesh is not None and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("one device")
+        if not first:
+            continue
         outputs, scores = [r.output for r in results], [r.score for r in results]
         strata = [r.task for r in results]
         if one_outputs is None:  # the first mesh is one device
             one_outputs, one_scores = outputs, scores
-        r = runs[f"data={data},model={model_axis}"] = dict(
-            seconds=seconds, first_run_s=compile_s, prompts=len(results), prompts_per_s=len(results) / seconds)
+        r = runs[label] = dict(seconds=seconds, timed_prompts=timed, first_run_s=compile_s, prompts=len(results),
+                               prompts_per_s=timed / seconds)
         r.update(speedup=r["prompts_per_s"] / runs["data=1,model=1"]["prompts_per_s"],
                  identical_outputs=sum(x == y for x, y in zip(one_outputs, outputs)),
                  score=stats.mean(scores, strata=strata, bounds=(0, 1)).as_dict(),
                  score_minus_one_device=stats.paired_difference(scores, one_scores, strata=strata,
                                                                 bounds=(0, 1)).as_dict())
-        print(f"data={data},model={model_axis}: {len(results)} prompts in {seconds:.1f} s ({len(results) / seconds:.1f} "
-              f"prompts/s; first run, compiling: {compile_s:.1f} s)", flush=True)
+        print(f"{label}: {timed} of {len(results)} prompts timed, {seconds:.1f} s ({timed / seconds:.1f} prompts/s; "
+              f"first run, compiling: {compile_s:.1f} s)", flush=True)
         if a.out:  # after each mesh: a run stopped later keeps what it measured
             pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(a.out).write_text(json.dumps(result, indent=2))
+    if not first:
+        return
     one = runs["data=1,model=1"]
-    print(f"\nmesh, prompts/s, seconds, speed-up, identical outputs, score, score - one device ({result['model']}, "
+    print(f"\nrun, prompts/s, timed seconds, speed-up, identical outputs, score, score - one device ({result['model']}, "
           f"{a.length} tokens, {len(tasks)} tasks x {a.samples}, {', '.join(names)} at {a.budget:.0%})")
     for name, r in runs.items():
         s, d = r["score"], r["score_minus_one_device"]

@@ -24,7 +24,8 @@ import warnings
 import jax
 from tqdm import tqdm
 
-from jcascade.eval import attention_map, main_job, passkey, perplexity, plots, protocol, report, ruler, runner, texts
+from jcascade.eval import (attention_map, main_job, passkey, perplexity, plots, processes, protocol, report, ruler,
+                           runner, texts)
 from jcascade.models import read_config, sharding
 from jcascade.policies import parse_policy, policy_classes
 
@@ -33,11 +34,12 @@ _log = functools.partial(print, file=sys.stderr)
 
 def _load(args, batched: bool):
     """(model, tokenizer, name, mesh) of --model on the --mesh of a command that runs batches of rows or one
-    sequence (`runner.load`)."""
-    mesh = sharding.device_mesh(args.mesh, batched=batched, name="--mesh")
-    data = 1 if mesh is None else mesh.shape["data"]
+    sequence (`runner.load`); of --processes, on this process's device (rows go over the processes)."""
+    mesh = None if jax.process_count() > 1 else sharding.device_mesh(args.mesh, batched=batched, name="--mesh")
+    data = _row_parts(mesh)
     if getattr(args, "batch_size", None) is not None and args.batch_size % data:
-        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis ({data})")
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis or of "
+                         f"--processes ({data})")
     with _option("--model"):
         return *runner.load(args.model, mesh, _log), mesh
 
@@ -61,7 +63,7 @@ def _evaluate(args, name: str, total: int, identity: dict, work, tokenizer, mesh
     """`runner.run` (progress in `unit`s) with the checkpoints of --checkpoint-every / --resume in
     --out/checkpoint-<name>. The run's identity: every argument (the policies by spec, the model by its content),
     `identity`, and with checkpoints the model's and tokenizer's hashes and the devices (`runner.identity`)."""
-    skip = ("run", "parser", "argv", "resume", "checkpoint_every", "out", "json", "policy", "model", "mesh")
+    skip = ("run", "parser", "argv", "resume", "checkpoint_every", "out", "json", "policy", "model", "mesh", "processes")
     run = {k: v for k, v in vars(args).items() if k not in skip} | identity
     if args.checkpoint_every is not None:  # the hashes read the model's files: only for a run that checkpoints
         run |= runner.identity(args.model, tokenizer, mesh, _log)
@@ -70,11 +72,16 @@ def _evaluate(args, name: str, total: int, identity: dict, work, tokenizer, mesh
                       args.resume, run, command, unit)
 
 
+def _row_parts(mesh) -> int:
+    """The parts a batch's rows split into: one a process of --processes, else the mesh's data axis (1 without)."""
+    return jax.process_count() if jax.process_count() > 1 else 1 if mesh is None else mesh.shape["data"]
+
+
 def _batch_size(args, prompts: int, mesh, most: int) -> int:
     """--batch-size, or what a run of `prompts` prompts per (policy, length) needs: the fewest batches of at most
-    `most` x D rows, as equal as possible (`passkey.equal_batches`), rounded up to a multiple of the mesh's data
-    axis D (1 without a mesh)."""
-    data = 1 if mesh is None else mesh.shape["data"]
+    `most` x D rows, as equal as possible (`passkey.equal_batches`), rounded up to a multiple of D, the parts the
+    rows split into (`_row_parts`)."""
+    data = _row_parts(mesh)
     return args.batch_size or -(-passkey.equal_batches(prompts, most * data) // data) * data
 
 
@@ -84,7 +91,9 @@ def _sha256(text: str) -> str:
 
 def _finish(args, name: str, result: dict, text: str, figures, checkpointing=None) -> None:
     """Writes the results (`runner.write`), prints the tables (stdout, or stderr with --json) and, with
-    --json, the summary (`report.summary`) to stdout."""
+    --json, the summary (`report.summary`) to stdout. Of several processes (--processes), process 0 alone."""
+    if jax.process_index() != 0:
+        return
     with _option("--out"):
         files = runner.write(args.out, name, result, figures, checkpointing)
     print(text + "\n\nwrote " + ", ".join(files), file=sys.stderr if args.json else sys.stdout)
@@ -300,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
         if policies:
             p.add_argument("--policy", action="append", type=policy, metavar="SPEC",
                            help=f"NAME[:FIELD=VALUE,...], repeatable (default: {pair})")
+        if batched:
+            p.add_argument("--processes", type=count, default=1, metavar="N", help="run as N processes of one device "
+                           "each (GPU i for process i), each batch's rows split over them (jcascade.eval.processes); "
+                           "not with --mesh")
         return p
 
     def protocol_option(p):
@@ -449,6 +462,9 @@ def _check(args) -> None:
                              "paradise_lost)")
     if hasattr(args, "min_length"):
         _check_lengths(args)
+    if getattr(args, "processes", 1) > 1 and args.mesh is not None:
+        raise ValueError(f"--mesh: with --processes {args.processes} the rows go over the processes, one device each; "
+                         "leave --mesh out")
     if args.command == "generate" and not args.prompt:
         raise ValueError("--prompt: must not be empty")
     if getattr(args, "protocol", None) == protocol.QUERY_AGNOSTIC:
@@ -483,6 +499,16 @@ def main(argv: list[str] | None = None) -> None:
     the message (SystemExit 2), never a traceback. Warnings print as one line each, `warning: <message>` (above
     a progress bar)."""
     args = parse(argv)
+    if getattr(args, "processes", 1) > 1 and not processes.launched():
+        if args.model is None:  # fetched here, on the CPU, once for all the processes
+            jax.config.update("jax_platforms", "cpu")
+            runner.model_path(None, _log)
+        code = processes.launch(["-m", "jcascade", *args.argv], args.processes, _log)
+        if code:
+            raise SystemExit(code)
+        return
+    if processes.launched():
+        processes.join()
     try:
         with warnings.catch_warnings():
             warnings.showwarning = lambda message, *_, **__: tqdm.write(f"warning: {message}", sys.stderr)  # above a bar

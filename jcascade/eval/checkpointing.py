@@ -71,6 +71,11 @@ class Checkpointing:
         return self._earlier + time.perf_counter() - self._started
 
     def save(self, arrays, progress: dict) -> None:
+        """Saves a checkpoint; of several processes (`jax.distributed`), process 0 alone (all of them resume from it)."""
+        import jax
+
+        if jax.process_index() != 0:
+            return
         save_stream(self.directory, arrays, {"run": self.run, "command": self.command, "seconds": self.seconds(),
                                              **progress})
 

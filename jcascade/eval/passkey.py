@@ -27,6 +27,7 @@ import jcascade as jc
 from jcascade import compilation
 from jcascade.eval import stats
 from jcascade.eval.checkpointing import Checkpointing, complete, finished
+from jcascade.eval import processes
 from jcascade.generation import decode
 from jcascade.eval.perplexity import cache_capacity
 from jcascade.eval.protocol import QUERY_AGNOSTIC, QUERY_AWARE, check, generate, padded
@@ -282,28 +283,29 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
         return generate(model, policy, [p.tokens for p in prompts], [p.question_start for p in prompts], protocol,
                         width=tokens.shape[1], question_width=max(len(p.tokens) - p.question_start for p in prompts),
                         max_new_tokens=max_new_tokens, eos_id=eos_id), None
+    part = lambda rows: processes.mine(rows, model)  # noqa: E731  (this process's rows)
     if not retention:
-        return np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,
-                                      eos_id=eos_id)), None
+        return processes.gather(jc.generate(model, part(tokens), policy, max_new_tokens=max_new_tokens,
+                                            lengths=part(lengths), eos_id=eos_id), model), None
     config = model.config
     if "linear" in config.types or config.kv_heads("global") != config.num_kv_heads:
         raise ValueError(f"retention is recorded per layer and KV head of every layer's KV cache; this "
                          f"{config.architecture} model has linear layers (no KV cache) or global layers with KV heads "
                          "of their own")
-    counts = np.array([len(p.key_positions) for p in prompts], np.float32)
     if cache_capacity(policy) is None:
-        out = np.asarray(jc.generate(model, tokens, policy, max_new_tokens=max_new_tokens, lengths=lengths,
-                                     eos_id=eos_id))
+        out = processes.gather(jc.generate(model, part(tokens), policy, max_new_tokens=max_new_tokens,
+                                           lengths=part(lengths), eos_id=eos_id), model)
         return out, np.ones((len(prompts), config.num_layers, config.num_kv_heads), np.float32)
+    counts = np.array([len(p.key_positions) for p in prompts], np.float32)
     chunk_starts = np.array([p.question_start // policy.stride * policy.stride for p in prompts], np.int32)
     key_positions = np.full((len(prompts), int(counts.max())), -2, np.int32)
     for r, p in enumerate(prompts):
         key_positions[r, : len(p.key_positions)] = p.key_positions
-    out, visible = _answer_and_retention(model, policy, jnp.asarray(tokens), jnp.asarray(lengths),
-                                         jnp.asarray(chunk_starts), jnp.asarray(key_positions),
-                                         head=max(int(chunk_starts.max()), 1), rest=tokens.shape[1] - int(chunk_starts.min()),
-                                         max_new_tokens=max_new_tokens, eos_id=eos_id)
-    return np.asarray(out), np.asarray(visible) / counts[:, None, None]
+    out, visible = _answer_and_retention(model, policy, part(tokens), part(lengths), part(chunk_starts),
+                                         part(key_positions), head=max(int(chunk_starts.max()), 1),
+                                         rest=tokens.shape[1] - int(chunk_starts.min()), max_new_tokens=max_new_tokens,
+                                         eos_id=eos_id)
+    return processes.gather(out, model), processes.gather(visible, model) / counts[:, None, None]
 
 
 def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],

@@ -78,10 +78,13 @@ def tokenizer_sha256(tokenizer) -> str:
 
 
 def devices(mesh) -> str:
-    """The devices a run computes on: "1 cpu", or "2 NVIDIA H100 80GB HBM3 (mesh data=2, model=1)"."""
+    """The devices a run computes on: "1 cpu", "2 NVIDIA H100 80GB HBM3 (mesh data=2, model=1)", or over
+    processes of one device each (`jcascade.eval.processes`) "4 NVIDIA H100 80GB HBM3 (4 processes)"."""
     import jax
 
     used = jax.local_devices()[:1] if mesh is None else list(mesh.devices.flat)
+    if mesh is None and jax.process_count() > 1:
+        return f"{jax.process_count()} {used[0].device_kind} ({jax.process_count()} processes)"
     shape = "" if mesh is None else f" (mesh data={mesh.shape['data']}, model={mesh.shape['model']})"
     return f"{len(used)} {used[0].device_kind}{shape}"
 

@@ -1,0 +1,121 @@
+"""Rows over processes of one device each, on one host (`jcascade ruler --processes N`): `launch` starts N copies
+of a command, each of which calls `join` first to become process i of a `jax.distributed` group on localhost,
+with device i alone (GPU i; on the CPU, each process's own CPU devices).
+
+Each process holds the whole model on its device and computes its share of every batch's rows (`mine`, in
+order: process i the i-th of N equal parts), with no collective inside the computation: each decodes until its
+own rows are done. The rows' results are then gathered into every process (`gather`, one collective a batch),
+so every process sees the batch's full results and takes the same next step. A row's result does not depend
+on the other rows of its call, so the results are one device's (tests/eval/test_processes.py on the CPU; 704 of 704
+RULER outputs on four H200s). Process 0 keeps the terminal and writes the results
+and checkpoints; the others print nothing unless they fail.
+
+Why: one process driving four GPUs loses a tenth to a third of data parallelism's throughput, likely to the host
+issuing each decode step's thousand small kernels to every device (docs/multi-device.md); N processes issue theirs
+side by side. Why rows and not one mesh over the processes: on a mesh the decode loop stops on a reduction over
+every process at every step, where split rows need one collective a batch. What either gains on GPUs is not
+measured yet (benchmarks/RESULTS.md, "One process per GPU").
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ENV = "JCASCADE_PROCESS"  # "i/N" in the environment of launched process i of N
+
+
+def launched() -> bool:
+    """Whether this process was started by `launch`."""
+    return ENV in os.environ
+
+
+def join() -> None:
+    """In a process started by `launch`, before jax touches any device: joins the `jax.distributed` group on
+    localhost as process i of N with device i only (`local_device_ids`; CPU collectives over gloo). Raises a
+    RuntimeError where the process was not launched."""
+    import jax
+
+    if not launched():
+        raise RuntimeError(f"join() is for processes started by launch() ({ENV} is not set)")
+    process, processes = map(int, os.environ[ENV].split("/"))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], processes, process, local_device_ids=[process])
+
+
+def splits(model) -> bool:
+    """Whether `model`'s batches are split over processes: several processes (`jax.distributed`) and a model on
+    one device in each (no mesh; a model on a mesh over all processes' devices computes every row as one)."""
+    import jax
+
+    return jax.process_count() > 1 and getattr(model, "mesh", None) is None
+
+
+def mine(rows, model):
+    """This process's part of `rows` (a sequence or array, rows first) where `model` splits over processes
+    (`splits`): the i-th of N equal parts; else all of them. Raises ValueError if N does not divide the rows."""
+    import jax
+
+    if not splits(model):
+        return rows
+    n, i = jax.process_count(), jax.process_index()
+    if len(rows) % n:
+        raise ValueError(f"a batch of {len(rows)} rows does not split over {n} processes: use a multiple of {n}")
+    part = len(rows) // n
+    return rows[i * part: (i + 1) * part]
+
+
+def gather(part, model) -> np.ndarray:
+    """The rows of every process's `part` (a numpy array of equal shape in each), in process order, where `model`
+    splits over processes (`splits`); else `part` itself."""
+    if not splits(model):
+        return np.asarray(part)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(part), tiled=True))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(command: list[str], processes: int, log=print) -> int:
+    """Runs `python command...` as `processes` processes (each calls `join`) and waits for them; returns 0, or
+    the exit code of the first that failed (the others are then stopped and its error output is logged;
+    process 0's goes to this terminal). Process 0 inherits stdout and stderr, the others print nothing."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 2:
+        raise ValueError(f"processes must be an int >= 2, got {processes!r}")
+    address = f"localhost:{_free_port()}"
+    errors = [tempfile.TemporaryFile() for _ in range(processes)]
+    started = [subprocess.Popen([sys.executable, *command], env=os.environ | {ENV: f"{i}/{processes}",
+                                                                            "JAX_COORDINATOR_ADDRESS": address},
+                                stdout=None if i == 0 else subprocess.DEVNULL, stderr=None if i == 0 else errors[i])
+               for i in range(processes)]
+    try:
+        while True:
+            codes = [p.poll() for p in started]
+            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None:
+                if failed:
+                    errors[failed].seek(0)
+                    log(f"process {failed} of {processes} failed (exit code {codes[failed]}):\n"
+                        + errors[failed].read().decode(errors="backslashreplace")[-4000:])
+                return codes[failed]
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in errors:
+            f.close()
