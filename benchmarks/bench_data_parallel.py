@@ -22,9 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import time
-
 import sys
+import time
 
 import jax
 import numpy as np
@@ -65,6 +64,8 @@ def main():
     p.add_argument("--processes", type=count, default=1, help="run as this many processes of one device each")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.processes > 1 and a.mesh:
+        raise SystemExit("--mesh: with --processes the rows go over the processes, one device each; leave --mesh out")
     if a.processes > 1 and not processes.launched():
         if not (a.model or a.tiny):  # fetched once, on the CPU, before the processes start
             jax.config.update("jax_platforms", "cpu")

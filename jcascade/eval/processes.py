@@ -20,6 +20,7 @@ measured yet (benchmarks/RESULTS.md, "One process per GPU").
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -89,26 +90,30 @@ def _free_port() -> int:
 
 def launch(command: list[str], processes: int, log=print) -> int:
     """Runs `python command...` as `processes` processes (each calls `join`) and waits for them; returns 0, or
-    the exit code of the first that failed (the others are then stopped and its error output is logged;
-    process 0's goes to this terminal). Process 0 inherits stdout and stderr, the others print nothing."""
+    the exit code of the first that failed (128 + N for one killed by signal N; the others are then stopped and
+    its error output is logged; process 0's goes to this terminal). Process 0 inherits stdout and stderr, the
+    others print nothing. SIGTERM and SIGHUP stop them all too."""
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 2:
         raise ValueError(f"processes must be an int >= 2, got {processes!r}")
     address = f"localhost:{_free_port()}"
-    errors = [tempfile.TemporaryFile() for _ in range(processes)]
+    errors = {i: tempfile.TemporaryFile() for i in range(1, processes)}  # process 0 writes to the terminal
+    stop = lambda signum, _: sys.exit(128 + signum)  # noqa: E731  (so that `finally` stops the processes)
+    handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     started = [subprocess.Popen([sys.executable, *command], env=os.environ | {ENV: f"{i}/{processes}",
                                                                             "JAX_COORDINATOR_ADDRESS": address},
-                                stdout=None if i == 0 else subprocess.DEVNULL, stderr=None if i == 0 else errors[i])
+                                stdout=None if i == 0 else subprocess.DEVNULL, stderr=errors.get(i))
                for i in range(processes)]
     try:
         while True:
             codes = [p.poll() for p in started]
             failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
             if failed is not None:
+                code = codes[failed] if codes[failed] > 0 else 128 - codes[failed]
                 if failed:
                     errors[failed].seek(0)
-                    log(f"process {failed} of {processes} failed (exit code {codes[failed]}):\n"
+                    log(f"process {failed} of {processes} failed (exit code {code}):\n"
                         + errors[failed].read().decode(errors="backslashreplace")[-4000:])
-                return codes[failed]
+                return code
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(0.1)
@@ -117,5 +122,7 @@ def launch(command: list[str], processes: int, log=print) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for f in errors:
+        for f in errors.values():
             f.close()
+        for s, handler in handlers.items():
+            signal.signal(s, handler)

