@@ -71,20 +71,18 @@ def main():
             jax.config.update("jax_platforms", "cpu")
             jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT)
         raise SystemExit(processes.launch([__file__, *sys.argv[1:]], a.processes))
-    if processes.launched():
-        processes.join()
-    first = jax.process_index() == 0  # prints and writes
     if processes.launched():  # process 0 alone on a 1 x 1 mesh (no split over processes), then all N
+        processes.join()
         alone = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), sharding.AXES)
-        runs_of = [("data=1,model=1", lambda: alone, a.rows), (f"processes={a.processes}", lambda: None,
-                                                               a.rows * a.processes)]
+        runs_of = [("data=1,model=1", alone, a.rows), (f"processes={a.processes}", None, a.rows * a.processes)]
     else:
         for data, model in a.mesh or []:
             if data * model < 2 or data * model > len(jax.devices()):
                 raise SystemExit(f"--mesh data={data},model={model}: needs 2 to the {len(jax.devices())} devices present")
-        runs_of = [("data=1,model=1", lambda: None, a.rows)] + [
-            (f"data={d},model={m}", lambda d=d, m=m: sharding.device_mesh((d, m), batched=True), a.rows * d)
+        runs_of = [("data=1,model=1", None, a.rows)] + [
+            (f"data={d},model={m}", sharding.device_mesh((d, m), batched=True), a.rows * d)
             for d, m in a.mesh or [(len(jax.devices()), 1)]]
+    first = jax.process_index() == 0  # prints and writes
     tasks = list(ruler.TASKS) if a.tasks == "all" else a.tasks.split(",")
     names = a.policy.split(",")
     path = pathlib.Path(a.model) if a.model else (None if a.tiny else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT))
@@ -101,11 +99,11 @@ def main():
                   date=time.strftime("%Y-%m-%d"), processes=a.processes, model=path.name if path else "tiny random", length=a.length,
                   tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
                   runs=runs)
-    for label, mesh_of, rows in runs_of:  # one device first: the reference every run's outputs are compared with
-        mesh = mesh_of()
+    for label, mesh, rows in runs_of:  # one device first: the reference every run's outputs are compared with
         model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny  # every process: orbax syncs them
                  else jc.load_pretrained(path, mesh=mesh))
-        if mesh is not None and jax.process_count() > 1 and not first:  # process 0's device alone
+        alone = mesh is not None and jax.process_count() > 1  # process 0's device alone, the others waiting
+        if alone and not first:
             multihost_utils.sync_global_devices("one device")
             continue
         run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, rows)
@@ -113,7 +111,7 @@ def main():
         sweep(*run)
         compile_s = time.perf_counter() - t0
         results, timed, seconds = sweep(*run)
-        if mesh is not None and jax.process_count() > 1:
+        if alone:
             multihost_utils.sync_global_devices("one device")
         if not first:
             continue

@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, help: str, run, batched: bool, out: str | None = "jcascade-out", policies: bool = True):
         p = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
-        p.set_defaults(run=run, parser=p)
+        p.set_defaults(run=run, parser=p, processes=1)  # --processes: the batched commands
         p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
         p.add_argument("--out", default=out, help="directory for the JSON (and PNG) results")
         p.add_argument("--json", action="store_true", help="print the summary as JSON to stdout (tables to stderr)")
@@ -468,10 +468,10 @@ def _check(args) -> None:
                              "paradise_lost)")
     if hasattr(args, "min_length"):
         _check_lengths(args)
-    if getattr(args, "processes", 1) > 1 and args.mesh is not None:
+    if args.processes > 1 and args.mesh is not None:
         raise ValueError(f"--mesh: with --processes {args.processes} the rows go over the processes, one device each; "
                          "leave --mesh out")
-    if getattr(args, "processes", 1) > 1 and (args.batch_size or 0) % args.processes:
+    if args.processes > 1 and (args.batch_size or 0) % args.processes:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --processes ({args.processes})")
     if args.command == "generate" and not args.prompt:
         raise ValueError("--prompt: must not be empty")
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
     the message (SystemExit 2), never a traceback. Warnings print as one line each, `warning: <message>` (above
     a progress bar)."""
     args = parse(argv)
-    if getattr(args, "processes", 1) > 1 and not processes.launched():
+    if args.processes > 1 and not processes.launched():
         if args.model is None:  # fetched here, on the CPU, once for all the processes
             jax.config.update("jax_platforms", "cpu")
             runner.model_path(None, _log)
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(code)
         return
     try:
-        if getattr(args, "processes", 1) > 1:  # launched: one of the processes
+        if args.processes > 1:  # launched: one of the processes
             processes.join()
         with warnings.catch_warnings():
             warnings.showwarning = lambda message, *_, **__: tqdm.write(f"warning: {message}", sys.stderr)  # above a bar
