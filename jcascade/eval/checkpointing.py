@@ -4,8 +4,9 @@ its file), and resumes that continue exactly or refuse.
 What a resume guarantees. A `Checkpointing` carries the run's identity, everything that determines its
 results: for the command line every argument, the sha256 of the model's weight files and of its
 tokenizer's definition, the devices and mesh, and the software versions (`runner.identity`); the work adds
-the batch layout it computes with (`resume(batch_size=...)`). A checkpoint written under another identity
-is refused, naming each difference with its saved and its current value. The progress records the finished
+the batch layout it computes with and the digest of its prompts (`resume(batch_size=..., prompts=...)`,
+`prompts_sha256`: a version of jcascade that builds other prompts refuses the checkpoint). A checkpoint written
+under another identity is refused, naming each difference with its saved and its current value. The progress records the finished
 units themselves (e.g. passkey trials by (policy, length, bucket, sample)), not a count of batches: on
 resume the work checks that they are exactly the first units of its own plan, in order (`finished`), and
 skips them; at its end, `complete` checks that the results hold every planned unit once, in plan order.
@@ -16,11 +17,14 @@ else raises. A run never reports fewer units than planned as complete.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 import shutil
 import time
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from jcascade.checkpoint import REMEDY, Progress, load_stream, save_stream, saved_progress
 
@@ -106,6 +110,15 @@ class Checkpointing:
     def clear(self) -> None:
         """Removes the checkpoints (the run finished)."""
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def prompts_sha256(prompts) -> str:
+    """The sha256 of a sweep's prompts: an iterable of (token ids int [n], question start) in plan order."""
+    digest = hashlib.sha256()
+    for tokens, question_start in prompts:
+        tokens = np.asarray(tokens, np.int64)
+        digest.update(np.array([len(tokens), question_start], np.int64).tobytes() + tokens.tobytes())
+    return digest.hexdigest()
 
 
 def finished(progress: Progress, plan: Sequence[tuple], result: type, key: Callable) -> list:

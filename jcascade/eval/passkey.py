@@ -26,7 +26,7 @@ import numpy as np
 import jcascade as jc
 from jcascade import compilation
 from jcascade.eval import stats
-from jcascade.eval.checkpointing import Checkpointing, complete, finished
+from jcascade.eval.checkpointing import Checkpointing, complete, finished, prompts_sha256
 from jcascade.eval import processes
 from jcascade.generation import decode
 from jcascade.eval.perplexity import cache_capacity
@@ -345,7 +345,8 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
     key = lambda r: (r.policy, r.context_length, r.bucket, r.sample)  # noqa: E731
     with progress_bar(progress, sum(u[1] for u in units), "passkey", "tok") as progress:
         results = []
-        found = checkpointing.resume(batch_size=batch_size, protocol=protocol) if checkpointing is not None else None
+        found = checkpointing.resume(batch_size=batch_size, protocol=protocol, prompts=prompts_sha256(
+            (p.tokens, p.question_start) for n in planned for p in planned[n])) if checkpointing is not None else None
         if found is not None:
             results = finished(found[1], units, PasskeyResult, key)
             progress(sum(r.context_length for r in results))

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jcascade.eval.checkpointing import complete, finished
+from jcascade.eval.checkpointing import complete, finished, prompts_sha256
 from jcascade.eval.protocol import QUERY_AWARE, check, generate
 from jcascade.eval.texts import distinct
 
@@ -228,7 +228,9 @@ def _vt(task: Task, units: int, rng: np.random.Generator, lists: dict, prose, co
 
 
 def _cwe_list(units: int, rng: np.random.Generator, vocabulary: list[str], common: int, rare: int):
-    chosen = [vocabulary[i] for i in rng.choice(len(vocabulary), size=min(units, len(vocabulary)), replace=False)]
+    # The first `units` words of one permutation: a list of more units holds the words of a shorter one, so the
+    # prompt's tokens grow with its units and the search finds the largest prompt that fits.
+    chosen = [vocabulary[i] for i in rng.permutation(len(vocabulary))[:units]]
     items = chosen[:10] * common + chosen[10:] * rare
     rng.shuffle(items)
     return " ".join(f"{i + 1}. {w}" for i, w in enumerate(items)), tuple(chosen[:10])
@@ -277,6 +279,7 @@ class Generator:
         self.prose = sentences(prose) if prose is not None else None
         if self.prose == []:
             raise ValueError("prose: the prose haystack holds no text (an empty book?)")
+        self._last_units: dict[tuple[str, int], int] = {}  # (task, context length): the last sample's units
 
     def _prompt(self, text: str, prefix: str) -> tuple[np.ndarray, int]:
         """The prompt's token ids int32 [n] and the index of its question's first token: the first token whose
@@ -320,9 +323,12 @@ class Generator:
         # more would not fit, and no text built here is longer.
         haystack = "sentences of the prose" if spec.needs_prose else "words of cwe's list" if spec.family == "cwe" else ""
         most = len(self.prose) if spec.needs_prose else len(self.lists["cwe"]) if haystack else 2 * budget + 2
-        # The largest unit count whose prompt fits (prompt tokens grow with units): `low` units fit, `high` do not
-        # (None: not found yet). Guesses interpolate the tokens per unit seen so far, so a few tokenizations find
-        # it; after 8 guesses it bisects (or doubles), so it ends within 9 + 2 log2(most) tokenizations.
+        # The largest unit count whose prompt fits (prompt tokens grow with units, so it is one count, whatever
+        # the search's path): `low` units fit, `high` do not (None: not found yet). The first guess is the last
+        # sample's count at this task and length (samples of one task differ by a few units), the next ones
+        # interpolate the tokens per unit seen so far, so a few tokenizations find it. Where the tokens seen do
+        # not grow with the units (cwe below 11 words), and after 8 guesses, it doubles (or bisects), so it ends
+        # within 9 + 2 log2(most) tokenizations.
         tokens, low, high = {1: len(best.prompt)}, 1, None
         for step in itertools.count():
             if high is not None and high - low <= 1:
@@ -332,8 +338,12 @@ class Generator:
                 break
             other = high if high is not None else min(tokens)
             per_unit = (tokens[other] - tokens[low]) / (other - low) if other != low else tokens[low]
-            guess = low + int((budget - tokens[low]) / max(per_unit, 1e-9)) if step < 8 else (
-                2 * low if high is None else (low + high) // 2)
+            if step == 0 and (task, context_length) in self._last_units:
+                guess = self._last_units[task, context_length]
+            elif step < 8 and per_unit > 0:
+                guess = low + int((budget - tokens[low]) / per_unit)
+            else:
+                guess = 2 * low if high is None else (low + high) // 2
             units = min(max(guess, low + 1), most) if high is None else min(max(guess, low + 1), high - 1)
             candidate = build(units)
             tokens[units] = len(candidate.prompt)
@@ -341,6 +351,7 @@ class Generator:
                 low, best = units, candidate
             else:
                 high = units
+        self._last_units[task, context_length] = low
         if not best.answers:
             raise ValueError(f"context_length={context_length} is too short for {task}: its largest prompt "
                              f"({len(best.prompt)} tokens) holds too few words to define the answers (fwe: three "
@@ -558,7 +569,8 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
     key = lambda r: (r.policy, r.task, r.context_length, r.index)  # noqa: E731
     with progress_bar(progress, len(units), "RULER", "prompt") as progress:
         results = []
-        found = checkpointing.resume(batch_size=batch_size, protocol=protocol) if checkpointing is not None else None
+        found = checkpointing.resume(batch_size=batch_size, protocol=protocol, prompts=prompts_sha256(
+            (s.prompt, s.question_start) for n in planned for s in planned[n])) if checkpointing is not None else None
         if found is not None:
             results = finished(found[1], units, RulerResult, key)
             progress(len(results))

@@ -183,7 +183,9 @@ def test_a_checkpoint_of_other_units_is_refused(tmp_path):
     identity that does not say so) is refused before any model time is spent."""
     tokenizer = tiny.tokenizer()
     theirs = passkey.PasskeyResult("Sink", 256, 0, 0, "12345", 0.5, 250, "12345", 1.0, 2, None)
-    saved = {"run": 1, "batch_size": 5, "protocol": "query-aware"}  # the identity the sweep adds to {"run": 1}
+    planned = passkey.plan(passkey.PromptBuilder(tokenizer), [128, 256], samples=1, seed=0)
+    saved = {"run": 1, "batch_size": 5, "protocol": "query-aware",  # the identity the sweep adds to {"run": 1}
+             "prompts": checkpointing.prompts_sha256((p.tokens, p.question_start) for n in planned for p in planned[n])}
     checkpointing.Checkpointing(tmp_path, 1, saved).save(None, {"results": [dataclasses.asdict(theirs)]})
     policy = jc.Sink(window=32, sinks=4, stride=32)
     with pytest.raises(ValueError, match=r"progress.json: its results are not the first units of this run: result "
@@ -351,7 +353,34 @@ def test_a_resume_with_another_word_list_or_haystack_is_refused(model_dir, tmp_p
                 cli.main(argv)
         file.write_text(file.read_text().replace("sky", "sea"))
         err = refusal(argv + ["--resume"], capsys)
-        assert f"it differs in (saved, now): {key} (\"" in err, err
+        differences = err.split("it differs in (saved, now): ", 1)[1]
+        assert differences.startswith(f"{key} (\"") or f"; {key} (\"" in differences, err
+
+
+def test_a_resume_whose_prompts_are_built_otherwise_is_refused(model_dir, tmp_path, monkeypatch, capsys):
+    """The identity holds the digest of the sweep's prompts: a RULER run checkpointed by one version of the
+    generator (here: another noise sentence in vt's haystack) is refused by another, not continued with other
+    prompts."""
+    from jcascade.eval import ruler
+
+    argv = ["ruler", "--model", model_dir, "--tasks", "vt", "--policy", "full", "--budget", "0.5", "--min-length",
+            "1K", "--max-length", "1K", "--samples", "2", "--batch-size", "1", "--checkpoint-every", "1",
+            "--out", str(tmp_path)]
+    generate, calls = ruler.generate, []
+
+    def dies(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return generate(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(ruler, "generate", dies)
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(argv)
+    monkeypatch.setattr(ruler, "NOISE", ruler.NOISE.replace("green", "grey"))
+    err = refusal(argv + ["--resume"], capsys)
+    assert "it differs in (saved, now): prompts (\"" in err, err
 
 
 @pytest.mark.devices(2)

@@ -282,6 +282,28 @@ def test_fwe_ends_where_its_first_units_add_no_tokens():
         assert max(units for units, *_ in built) <= 2 * length + 2, length
 
 
+@pytest.mark.parametrize("task", list(ruler.TASKS))
+def test_the_prompt_is_the_largest_that_fits_whatever_the_search_saw_before(generator, task):
+    """A prompt's tokens grow with its units (cwe: a longer list holds a shorter one's words), so the sample is
+    the one unit count whose prompt fits where one more does not: no count up to 8 more fits either, and a
+    generator that sampled this task and length before (the search starts from that sample's count) finds the
+    same prompt as a fresh one. The search also stays near the answer: cwe's first units (below 11 words) add no
+    tokens, where it once asked for the whole word list (a text 20 times the prompt's)."""
+    length, spec = (16384 if task == "cwe" else 2048), ruler.TASKS[task]
+    fresh = ruler.Generator(tiny.tokenizer(), PROSE)
+    with _recorded_builds() as built:
+        s = fresh.sample(task, length, 1)
+    units = next(u for u, text, _ in built if text == s.text)
+    assert max(len(text) for _, text, _ in built) < 4 * len(s.text)
+    rng = lambda: np.random.default_rng([0, length, 1, list(ruler.TASKS).index(task)])  # noqa: E731  sample()'s draws
+    for more in range(units + 1, min(units + 9, 2 * length)):
+        text, prefix, *_ = ruler._GENERATORS[spec.family](spec, more, rng(), fresh.lists, fresh.prose, length)
+        assert len(fresh._prompt(text, prefix)[0]) > length - spec.tokens_to_generate, (units, more)
+    warm = ruler.Generator(tiny.tokenizer(), PROSE)
+    warm.sample(task, length, 0)
+    assert warm.sample(task, length, 1).text == s.text
+
+
 def test_a_search_that_cannot_converge_raises_with_the_numbers():
     """A tokenizer that drops every lowercase letter and "." (no unknown token): fwe's coded words add nothing."""
     generator = ruler.Generator(tiny.tokenizer(chat=False, text="THE GRASS IS GREEN QUESTION WHAT ANSWER", byte_level=False))
