@@ -4,11 +4,12 @@ after compilation, whether every prompt's output is identical to one device's, a
 with its difference from one device's (paired on the same prompts, 95 % intervals, tasks as strata).
 
 Each mesh runs the sweep twice on the same prompts: the first run compiles (every policy at the length) and is not
-timed; the second is timed from the end of its first batch to the end of its last (the prompts of the batches
-between), so neither the prompts' building, which comes first, nor the first batch counts. One device takes
+timed; the second is timed from the end of its first batch to its return (the prompts of the batches after the
+first), so neither the prompts' building, which comes first, nor the first batch counts. One device takes
 `--rows` rows per call, a mesh D x `--rows`. With `--processes N` the script runs as N processes of one device each
 (`jcascade.eval.processes`, as `jcascade ruler --processes N`): process 0 runs the one-device sweep alone (on a 1 x 1
-mesh, which no process splits) while the others wait, then all N run it with each batch's rows split over them;
+mesh, which no process splits) while the others wait, then all N run it with each batch's rows split over them
+(gathered at the end: the timing waits for the slowest process, which may also have started later);
 process 0 prints and writes.
 
     python benchmarks/bench_data_parallel.py --mesh data=4 --mesh data=2,model=2 --length 4K --samples 16 \
@@ -37,15 +38,15 @@ from jcascade.models import sharding
 
 
 def sweep(model, tokenizer, prose, tasks, length, names, budget, samples, rows) -> tuple[list, int, float]:
-    """(the sweep's results, the prompts timed, their seconds): from the end of the first batch to the end of
-    the last."""
+    """(the sweep's results, the prompts timed, their seconds): from the end of the first batch to the sweep's
+    return (over processes: process 0's first batch, and every process's rows gathered)."""
     ends = []
     out = ruler.sweep(model, tokenizer, ruler.policy_grid(names, [budget]), [length], tasks=tasks, prose=prose,
                       samples=samples, batch_size=rows, progress=lambda n: ends.append((n, time.perf_counter())))
     if len(ends) < 2:
         raise SystemExit(f"--samples {samples}: one batch of {rows} rows holds every prompt, so none is timed; use "
                          "more samples")
-    return out, sum(n for n, _ in ends[1:]), ends[-1][1] - ends[0][1]
+    return out, sum(n for n, _ in ends[1:]), time.perf_counter() - ends[0][1]
 
 
 def main():

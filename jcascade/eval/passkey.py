@@ -268,13 +268,14 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
            max_new_tokens: int, eos_id: int | None, retention: bool,
            protocol: str = QUERY_AWARE) -> tuple[np.ndarray, np.ndarray | None]:
     """Greedy answers int32 [B, max_new_tokens] to the right-padded prompts tokens [B, S] and, if `retention`,
-    the fraction of each prompt's key tokens the question sees, float [B, L, Hkv].
+    the fraction of each prompt's key tokens the question sees, float32 [B, L, Hkv].
 
     For bounded caches the retention is read from the cache at the question's chunk (the answers are still
     generate's, see `_answer_and_retention`); policies that are not `bounded` hold every prompt token until the
     prompt ends (they compress or recycle only after it), so they see all of them by construction.
     Under the query-agnostic `protocol` (`jcascade.eval.protocol.generate`) the context before each prompt's
-    `question_start` is compressed alone; retention is then refused (it is read inside one prompt).
+    `question_start` is compressed alone; retention is then refused (it is read inside one prompt). Over
+    processes (`processes.splits`), both are this process's part of the rows (`processes.mine`).
     """
     if protocol == QUERY_AGNOSTIC:
         if retention:
@@ -285,17 +286,17 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
                         max_new_tokens=max_new_tokens, eos_id=eos_id), None
     part = lambda rows: processes.mine(rows, model)  # noqa: E731  (this process's rows)
     if not retention:
-        return processes.gather(jc.generate(model, part(tokens), policy, max_new_tokens=max_new_tokens,
-                                            lengths=part(lengths), eos_id=eos_id), model), None
+        return np.asarray(jc.generate(model, part(tokens), policy, max_new_tokens=max_new_tokens,
+                                      lengths=part(lengths), eos_id=eos_id)), None
     config = model.config
     if "linear" in config.types or config.kv_heads("global") != config.num_kv_heads:
         raise ValueError(f"retention is recorded per layer and KV head of every layer's KV cache; this "
                          f"{config.architecture} model has linear layers (no KV cache) or global layers with KV heads "
                          "of their own")
     if cache_capacity(policy) is None:
-        out = processes.gather(jc.generate(model, part(tokens), policy, max_new_tokens=max_new_tokens,
-                                           lengths=part(lengths), eos_id=eos_id), model)
-        return out, np.ones((len(prompts), config.num_layers, config.num_kv_heads), np.float32)
+        out = np.asarray(jc.generate(model, part(tokens), policy, max_new_tokens=max_new_tokens,
+                                     lengths=part(lengths), eos_id=eos_id))
+        return out, np.ones((len(out), config.num_layers, config.num_kv_heads), np.float32)
     counts = np.array([len(p.key_positions) for p in prompts], np.float32)
     chunk_starts = np.array([p.question_start // policy.stride * policy.stride for p in prompts], np.int32)
     key_positions = np.full((len(prompts), int(counts.max())), -2, np.int32)
@@ -305,7 +306,7 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
                                          part(key_positions), head=max(int(chunk_starts.max()), 1),
                                          rest=tokens.shape[1] - int(chunk_starts.min()), max_new_tokens=max_new_tokens,
                                          eos_id=eos_id)
-    return processes.gather(out, model), processes.gather(visible, model) / counts[:, None, None]
+    return np.asarray(out), (np.asarray(visible) / part(counts)[:, None, None]).astype(np.float32)
 
 
 def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
@@ -351,6 +352,18 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
             results = finished(found[1], units, PasskeyResult, key)
             progress(sum(r.context_length for r in results))
         done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
+        pending = []  # (label, length, first, prompts, this process's answers) of the batches not gathered yet
+
+        def gather_pending():
+            for (label, length, first, part, _), (out, held) in zip(pending, processes.gather_batches(
+                    [answers for *_, answers in pending], model)):
+                for i, p in enumerate(part):
+                    text = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
+                    results.append(PasskeyResult(label, length, p.bucket, (first + i) % samples, p.key, p.depth,
+                                                 len(p.tokens), text, digit_accuracy(text, p.key),
+                                                 len(p.key_positions), None if held is None else held[i].tolist()))
+            pending.clear()
+
         for length, batch in planned.items():
             for label, policy in at(length).items():
                 for first in range(0, len(batch), batch_size):
@@ -361,16 +374,14 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
                     reached += len(part)
                     if reached <= done:
                         continue
-                    out, held = answer(model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
-                                       eos_id=tokenizer.eos_token_id, retention=retention, protocol=protocol)
-                    for i, p in enumerate(part):
-                        text = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
-                        results.append(PasskeyResult(label, length, p.bucket, (first + i) % samples, p.key, p.depth,
-                                                     len(p.tokens), text, digit_accuracy(text, p.key),
-                                                     len(p.key_positions), None if held is None else held[i].tolist()))
+                    pending.append((label, length, first, part, answer(
+                        model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
+                        eos_id=tokenizer.eos_token_id, retention=retention, protocol=protocol)))
                     progress(fed)
                     if checkpointing is not None and checkpointing.due(fed):
+                        gather_pending()
                         checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
+        gather_pending()
         complete(results, units, key, "passkey sweep")
         return results
 

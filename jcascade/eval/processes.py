@@ -4,17 +4,17 @@ with device i alone (GPU i; on the CPU, each process's own CPU devices).
 
 Each process holds the whole model on its device and computes its share of every batch's rows (`mine`, in
 order: process i the i-th of N equal parts), with no collective inside the computation: each decodes until its
-own rows are done. The rows' results are then gathered into every process (`gather`, one collective a batch),
-so every process sees the batch's full results and takes the same next step. A row's result does not depend
-on the other rows of its call, so the results are one device's (tests/eval/test_processes.py on the CPU; 704 of 704
-RULER outputs on four H200s). Process 0 keeps the terminal and writes the results
-and checkpoints; the others print nothing unless they fail.
+own rows are done. The sweeps keep their batches' rows and gather them into every process only where they need
+every row (`gather_batches`, one collective for all batches since the last: at a checkpoint and at the end), so
+each process runs its batches at its own pace, not waiting at every batch for the process whose rows decode the
+longest. A row's result does not depend on the other rows of its call, so the results are one device's
+(tests/eval/test_processes.py on the CPU; identical RULER outputs on four GPUs, benchmarks/RESULTS.md). Process 0
+keeps the terminal and writes the results and checkpoints; the others print nothing unless they fail.
 
 Why: one process driving four GPUs loses a tenth to a third of data parallelism's throughput, likely to the host
 issuing each decode step's thousand small kernels to every device (docs/multi-device.md); N processes issue theirs
 side by side. Why rows and not one mesh over the processes: on a mesh the decode loop stops on a reduction over
-every process at every step, where split rows need one collective a batch. What either gains on GPUs is not
-measured yet (benchmarks/RESULTS.md, "One process per GPU").
+every process at every step, where split rows need one collective per checkpoint.
 """
 
 from __future__ import annotations
@@ -72,14 +72,19 @@ def mine(rows, model):
     return rows[i * part: (i + 1) * part]
 
 
-def gather(part, model) -> np.ndarray:
-    """The rows of every process's `part` (a numpy array of equal shape in each), in process order, where `model`
-    splits over processes (`splits`); else `part` itself."""
-    if not splits(model):
-        return np.asarray(part)
+def gather_batches(parts: list, model) -> list:
+    """The full rows of each batch where `model` splits over processes (`splits`): `parts` holds this process's
+    rows of each batch (`mine`): numpy arrays, or tuples of them, of one shape for every batch and process.
+    Returns each batch's rows of every process, in process order, gathered in one collective. Else `parts`."""
+    if not splits(model) or not parts:
+        return parts
+    import jax
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(np.asarray(part), tiled=True))
+    stacked = jax.tree.map(lambda *batches: np.stack(batches), *parts)  # leaves [batches, rows / N, ...]
+    everyone = multihost_utils.process_allgather(stacked, tiled=False)  # leaves [N, batches, rows / N, ...]
+    return [jax.tree.map(lambda rows: np.asarray(rows[:, b]).reshape(-1, *rows.shape[3:]), everyone)
+            for b in range(len(parts))]
 
 
 def _free_port() -> int:

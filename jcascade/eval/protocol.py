@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jcascade.eval.processes import gather, mine
+from jcascade.eval.processes import mine
 from jcascade.generation import check_sharing
 
 QUERY_AWARE, QUERY_AGNOSTIC = "query-aware", "query-agnostic"
@@ -50,14 +50,15 @@ def generate(model, policy, prompts: Sequence[np.ndarray], question_starts: Sequ
     query-aware: the prompts, right-padded to [B, width], are `jc.generate`'s tokens. query-agnostic: each
     prompt[:question_start] is its row's context ([B, width] with context_lengths) and prompt[question_start:]
     its question ([B, question_width], each question_width tokens at most). Fixed widths: one compile per policy
-    and widths. Over processes (`processes.splits`), each computes its part of the rows and all get every row."""
+    and widths. Over processes (`processes.splits`), each computes and returns its part of the rows
+    (`processes.mine`; `processes.gather_batches` joins them)."""
     import jcascade as jc
 
     prompts, question_starts = mine(prompts, model), mine(question_starts, model)
     options = dict(max_new_tokens=max_new_tokens, eos_id=eos_id)
     if check(protocol) == QUERY_AWARE:
         tokens, lengths = padded(prompts, width)
-        return gather(jc.generate(model, tokens, policy, lengths=lengths, **options), model)
+        return np.asarray(jc.generate(model, tokens, policy, lengths=lengths, **options))
     starts = [int(q) for q in question_starts]
     bad = [q for p, q in zip(prompts, starts) if not 0 < q < len(p) or len(p) - q > question_width]
     if bad or len(starts) != len(prompts):
@@ -65,5 +66,5 @@ def generate(model, policy, prompts: Sequence[np.ndarray], question_starts: Sequ
                          f"question_width={question_width} tokens, got {starts}")
     context, context_lengths = padded([p[:q] for p, q in zip(prompts, starts)], width)
     questions, lengths = padded([p[q:] for p, q in zip(prompts, starts)], question_width)
-    return gather(jc.generate(model, questions, policy, lengths=lengths, context=context,
-                              context_lengths=context_lengths, **options), model)
+    return np.asarray(jc.generate(model, questions, policy, lengths=lengths, context=context,
+                                  context_lengths=context_lengths, **options))

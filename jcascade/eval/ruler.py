@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from jcascade.eval.checkpointing import complete, finished, prompts_sha256
+from jcascade.eval.processes import gather_batches
 from jcascade.eval.protocol import QUERY_AWARE, check, generate
 from jcascade.eval.texts import distinct
 
@@ -576,6 +577,17 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
             progress(len(results))
         done, reached = len(results), 0  # the units the checkpoint holds, the units up to this batch
         longest = max(TASKS[t].tokens_to_generate for t in tasks)
+        pending = []  # (label, length, prompts, this process's outputs) of the batches not gathered yet
+
+        def gather_pending():
+            for (label, length, part, _), out in zip(pending, gather_batches([o for *_, o in pending], model)):
+                for s, ids in zip(part, out):
+                    ids = ids[: TASKS[s.task].tokens_to_generate]
+                    text = tokenizer.decode(ids[ids >= 0], skip_special_tokens=True)
+                    results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
+                                               string_match_all(text, s.answers)))
+            pending.clear()
+
         for length, prompts in planned.items():
             question_width = max(len(s.prompt) - s.question_start for s in prompts)
             for label, policy in at(length).items():
@@ -585,16 +597,14 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
                     if reached <= done:
                         continue
                     rows = [part[i % len(part)] for i in range(batch_size)]
-                    out = generate(model, policy, [s.prompt for s in rows], [s.question_start for s in rows],
-                                   protocol, width=length, question_width=question_width, max_new_tokens=longest,
-                                   eos_id=tokenizer.eos_token_id)
-                    for s, ids in zip(part, out):
-                        ids = ids[: TASKS[s.task].tokens_to_generate]
-                        text = tokenizer.decode(ids[ids >= 0], skip_special_tokens=True)
-                        results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
-                                                   string_match_all(text, s.answers)))
+                    pending.append((label, length, part, generate(
+                        model, policy, [s.prompt for s in rows], [s.question_start for s in rows], protocol,
+                        width=length, question_width=question_width, max_new_tokens=longest,
+                        eos_id=tokenizer.eos_token_id)))
                     progress(len(part))
                     if checkpointing is not None and checkpointing.due(len(part) * length):
+                        gather_pending()
                         checkpointing.save(None, {"results": [dataclasses.asdict(r) for r in results]})
+        gather_pending()
         complete(results, units, key, "RULER sweep")
         return results
