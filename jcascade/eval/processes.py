@@ -7,7 +7,8 @@ order: process i the i-th of N equal parts), with no collective inside the compu
 own rows are done. The sweeps keep their batches' rows and gather them into every process only where they need
 every row (`gather_batches`, one collective for all batches since the last: at a checkpoint and at the end), so
 each process runs its batches at its own pace, not waiting at every batch for the process whose rows decode the
-longest. A row's result does not depend on the other rows of its call, so the results are one device's
+longest. RULER's prompts are built once, a share in each process, and exchanged (`built_once`). A row's result
+does not depend on the other rows of its call, so the results are one device's
 (tests/eval/test_processes.py on the CPU; identical RULER outputs on four GPUs, benchmarks/RESULTS.md). Process 0
 keeps the terminal and writes the results and checkpoints; the others print nothing unless they fail.
 
@@ -20,12 +21,14 @@ every process at every step, where split rows need one collective per checkpoint
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -85,6 +88,25 @@ def gather_batches(parts: list, model) -> list:
     everyone = multihost_utils.process_allgather(stacked, tiled=False)  # leaves [N, batches, rows / N, ...]
     return [jax.tree.map(lambda rows: np.asarray(rows[:, b]).reshape(-1, *rows.shape[3:]), everyone)
             for b in range(len(parts))]
+
+
+def built_once(build: Callable[[object], object], units: Sequence, model) -> list:
+    """[build(u) for u in units]; where `model` splits over processes (`splits`), each process builds every N-th
+    unit (process i: units i, i + N, ...) and the built items are exchanged (pickled, one collective), so each
+    is built once, not once a process. The items must pickle; `build` must not depend on what it built before."""
+    if not splits(model):
+        return [build(u) for u in units]
+    import jax
+    from jax.experimental import multihost_utils
+
+    n, i = jax.process_count(), jax.process_index()
+    mine = np.frombuffer(pickle.dumps([build(u) for u in units[i::n]]), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array(len(mine), np.int32))  # [N]
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: len(mine)] = mine
+    shares = [pickle.loads(row[:size].tobytes())
+              for row, size in zip(multihost_utils.process_allgather(padded), sizes)]  # [N, most]
+    return [shares[j % n][j // n] for j in range(len(units))]
 
 
 def _free_port() -> int:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from jcascade.eval.checkpointing import complete, finished, prompts_sha256
-from jcascade.eval.processes import gather_batches
+from jcascade.eval.processes import built_once, gather_batches
 from jcascade.eval.protocol import QUERY_AWARE, check, generate
 from jcascade.eval.texts import distinct
 
@@ -377,9 +377,6 @@ class Generator:
                              f"{context_length} asked; use shorter contexts"
                              + (" or a longer prose text (--book)" if spec.needs_prose else ""))
 
-    def samples(self, task: str, context_length: int, count: int, seed: int = 0) -> list[Sample]:
-        return [self.sample(task, context_length, i, seed) for i in range(count)]
-
 
 # ---- evaluation: every policy at one budget ------------------------------------------------------------------
 
@@ -510,18 +507,20 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
 
 
 def plan(generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int], samples: int,
-         seed: int = 0) -> dict[int, list[Sample]]:
+         seed: int = 0, model=None) -> dict[int, list[Sample]]:
     """{context_length: the `samples` samples of every task, task-major} of a sweep, all built, and so checked
     (`Generator.sample` raises for a prompt that cannot fill its context), before any model time is spent.
-    Tasks and lengths are each given once (`texts.distinct`: n counts each unit once)."""
+    Tasks and lengths are each given once (`texts.distinct`: n counts each unit once). Where `model` splits over
+    processes (`processes.splits`), each process builds a share of the samples and they are exchanged."""
     from jcascade.eval.passkey import check_context_lengths
 
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise ValueError(f"tasks must be a non-empty list of {list(TASKS)}, got {list(tasks)}")
-    tasks = distinct("tasks", tasks)
-    return {n: [s for task in tasks for s in generator.samples(task, n, samples, seed)]
-            for n in check_context_lengths(context_lengths)}
+    tasks, lengths = distinct("tasks", tasks), check_context_lengths(context_lengths)
+    units = [(task, n, i) for n in lengths for task in tasks for i in range(samples)]
+    built = iter(built_once(lambda unit: generator.sample(*unit, seed), units, model))
+    return {n: [next(built) for _ in range(len(tasks) * samples)] for n in lengths}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -563,7 +562,7 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     generator = Generator(tokenizer, prose)
-    planned = plan(generator, tasks, context_lengths, samples, seed)
+    planned = plan(generator, tasks, context_lengths, samples, seed, model)
     at = policies_by_length(policies, list(planned))
     check(protocol, [p for n in planned for p in at(n).values()], getattr(model, "config", None))
     units = [(label, task, n, i) for n in planned for label in at(n) for task in tasks for i in range(samples)]
