@@ -270,18 +270,19 @@ def test_perplexity_killed_and_resumed_equals_an_uninterrupted_run(model_dir, bo
     assert not checkpoint.exists()  # removed once the run finished
 
 
-def interrupted(monkeypatch, argv: list[str], batch: int) -> None:
-    """Runs the command line `argv`, killed (KeyboardInterrupt) as its `batch`-th passkey batch starts."""
-    answer, calls = passkey.answer, []
+def interrupted(monkeypatch, argv: list[str], batch: int, module=passkey, batch_function: str = "answer") -> None:
+    """Runs the command line `argv`, killed (KeyboardInterrupt) as its `batch`-th batch starts (a batch: a call of
+    `module.batch_function`, passkey's `answer` by default)."""
+    computes, calls = getattr(module, batch_function), []
 
     def dies(*a, **k):
         calls.append(1)
         if len(calls) == batch:
             raise KeyboardInterrupt("killed")
-        return answer(*a, **k)
+        return computes(*a, **k)
 
     with monkeypatch.context() as m:
-        m.setattr(passkey, "answer", dies)
+        m.setattr(module, batch_function, dies)
         with pytest.raises(KeyboardInterrupt):
             cli.main(argv)
 
@@ -366,18 +367,7 @@ def test_a_resume_whose_prompts_are_built_otherwise_is_refused(model_dir, tmp_pa
     argv = ["ruler", "--model", model_dir, "--tasks", "vt", "--policy", "full", "--budget", "0.5", "--min-length",
             "1K", "--max-length", "1K", "--samples", "2", "--batch-size", "1", "--checkpoint-every", "1",
             "--out", str(tmp_path)]
-    generate, calls = ruler.generate, []
-
-    def dies(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt("killed")
-        return generate(*a, **k)
-
-    with monkeypatch.context() as m:
-        m.setattr(ruler, "generate", dies)
-        with pytest.raises(KeyboardInterrupt):
-            cli.main(argv)
+    interrupted(monkeypatch, argv, batch=2, module=ruler, batch_function="generate")
     monkeypatch.setattr(ruler, "NOISE", ruler.NOISE.replace("green", "grey"))
     err = refusal(argv + ["--resume"], capsys)
     assert "it differs in (saved, now): prompts (\"" in err, err
