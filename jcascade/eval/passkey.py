@@ -268,7 +268,7 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
            max_new_tokens: int, eos_id: int | None, retention: bool,
            protocol: str = QUERY_AWARE) -> tuple[np.ndarray, np.ndarray | None]:
     """Greedy answers int32 [B, max_new_tokens] to the right-padded prompts tokens [B, S] and, if `retention`,
-    the fraction of each prompt's key tokens the question sees, float32 [B, L, Hkv].
+    the fraction of each prompt's key tokens the question sees, float [B, L, Hkv].
 
     For bounded caches the retention is read from the cache at the question's chunk (the answers are still
     generate's, see `_answer_and_retention`); policies that are not `bounded` hold every prompt token until the
@@ -306,7 +306,7 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
                                          part(key_positions), head=max(int(chunk_starts.max()), 1),
                                          rest=tokens.shape[1] - int(chunk_starts.min()), max_new_tokens=max_new_tokens,
                                          eos_id=eos_id)
-    return np.asarray(out), (np.asarray(visible) / part(counts)[:, None, None]).astype(np.float32)
+    return np.asarray(out), np.asarray(visible) / part(counts)[:, None, None]
 
 
 def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
@@ -327,11 +327,10 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
     tokens each layer and KV head still holds when the question is fed. `progress(n)` is called after each
     batch with its prompts times the context length (padding rows excluded), so the calls add up to
     len(policies) x num_buckets x samples x sum(context_lengths); None: a tqdm bar of those tokens on stderr
-    (`progress_bar`). `checkpointing` saves the
-    results so far every `checkpointing.every` prompt tokens and continues from its last checkpoint, if
-    any: its batch size and protocol must be the same (part of the run's identity), its trials must be this
-    sweep's first ones (`checkpointing.finished`), and they are not run again, so the results equal an
-    uninterrupted run's.
+    (`progress_bar`). `checkpointing` saves the results so far every `checkpointing.every` prompt tokens and
+    continues from its last checkpoint, if any: its batch size, protocol and prompts must be the same (part of
+    the run's identity), its trials must be this sweep's first ones (`checkpointing.finished`), and they are not
+    run again, so the results equal an uninterrupted run's.
     Raises a RuntimeError unless the results hold every planned trial once (`checkpointing.complete`).
     """
     for name, value, least in (("samples", samples, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),

@@ -77,23 +77,26 @@ def mine(rows, model):
 
 def gather_batches(parts: list, model) -> list:
     """The full rows of each batch where `model` splits over processes (`splits`): `parts` holds this process's
-    rows of each batch (`mine`): numpy arrays, or tuples of them, of one shape for every batch and process.
-    Returns each batch's rows of every process, in process order, gathered in one collective. Else `parts`."""
+    rows of each batch (`mine`): numpy arrays, or tuples of them and None, of one shape for every batch and
+    process. Returns each batch's rows of every process, in process order, gathered in one collective as bytes
+    (so every dtype arrives exactly: float64 too, which jax would narrow). Else `parts`."""
     if not splits(model) or not parts:
         return parts
     import jax
     from jax.experimental import multihost_utils
 
     stacked = jax.tree.map(lambda *batches: np.stack(batches), *parts)  # leaves [batches, rows / N, ...]
-    everyone = multihost_utils.process_allgather(stacked, tiled=False)  # leaves [N, batches, rows / N, ...]
-    return [jax.tree.map(lambda rows: np.asarray(rows[:, b]).reshape(-1, *rows.shape[3:]), everyone)
-            for b in range(len(parts))]
+    as_bytes = jax.tree.map(lambda x: x.reshape(*x.shape[:2], -1).view(np.uint8), stacked)
+    everyone = multihost_utils.process_allgather(as_bytes, tiled=False)  # leaves [N, batches, rows / N, bytes]
+    return [jax.tree.map(lambda rows, x: np.asarray(rows[:, b]).reshape(-1, rows.shape[3]).view(x.dtype).reshape(
+        -1, *x.shape[2:]), everyone, stacked) for b in range(len(parts))]
 
 
 def built_once(build: Callable[[object], object], units: Sequence, model) -> list:
     """[build(u) for u in units]; where `model` splits over processes (`splits`), each process builds every N-th
     unit (process i: units i, i + N, ...) and the built items are exchanged (pickled, one collective), so each
-    is built once, not once a process. The items must pickle; `build` must not depend on what it built before."""
+    is built once, not once a process. The items must pickle, and what build(u) returns must not depend on what
+    it built before. Raises ValueError where a process's items take 2 GiB or more pickled."""
     if not splits(model):
         return [build(u) for u in units]
     import jax
@@ -101,6 +104,9 @@ def built_once(build: Callable[[object], object], units: Sequence, model) -> lis
 
     n, i = jax.process_count(), jax.process_index()
     mine = np.frombuffer(pickle.dumps([build(u) for u in units[i::n]]), np.uint8)
+    if len(mine) >= 2**31:
+        raise ValueError(f"built_once: {len(units[i::n])} items take {len(mine)} bytes pickled, over the 2 GiB "
+                         "one exchange takes; build fewer at once")
     sizes = multihost_utils.process_allgather(np.array(len(mine), np.int32))  # [N]
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[: len(mine)] = mine

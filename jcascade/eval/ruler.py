@@ -511,16 +511,16 @@ def plan(generator: Generator, tasks: Sequence[str], context_lengths: Sequence[i
     """{context_length: the `samples` samples of every task, task-major} of a sweep, all built, and so checked
     (`Generator.sample` raises for a prompt that cannot fill its context), before any model time is spent.
     Tasks and lengths are each given once (`texts.distinct`: n counts each unit once). Where `model` splits over
-    processes (`processes.splits`), each process builds a share of the samples and they are exchanged."""
+    processes (`processes.splits`), each process builds a share of a length's samples and they are exchanged."""
     from jcascade.eval.passkey import check_context_lengths
 
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise ValueError(f"tasks must be a non-empty list of {list(TASKS)}, got {list(tasks)}")
-    tasks, lengths = distinct("tasks", tasks), check_context_lengths(context_lengths)
-    units = [(task, n, i) for n in lengths for task in tasks for i in range(samples)]
-    built = iter(built_once(lambda unit: generator.sample(*unit, seed), units, model))
-    return {n: [next(built) for _ in range(len(tasks) * samples)] for n in lengths}
+    tasks = distinct("tasks", tasks)
+    build = lambda unit: generator.sample(*unit, seed)  # noqa: E731
+    return {n: built_once(build, [(task, n, i) for task in tasks for i in range(samples)], model)
+            for n in check_context_lengths(context_lengths)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,9 +552,9 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
     that many), so each (policy, length) compiles once. progress(n) after each batch with its number of
     prompts (None: a tqdm bar of the prompts on stderr). checkpointing (`checkpointing.Checkpointing`):
     results saved every `every` tokens (prompts times the context length), and a run continues from its last
-    checkpoint (same batch size and protocol, its units this sweep's first ones: `checkpointing.finished`),
-    the units it holds not run again. Raises a RuntimeError unless the results hold every planned unit once
-    (`checkpointing.complete`).
+    checkpoint (same batch size, protocol and prompts, its units this sweep's first ones:
+    `checkpointing.finished`), the units it holds not run again. Raises a RuntimeError unless the results hold
+    every planned unit once (`checkpointing.complete`).
     """
     from jcascade.eval.passkey import policies_by_length, progress_bar
 

@@ -17,10 +17,12 @@ from jcascade import cli
 from jcascade.eval import processes
 from jcascade.eval.checkpointing import Checkpointing
 
+# RULER: 4 batches of 2 rows (one a process), gathered every second batch (a checkpoint each 4K tokens); passkey:
+# batches of 4, 4 and 2 prompts, the last padded to 4 (process 1 computes its padding rows alone), with retention
 RULER = ["ruler", "--tasks", "niah_single_1,vt", "--policy", "cascade", "--budget", "0.25", "--min-length", "1K",
-         "--max-length", "1K", "--samples", "4"]
+         "--max-length", "1K", "--samples", "4", "--batch-size", "2"]
 PASSKEY = ["passkey", "--policy", "cascade:cache_size=32,sinks=4,stride=32", "--min-length", "128", "--max-length",
-           "128", "--samples", "2", "--retention"]
+           "128", "--samples", "2", "--retention", "--batch-size", "4"]
 
 
 def _one_device(argv, out):
@@ -38,7 +40,7 @@ def _processes(argv, out, n=2):
 
 @pytest.mark.slow
 def test_ruler_and_passkey_over_two_processes_give_one_devices_results(model_dir, tmp_path):
-    ruler_done, ruler = _processes([*RULER, "--model", model_dir, "--checkpoint-every", "2048"], tmp_path / "ruler-2")
+    ruler_done, ruler = _processes([*RULER, "--model", model_dir, "--checkpoint-every", "4096"], tmp_path / "ruler-2")
     assert ruler_done.returncode == 0, ruler_done.stderr[-3000:]
     expected = _one_device([*RULER, "--model", model_dir], tmp_path / "ruler-1")
     key = lambda r: (r["policy"], r["task"], r["index"], r["output"], r["score"])  # noqa: E731
