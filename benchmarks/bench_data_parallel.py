@@ -97,8 +97,8 @@ def main():
     prose = texts.load_book(a.book) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
     runs, one_outputs, one_scores = {}, None, None
     result = dict(benchmark="data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                  date=time.strftime("%Y-%m-%d"), processes=a.processes, model=path.name if path else "tiny random", length=a.length,
-                  tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
+                  date=time.strftime("%Y-%m-%d"), processes=a.processes, model=path.name if path else "tiny random",
+                  length=a.length, tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
                   runs=runs)
     for label, mesh, rows in runs_of:  # one device first: the reference every run's outputs are compared with
         model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny  # every process: orbax syncs them

@@ -9,8 +9,8 @@ the batch layout it computes with and the digest of its prompts (`resume(batch_s
 under another identity is refused, naming each difference with its saved and its current value. The progress
 records the finished units themselves (e.g. passkey trials by (policy, length, bucket, sample)), not a count of
 batches: on resume the work checks that they are exactly the first units of its own plan, in order
-(`finished`), and skips them; at its end, `complete` checks that the results hold every planned unit once, in plan order.
-Same identity means the same batches, so a resumed run's results equal an uninterrupted run's; anything
+(`finished`), and skips them; at its end, `complete` checks that the results hold every planned unit once, in
+plan order. Same identity means the same batches, so a resumed run's results equal an uninterrupted run's; anything
 else raises. A run never reports fewer units than planned as complete.
 """
 

@@ -34,6 +34,7 @@ expected strings found in the output, case-insensitively.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
 import itertools
 import math
@@ -294,6 +295,15 @@ class Generator:
         start = next(i for i, (_, end) in enumerate(encoded["offset_mapping"]) if end > at)
         return np.asarray(encoded["input_ids"], np.int32), start
 
+    def build(self, task: str, context_length: int, index: int, seed: int, units: int) -> Sample:
+        """Sample `index` of `task` at `context_length` with `units` haystack units, whether or not it fits (the
+        draws depend on the seed, length, index and task alone, the same for every unit count)."""
+        spec = TASKS[task]
+        rng = np.random.default_rng([seed, context_length, index, list(TASKS).index(task)])
+        text, prefix, answers, needles = _GENERATORS[spec.family](spec, units, rng, self.lists, self.prose, context_length)
+        ids, question_start = self._prompt(text, prefix)
+        return Sample(task, context_length, index, text, prefix, ids, answers, needles, question_start)
+
     def sample(self, task: str, context_length: int, index: int, seed: int = 0) -> Sample:
         """Sample `index` of `task` at `context_length` tokens (prompt + the task's tokens to generate): the
         prompt with the most haystack units that fits. Raises ValueError, with the numbers, when the context
@@ -308,13 +318,7 @@ class Generator:
         if spec.needs_prose and self.prose is None:
             raise ValueError(f"task {task!r} hides its needles in prose: give the Generator a prose text")
         budget = context_length - spec.tokens_to_generate
-
-        def build(units: int):
-            rng = np.random.default_rng([seed, context_length, index, list(TASKS).index(task)])
-            text, prefix, answers, needles = _GENERATORS[spec.family](spec, units, rng, self.lists, self.prose, context_length)
-            ids, question_start = self._prompt(text, prefix)
-            return Sample(task, context_length, index, text, prefix, ids, answers, needles, question_start)
-
+        build = functools.partial(self.build, task, context_length, index, seed)
         best = build(1)
         if len(best.prompt) > budget:
             raise ValueError(f"context_length={context_length} is too short for {task}: its smallest prompt takes "
