@@ -21,6 +21,7 @@ one compilation serves every length.
 
     python benchmarks/bench_model.py [--out benchmarks/results/model-<device>.json]
     python benchmarks/bench_model.py --shape 70b --mesh model=2 --only a   # 70B prefill on two GPUs
+    python benchmarks/bench_model.py --mesh model=2 --processes 2 --only b # the same mesh over two processes
     python benchmarks/bench_model.py --tiny      # a dry run of the same code with a tiny model
 """
 
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
+from jcascade.eval import processes
 from jcascade.models import CausalLM, ModelConfig, delta_net, sharding
 from jcascade.models.weights import weight_shapes
 
@@ -91,6 +93,18 @@ TINY = ModelConfig(
 
 def block(x):
     return jax.block_until_ready(x)
+
+
+def write(out: pathlib.Path, result: dict) -> None:
+    """Writes the JSON (over `--processes`, process 0 alone: the others print nothing either)."""
+    if jax.process_index() == 0:
+        out.write_text(json.dumps(result, indent=2))
+
+
+def made_whole(make, mesh):
+    """`make()`'s array, made on the devices and held whole by each of the mesh's (on one process or several:
+    `--processes`, where an array one process made on its device cannot enter a program over every process's)."""
+    return jax.jit(make, out_shardings=None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))()
 
 
 def matmul_peak(n: int) -> float:
@@ -161,10 +175,11 @@ def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
 def bench_prefill(a, model, policy, peak):
     segment = a.segment
     state = model.init_cache(policy, 1)
-    lengths = jnp.array([segment], jnp.int32)
+    lengths = made_whole(lambda: jnp.array([segment], jnp.int32), model.mesh)
     run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2],
                   donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
-    tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
+    tokens = [made_whole(lambda i=i: jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size),
+                         model.mesh) for i in range(4)]
     t0 = time.perf_counter()
     compiled = run.lower(model, state, tokens[0]).compile()
     compile_s = time.perf_counter() - t0
@@ -282,7 +297,7 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
         return state, jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
 
     run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
-    last = jnp.zeros((batch,), jnp.int32)
+    last = made_whole(lambda: jnp.zeros((batch,), jnp.int32), model.mesh)
     t0 = time.perf_counter()
     compiled = run.lower(model, state, last).compile()
     compile_s = time.perf_counter() - t0
@@ -324,7 +339,7 @@ def profiled(call, layers: int, step_ms: float) -> dict:
 def bench_decode(a, model, policy, bandwidth) -> list[dict]:
     """One row per batch size: its figures, or why it did not run. A batch whose weights + cache exceed one
     device's memory is not tried; one that fails anyway (out of memory in the step's temporaries) says so."""
-    limit = jax.devices()[0].memory_stats()
+    limit = jax.local_devices()[0].memory_stats()
     limit = limit.get("bytes_limit") if limit else None
     rows = []
     for batch in a.decode_batches:
@@ -365,7 +380,16 @@ def main():
                         "by kind of kernel (benchmarks/decode_breakdown.py)")
     p.add_argument("--backend", default=None, choices=pk.BACKENDS,
                    help="attention kernels, jc.Kernels(backend) (default: jc.Kernels.default(), the platform's)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run as N processes of one device each on this host (jax.distributed on localhost), the "
+                        "mesh over all of them: each process's host issues only its own device's kernels")
     a = p.parse_args()
+    if a.processes > 1 and not processes.launched():
+        if a.processes != a.mesh[0] * a.mesh[1]:
+            p.error(f"--processes {a.processes} needs a --mesh of as many devices, got data={a.mesh[0]},model={a.mesh[1]}")
+        sys.exit(processes.launch([__file__, *sys.argv[1:]], a.processes))
+    if processes.launched():
+        processes.join()
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
     if a.tiny:  # the --shape's family at a tiny size (Llama for the Llama shapes)
@@ -388,13 +412,15 @@ def main():
         peak, sizes = matmul_peak(8192), [1 << 28, 1 << 30, 1 << 31]
     device = jax.devices()[0]
     mesh = sharding.device_mesh(a.mesh, batched=True)
-    measured = memory_bandwidth(list(mesh.devices.flat) if mesh is not None else [device], sizes)
+    # every device of this process (over --processes: the others measure their own)
+    measured = memory_bandwidth([d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+                                if mesh is not None else [device], sizes)
     bandwidth, card = measured["rate"], measured["card_class"]
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
     model = model.with_kernels(jc.Kernels.default() if a.backend is None else jc.Kernels(a.backend))
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)), policy=jc.policies.spec(policy),
+                  shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)), processes=a.processes, policy=jc.policies.spec(policy),
                   matmul_tflops=peak / 1e12, bandwidth=measured)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -410,9 +436,9 @@ def main():
         result["prefill"] = bench_prefill(a, model, policy, peak)
         if "linear" in cfg.types:
             result["prefill"]["delta_rule_ms_per_chunk_and_layer"] = delta_rule_ms(model, policy.stride)
-        out.write_text(json.dumps(result, indent=2))
+        write(out, result)
     result["decode"] = bench_decode(a, model, policy, bandwidth) if "b" in a.only else []
-    out.write_text(json.dumps(result, indent=2))
+    write(out, result)
     if "prefill" in result:
         pre = result["prefill"]
         print(f"\nprefill ({policy.stride}-token chunks, compile {pre['compile_s']:.0f} s): tokens, seconds, tokens/s, MFU")

@@ -2,8 +2,11 @@
 
 On GPU, XLA's Triton GEMM emitter reads the weights of a decode step's matrix-vector products at about
 1.2 TB/s on an H200, cuBLAS at about 3.3 TB/s (benchmarks/RESULTS.md, "Whole model" b): decode at batch
-1-32 runs 1.2-1.6x faster with Triton GEMMs off, and prefill is not slower. The options are XLA debug
-options, ignored by the other backends. Only the outermost `jax.jit` of a program may carry them: a user
+1-32 runs 1.2-1.6x faster with Triton GEMMs off, and prefill is not slower. XLA's GPU pass
+"dot-strength-reduction" rewrites a product of one row and a weight under 10M elements into multiply and
+reduce fusions, which read the weight at a fraction of cuBLAS's bandwidth: off, a decode step's one-row
+products (k and v always, q and o once tensor parallelism shards them under 10M) stay cuBLAS products.
+The options are XLA debug options, ignored by the other backends. Only the outermost `jax.jit` of a program may carry them: a user
 who jits a pipeline around `jc.generate` passes `compiler_options=jc.COMPILER_OPTIONS` to that jit.
 """
 
@@ -13,7 +16,7 @@ import functools
 
 import jax
 
-COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "dot-strength-reduction"}
 
 
 def jit(fun=None, **jit_kwargs):

@@ -391,9 +391,9 @@ class CausalLM(nnx.Module):
             # two views of h, as for the MLP: XLA would merge the projections into one product over [wk | wv],
             # concatenated anew in every layer of every step
             h_k, h_v = jax.lax.optimization_barrier((h, h))
-            k = _product(h_k, fetch("wk" + suffix))
+            k = h_k @ fetch("wk" + suffix)
             k_eq_v = cfg.k_eq_v and layer_type == GLOBAL
-            v = k if k_eq_v else _product(h_v, fetch("wv" + suffix))
+            v = k if k_eq_v else h_v @ fetch("wv" + suffix)
             if cfg.qkv_bias:
                 k, v = k + fetch("bk"), v + fetch("bv")
             k, v = k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
@@ -467,9 +467,7 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 [..., vocab] from final hidden states [..., hidden] (Gemma 4: soft-capped, cap * tanh(x / cap))."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        # one row would be a matrix-vector product, which XLA on GPUs runs by first converting the whole head to
-        # float32 (1 ms of an 8B batch-1 decode step on an H200): `_product` keeps one bf16 product
-        logits = _product(hidden, head, jnp.float32)
+        logits = _float32_product(hidden, head)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
@@ -499,13 +497,13 @@ def _rotary_order(cfg: ModelConfig, layer_type: str, x: jax.Array) -> jax.Array:
     return x[..., jnp.asarray(order)]
 
 
-def _product(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
-    """x [..., K] @ w [K, N]. A single row is doubled: XLA on GPUs rewrites a one-row product into multiply and
-    reduce fusions (the k and v projections of an 8B batch-1 decode step: 1.1 ms on an H100, 0.5 ms as cuBLAS
-    products) or, for a float32 result, converts the weights first; two rows keep one cuBLAS product."""
+def _float32_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """float32 x [..., K] @ w [K, N] of bf16 (or other) operands. A single row is doubled: XLA on GPUs runs a
+    one-row product with a float32 result by first converting the whole weight to float32 (0.5-1 ms of an 8B
+    batch-1 decode step for the head's 1 GB); two rows keep one cuBLAS product of the weight as it is."""
     rows = x.reshape(-1, x.shape[-1])
     padded = jnp.concatenate([rows, rows]) if rows.shape[0] == 1 else rows
-    out = jnp.dot(padded, w, preferred_element_type=preferred_element_type)[: rows.shape[0]]
+    out = jnp.dot(padded, w, preferred_element_type=jnp.float32)[: rows.shape[0]]
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
