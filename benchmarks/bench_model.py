@@ -104,7 +104,8 @@ def write(out: pathlib.Path, result: dict) -> None:
 def made_whole(make, mesh):
     """`make()`'s array, made on the devices and held whole by each of the mesh's (on one process or several:
     `--processes`, where an array one process made on its device cannot enter a program over every process's)."""
-    return jax.jit(make, out_shardings=None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))()
+    whole = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(make, out_shardings=whole)()
 
 
 def matmul_peak(n: int) -> float:
@@ -384,6 +385,8 @@ def main():
                    help="run as N processes of one device each on this host (jax.distributed on localhost), the "
                         "mesh over all of them: each process's host issues only its own device's kernels")
     a = p.parse_args()
+    if a.processes < 1:
+        p.error(f"--processes must be >= 1, got {a.processes}")
     if a.processes > 1 and not processes.launched():
         if a.processes != a.mesh[0] * a.mesh[1]:
             p.error(f"--processes {a.processes} needs a --mesh of as many devices, got data={a.mesh[0]},model={a.mesh[1]}")
@@ -420,7 +423,8 @@ def main():
     model = model.with_kernels(jc.Kernels.default() if a.backend is None else jc.Kernels(a.backend))
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)), processes=a.processes, policy=jc.policies.spec(policy),
+                  shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)), processes=a.processes,
+                  policy=jc.policies.spec(policy),
                   matmul_tflops=peak / 1e12, bandwidth=measured)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
