@@ -21,7 +21,7 @@ one compilation serves every length.
 
     python benchmarks/bench_model.py [--out benchmarks/results/model-<device>.json]
     python benchmarks/bench_model.py --shape 70b --mesh model=2 --only a   # 70B prefill on two GPUs
-    python benchmarks/bench_model.py --mesh model=2 --processes 2 --only b # the same mesh over two processes
+    python benchmarks/bench_model.py --mesh model=2 --processes 2 --only b # decode on that mesh over two processes
     python benchmarks/bench_model.py --tiny      # a dry run of the same code with a tiny model
 """
 
@@ -101,11 +101,10 @@ def write(out: pathlib.Path, result: dict) -> None:
         out.write_text(json.dumps(result, indent=2))
 
 
-def made_whole(make, mesh):
-    """`make()`'s array, made on the devices and held whole by each of the mesh's (on one process or several:
-    `--processes`, where an array one process made on its device cannot enter a program over every process's)."""
-    whole = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.jit(make, out_shardings=whole)()
+def made_on(make, mesh, spec=jax.sharding.PartitionSpec()):
+    """`make()`'s array, made on the devices and placed over `mesh` by `spec` (whole on each device by default):
+    over `--processes`, an array one process made on its own device cannot enter a program over every process's."""
+    return jax.jit(make, out_shardings=None if mesh is None else jax.sharding.NamedSharding(mesh, spec))()
 
 
 def matmul_peak(n: int) -> float:
@@ -176,11 +175,10 @@ def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
 def bench_prefill(a, model, policy, peak):
     segment = a.segment
     state = model.init_cache(policy, 1)
-    lengths = made_whole(lambda: jnp.array([segment], jnp.int32), model.mesh)
+    lengths = jnp.array([segment], jnp.int32)
     run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2],
                   donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
-    tokens = [made_whole(lambda i=i: jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size),
-                         model.mesh) for i in range(4)]
+    tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
     t0 = time.perf_counter()
     compiled = run.lower(model, state, tokens[0]).compile()
     compile_s = time.perf_counter() - t0
@@ -293,12 +291,18 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
     state = jax.jit(lambda: jax.tree.map(lambda s: full(s) if is_cache(s) else s, model.init_cache(policy, batch),
                                          is_leaf=lambda s: is_cache(s) or is_linear(s)))()
 
+    # the tokens a step feeds and returns, rows over "data" where they divide (as the cache's): placed alike, so that
+    # each step's output enters the next as compiled
+    rows = jax.sharding.PartitionSpec("data" if model.mesh is not None and batch % model.mesh.shape["data"] == 0
+                                      else None)
+
     def step(model, state, last):
         hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32))
-        return state, jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
+        last = jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
+        return state, last if model.mesh is None else sharding.place(last, rows, model.mesh)
 
     run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
-    last = made_whole(lambda: jnp.zeros((batch,), jnp.int32), model.mesh)
+    last = made_on(lambda: jnp.zeros((batch,), jnp.int32), model.mesh, rows)
     t0 = time.perf_counter()
     compiled = run.lower(model, state, last).compile()
     compile_s = time.perf_counter() - t0
@@ -382,17 +386,24 @@ def main():
     p.add_argument("--backend", default=None, choices=pk.BACKENDS,
                    help="attention kernels, jc.Kernels(backend) (default: jc.Kernels.default(), the platform's)")
     p.add_argument("--processes", type=int, default=1,
-                   help="run as N processes of one device each on this host (jax.distributed on localhost), the "
-                        "mesh over all of them: each process's host issues only its own device's kernels")
+                   help="decode (--only b) as N processes of one device each on this host (jax.distributed on "
+                        "localhost), the --mesh (of N devices) over all of them: each process's host issues only its "
+                        "own device's kernels; the bandwidth and roofline are process 0's device's")
     a = p.parse_args()
     if a.processes < 1:
         p.error(f"--processes must be >= 1, got {a.processes}")
     if a.processes > 1 and not processes.launched():
         if a.processes != a.mesh[0] * a.mesh[1]:
-            p.error(f"--processes {a.processes} needs a --mesh of as many devices, got data={a.mesh[0]},model={a.mesh[1]}")
+            p.error(f"--processes {a.processes} needs a --mesh of as many devices, "
+                    f"got data={a.mesh[0]},model={a.mesh[1]}")
+        if a.only != "b":
+            p.error(f"--processes runs the decode alone: give --only b, got --only {a.only}")
         sys.exit(processes.launch([__file__, *sys.argv[1:]], a.processes))
     if processes.launched():
         processes.join()
+        if jax.local_device_count() != 1:
+            sys.exit(f"--processes: each process must see one device, process {jax.process_index()} sees "
+                     f"{jax.local_device_count()}")
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
     if a.tiny:  # the --shape's family at a tiny size (Llama for the Llama shapes)
@@ -423,8 +434,8 @@ def main():
     model = model.with_kernels(jc.Kernels.default() if a.backend is None else jc.Kernels(a.backend))
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)), processes=a.processes,
-                  policy=jc.policies.spec(policy),
+                  shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)),
+                  processes=a.processes, policy=jc.policies.spec(policy),
                   matmul_tflops=peak / 1e12, bandwidth=measured)
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,11 +3,12 @@
 On GPU, XLA's Triton GEMM emitter reads the weights of a decode step's matrix-vector products at about
 1.2 TB/s on an H200, cuBLAS at about 3.3 TB/s (benchmarks/RESULTS.md, "Whole model" b): decode at batch
 1-32 runs 1.2-1.6x faster with Triton GEMMs off, and prefill is not slower. XLA's GPU pass
-"dot-strength-reduction" rewrites a product of one row and a weight under 10M elements into multiply and
-reduce fusions, which read the weight at a fraction of cuBLAS's bandwidth: off, a decode step's one-row
-products (k and v always, q and o once tensor parallelism shards them under 10M) stay cuBLAS products (an
-8B batch-1 step at TP = 2 on two H100s: 6.3 ms against 8.0; RESULTS.md, "The one-row products off XLA's
-strength reduction"). The options are XLA debug options, ignored by the other backends. Only the
+"dot-strength-reduction" rewrites a product of one row and a weight under 10M elements (and any product of
+two vectors) into multiply and reduce fusions, which read the weight at a fraction of cuBLAS's bandwidth: off, a decode
+step's one-row products stay cuBLAS products (in the 8B shape k and v always, q and o once tensor
+parallelism shards them under 10M: its batch-1 step at TP = 2 on two H100s takes 6.3 ms against 8.0, at
+TP = 1 2 % less; the other shapes were not timed: RESULTS.md, "The one-row products off XLA's strength
+reduction"). The options are XLA debug options, ignored by the other backends. Only the
 outermost `jax.jit` of a program may carry them: a user who jits a pipeline around `jc.generate` passes
 `compiler_options=jc.COMPILER_OPTIONS` to that jit.
 """
