@@ -101,11 +101,6 @@ def write(out: pathlib.Path, result: dict) -> None:
         out.write_text(json.dumps(result, indent=2))
 
 
-def made_on(make, mesh, spec=jax.sharding.PartitionSpec()):
-    """`make()`'s array, made on the devices and placed over `mesh` by `spec` (whole on each device by default):
-    over `--processes`, an array one process made on its own device cannot enter a program over every process's."""
-    return jax.jit(make, out_shardings=None if mesh is None else jax.sharding.NamedSharding(mesh, spec))()
-
 
 def matmul_peak(n: int) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
@@ -291,18 +286,21 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
     state = jax.jit(lambda: jax.tree.map(lambda s: full(s) if is_cache(s) else s, model.init_cache(policy, batch),
                                          is_leaf=lambda s: is_cache(s) or is_linear(s)))()
 
-    # the tokens a step feeds and returns, rows over "data" where they divide (as the cache's): placed alike, so that
-    # each step's output enters the next as compiled
-    rows = jax.sharding.PartitionSpec("data" if model.mesh is not None and batch % model.mesh.shape["data"] == 0
-                                      else None)
+    def placed(tokens):
+        """The tokens a step feeds and returns, rows over "data" where they divide (as the cache's), placed alike so
+        that each step's output enters the next as compiled."""
+        if model.mesh is None:
+            return tokens
+        rows = "data" if batch % model.mesh.shape["data"] == 0 else None
+        return sharding.place(tokens, jax.sharding.PartitionSpec(rows), model.mesh)
 
     def step(model, state, last):
         hidden, state = model(policy, state, last[:, None], jnp.ones((batch,), jnp.int32))
-        last = jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
-        return state, last if model.mesh is None else sharding.place(last, rows, model.mesh)
+        return state, placed(jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32))
 
     run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
-    last = made_on(lambda: jnp.zeros((batch,), jnp.int32), model.mesh, rows)
+    # made on the devices: over --processes, an array one process made on its own device cannot enter the program
+    last = jax.jit(lambda: placed(jnp.zeros((batch,), jnp.int32)))()
     t0 = time.perf_counter()
     compiled = run.lower(model, state, last).compile()
     compile_s = time.perf_counter() - t0
