@@ -7,17 +7,40 @@ On GPU, XLA's Triton GEMM emitter reads the weights of a decode step's matrix-ve
 two vectors) into multiply and reduce fusions, which read the weight at a fraction of cuBLAS's bandwidth: off, a decode
 step's one-row products stay cuBLAS products (in the 8B shape k and v always, q and o once tensor
 parallelism shards them under 10M: its batch-1 step at TP = 2 on two H100s takes 6.3 ms against 8.0, at
-TP = 1 2 % less; the other shapes were not timed: RESULTS.md, "The one-row products off XLA's strength
-reduction"). The options are XLA debug options, ignored by the other backends. Only the
+TP = 1 2 % less, at TP = 4 on four H200s 4.6-5.0 ms against 5.3 with the trace cache below; Gemma 3 270M,
+Qwen3.5 and Gemma 4 on one H200 within -5 % to +3 %: RESULTS.md, "The one-row products off XLA's strength
+reduction" and the subsection after it). The options are XLA debug options, ignored by the other backends. Only the
 outermost `jax.jit` of a program may carry them: a user who jits a pipeline around `jc.generate` passes
 `compiler_options=jc.COMPILER_OPTIONS` to that jit.
+
+Importing jcascade also adds `TRACE_CACHE_FLAG` to the XLA_FLAGS environment variable (a value the user set
+there is kept). XLA runs a program's kernels as command buffers (CUDA graphs) and records each cuBLAS call in
+one by tracing it, keeping at most 16 traces, one per set of buffer addresses. In the layer loop a product's
+weights lie elsewhere in every layer, so with more than 16 layers the cuBLAS calls are traced anew on the host
+at every step (what raising the limit shows): where the kernels are short (an 8B batch-1 step sharded over four H200s), the step waits
+for the host, 7.7-8.7 ms against 4.6-5.0 ms with 128 traces kept (benchmarks/RESULTS.md, "cuBLAS traces
+kept for every layer"). It is a runtime option, read from XLA_FLAGS when the GPU backend starts (as a
+compiler option it has no effect): import jcascade before the first JAX computation.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
+
+TRACE_CACHE_FLAG = "--xla_cmd_buffer_trace_cache_size=128"
+
+
+def with_trace_cache_flag(xla_flags: str) -> str:
+    """XLA_FLAGS with `TRACE_CACHE_FLAG` added, unless they already set the trace cache's size (theirs is kept)."""
+    if "xla_cmd_buffer_trace_cache_size" in xla_flags:
+        return xla_flags
+    return f"{xla_flags} {TRACE_CACHE_FLAG}".strip()
+
+
+os.environ["XLA_FLAGS"] = with_trace_cache_flag(os.environ.get("XLA_FLAGS", ""))
 
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "dot-strength-reduction"}
 

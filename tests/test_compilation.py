@@ -1,5 +1,8 @@
 """jcascade's jitted entry points compile with `jc.COMPILER_OPTIONS` at the top level and inline as plain
-jits inside a user's jit (where jax refuses compiler options)."""
+jits inside a user's jit (where jax refuses compiler options); importing jcascade adds the cuBLAS trace-cache flag
+to XLA_FLAGS."""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,3 +31,12 @@ def test_generate_runs_at_the_top_level_and_inside_a_users_jit():
                     compiler_options=jc.COMPILER_OPTIONS)(tokens)
     assert generation._generate.top_level._cache_size() >= 1
     assert (top == inner).all()
+
+
+def test_the_trace_cache_flag_is_added_to_xla_flags_and_a_users_own_size_kept():
+    assert compilation.TRACE_CACHE_FLAG in os.environ["XLA_FLAGS"].split()  # added when jcascade was imported
+    assert compilation.with_trace_cache_flag("") == compilation.TRACE_CACHE_FLAG
+    assert compilation.with_trace_cache_flag("--xla_dump_to=/tmp/d").split() == ["--xla_dump_to=/tmp/d",
+                                                                                compilation.TRACE_CACHE_FLAG]
+    assert compilation.with_trace_cache_flag("--xla_cmd_buffer_trace_cache_size=7") == \
+        "--xla_cmd_buffer_trace_cache_size=7"
