@@ -8,19 +8,21 @@ two vectors) into multiply and reduce fusions, which read the weight at a fracti
 step's one-row products stay cuBLAS products (in the 8B shape k and v always, q and o once tensor
 parallelism shards them under 10M: its batch-1 step at TP = 2 on two H100s takes 6.3 ms against 8.0, at
 TP = 1 2 % less, at TP = 4 on four H200s 4.6-5.0 ms against 5.3 with the trace cache below; Gemma 3 270M,
-Qwen3.5 and Gemma 4 on one H200 within -5 % to +3 %: RESULTS.md, "The one-row products off XLA's strength
+Qwen3.5 and Gemma 4 on one H200 from 5 % slower to 3 % faster: RESULTS.md, "The one-row products off XLA's strength
 reduction" and the subsection after it). The options are XLA debug options, ignored by the other backends. Only the
 outermost `jax.jit` of a program may carry them: a user who jits a pipeline around `jc.generate` passes
 `compiler_options=jc.COMPILER_OPTIONS` to that jit.
 
-Importing jcascade also adds `TRACE_CACHE_FLAG` to the XLA_FLAGS environment variable (a value the user set
+Importing jcascade also adds `TRACE_CACHE_FLAG` to the XLA_FLAGS environment variable (a size the user set
 there is kept). XLA runs a program's kernels as command buffers (CUDA graphs) and records each cuBLAS call in
 one by tracing it, keeping at most 16 traces, one per set of buffer addresses. In the layer loop a product's
 weights lie elsewhere in every layer, so with more than 16 layers the cuBLAS calls are traced anew on the host
-at every step (what raising the limit shows): where the kernels are short (an 8B batch-1 step sharded over four H200s), the step waits
-for the host, 7.7-8.7 ms against 4.6-5.0 ms with 128 traces kept (benchmarks/RESULTS.md, "cuBLAS traces
-kept for every layer"). It is a runtime option, read from XLA_FLAGS when the GPU backend starts (as a
-compiler option it has no effect): import jcascade before the first JAX computation.
+at every step, as raising the limit shows: where the kernels are short (an 8B batch-1 step sharded over four
+H200s), the step waits for the host, 7.0-8.7 ms against 4.6-5.0 ms with 64 or 128 traces kept
+(benchmarks/RESULTS.md, "cuBLAS traces kept for every layer"). It is a runtime option: as a compiler option it
+has no effect, and XLA reads XLA_FLAGS once, the first time a backend starts, so import jcascade before the
+first JAX computation and do not replace XLA_FLAGS after. The flag is jaxlib 0.11.2's (constraints.txt); an
+XLA that does not know a flag in XLA_FLAGS stops the process.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ TRACE_CACHE_FLAG = "--xla_cmd_buffer_trace_cache_size=128"
 
 def with_trace_cache_flag(xla_flags: str) -> str:
     """XLA_FLAGS with `TRACE_CACHE_FLAG` added, unless they already set the trace cache's size (theirs is kept)."""
-    if "xla_cmd_buffer_trace_cache_size" in xla_flags:
+    if "--xla_cmd_buffer_trace_cache_size=" in xla_flags:
         return xla_flags
     return f"{xla_flags} {TRACE_CACHE_FLAG}".strip()
 
