@@ -101,7 +101,6 @@ def write(out: pathlib.Path, result: dict) -> None:
         out.write_text(json.dumps(result, indent=2))
 
 
-
 def matmul_peak(n: int) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
