@@ -133,13 +133,22 @@ class CausalLM(nnx.Module):
         """Random weights of the config's shapes (norms at 1), e.g. for speed measurements. With `mesh`,
         each device makes only its own shards (as `shard(..., rules)` places them): a model larger than one
         device."""
-        shapes = weight_shapes(config)
-        keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
+        shapes, declared = weight_shapes(config), declarations(config)
+        # a key per stored tensor, a fused weight's parts apart: a key gives the weights it gave before they were joined
+        drawn = [part for name, w in declared.items() for part in ([p for p, _ in w.parts] or [name])]
+        keys = dict(zip(drawn, jax.random.split(key, len(drawn))))
+
+        def draw(name: str, shape: tuple[int, ...]) -> jax.Array:
+            return (scale * jax.random.normal(keys[name], shape, jnp.float32)).astype(dtype)
 
         def make(name: str) -> jax.Array:
             if name.endswith("norm"):
                 return jnp.ones(shapes[name], dtype)
-            return (scale * jax.random.normal(keys[name], shapes[name], jnp.float32)).astype(dtype)
+            w = declared[name]
+            if w.parts:
+                return w.join(config, [draw(p, shapes[name][:1] * w.layer + part.shape(config)) for p, part in w.parts],
+                              xp=jnp)
+            return draw(name, shapes[name])
 
         if mesh is None:
             return cls(config, {name: make(name) for name in shapes})
@@ -305,11 +314,9 @@ class CausalLM(nnx.Module):
                 layer_prefixes)
             x = x + (norm(o, w["post_attn_norm"]) if cfg.gemma else o)
             h = norm(x, w["mlp_norm"])
-            # two views of h: XLA would merge the two products into one over [w_gate | w_up], concatenated
-            # anew every step (a copy of both weights: 1.8 ms of a TP=2 8B decode step on two H200s)
-            h_gate, h_up = jax.lax.optimization_barrier((h, h))
-            gate = jax.nn.gelu(h_gate @ w["w_gate"], approximate=True) if cfg.gemma else jax.nn.silu(h_gate @ w["w_gate"])
-            m = (gate * (h_up @ w["w_up"])) @ w["w_down"]
+            gate_up = jnp.einsum("btd,dci->btci", h, w["w_gate_up"])  # [in, 2, intermediate] (models.weights.FUSED)
+            gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+            m = ((jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)) * up) @ w["w_down"]
             x = x + (norm(m, w["post_mlp_norm"]) if cfg.gemma else m)
             if extra is not None:  # Gemma 4's per-layer input
                 g = jax.nn.gelu(x @ w["ple_gate"], approximate=True) * extra
@@ -339,6 +346,7 @@ class CausalLM(nnx.Module):
         cfg = self.config
         B, T = x.shape[:2]
         window_policy = self.window_policy(policy) if SLIDING in cfg.types else None
+        fused_qkv = "wqkv" in declarations(cfg)
         specs = None if self.mesh is None else sharding.layer_specs(states[GLOBAL], self.mesh, prefixes)
 
         norm = self._norm
@@ -368,39 +376,40 @@ class CausalLM(nnx.Module):
         def weight_suffix(layer_type):  # Gemma 4's global layers have attention weights of their own
             return "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
 
-        def projections(layer_type, fetch, h):
-            """q [B, T, H, D], k, v [B, T, Hkv, D] (un-rotated; q scaled for the kernels' D ** -0.5) and the output
-            gate (None without one) of an attention layer of `layer_type`, from its input h [B, T, hidden]."""
+        def projections(layer_type, fetch, h, with_kv: bool):
+            """q [B, T, H, D] (un-rotated; scaled for the kernels' D ** -0.5), the output gate (None without one),
+            and with_kv k, v [B, T, Hkv, D] (un-rotated; else None, None) of an attention layer of `layer_type`,
+            from its input h [B, T, hidden]."""
             suffix = weight_suffix(layer_type)
-            D = cfg.head_size(layer_type)
+            D, H, Hkv = cfg.head_size(layer_type), cfg.num_heads, cfg.kv_heads(layer_type)
             # a view of h of its own for the gate: XLA would merge the two products into one over [wq | gate],
             # concatenated anew in every layer of every step (as for k and v below)
             h, h_gate = jax.lax.optimization_barrier((h, h)) if cfg.attention_output_gate else (h, None)
-            q = h @ fetch("wq" + suffix)
-            q = (q + fetch("bq") if cfg.qkv_bias else q).reshape(B, T, cfg.num_heads, D)
+            if fused_qkv:  # [in, Hkv, H / Hkv + 2, D]: each KV head's queries, key and value (models.weights.FUSED)
+                qkv = jnp.einsum("btd,dhgk->bthgk", h, fetch("wqkv"))
+                q, k, v = qkv[:, :, :, :-2].reshape(B, T, H, D), qkv[:, :, :, -2], qkv[:, :, :, -1]
+            else:  # Gemma 4: later layers read an earlier layer's k and v
+                # two views of h: XLA would merge the projections into one product over [wq | wk | wv],
+                # concatenated anew in every layer of every step
+                h, h_k, h_v = jax.lax.optimization_barrier((h, h, h))
+                q = (h @ fetch("wq" + suffix)).reshape(B, T, H, D)
+                k = v = None
+                if with_kv:
+                    k = (h_k @ fetch("wk" + suffix)).reshape(B, T, Hkv, D)
+                    v = k if cfg.k_eq_v and layer_type == GLOBAL else (h_v @ fetch("wv" + suffix)).reshape(B, T, Hkv, D)
+            if cfg.qkv_bias:
+                q, k, v = q + fetch("bq").reshape(H, D), k + fetch("bk").reshape(Hkv, D), v + fetch("bv").reshape(Hkv, D)
             q = norm(q, fetch("q_norm" + suffix)) if cfg.qk_norm else q
             gate = h_gate @ fetch("w_attn_gate") if cfg.attention_output_gate else None
             scale = 1.0 if cfg.query_scale is None else cfg.query_scale * D**0.5
             if scale != 1.0:  # the attention scales by head_dim ** -0.5
                 q = q * jnp.asarray(scale, q.dtype)
-            return _rotary_order(cfg, layer_type, q), gate
-
-        def keys_values(layer_type, fetch, h):
-            suffix = weight_suffix(layer_type)
-            D, Hkv = cfg.head_size(layer_type), cfg.kv_heads(layer_type)
-            # two views of h, as for the MLP: XLA would merge the projections into one product over [wk | wv],
-            # concatenated anew in every layer of every step
-            h_k, h_v = jax.lax.optimization_barrier((h, h))
-            k = h_k @ fetch("wk" + suffix)
-            k_eq_v = cfg.k_eq_v and layer_type == GLOBAL
-            v = k if k_eq_v else h_v @ fetch("wv" + suffix)
-            if cfg.qkv_bias:
-                k, v = k + fetch("bk"), v + fetch("bv")
-            k, v = k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
+            if not with_kv:
+                return _rotary_order(cfg, layer_type, q), gate, None, None
             k = norm(k, fetch("k_norm" + suffix)) if cfg.qk_norm else k
             if cfg.architecture == "gemma4":
                 v = norm(v, None)
-            return _rotary_order(cfg, layer_type, k), v
+            return _rotary_order(cfg, layer_type, q), gate, _rotary_order(cfg, layer_type, k), v
 
         def output(fetch, layer_type, out, gate):
             suffix = weight_suffix(layer_type)
@@ -412,8 +421,7 @@ class CausalLM(nnx.Module):
 
         def own(layer_type):
             def mixer(fetch, h, states, pending, index, layer_prefixes):
-                q, gate = projections(layer_type, fetch, h)
-                k, v = keys_values(layer_type, fetch, h)
+                q, gate, k, v = projections(layer_type, fetch, h, with_kv=True)
                 view = _layer_view(states[layer_type], index)
                 if layer_type == GLOBAL:
                     out, view = global_attend_and_update(view, q, k, v, lengths, layer_prefixes)
@@ -425,8 +433,7 @@ class CausalLM(nnx.Module):
 
         def store(layer_type):
             def mixer(fetch, h, states, pending, index, layer_prefixes):
-                q, gate = projections(layer_type, fetch, h)
-                k, v = keys_values(layer_type, fetch, h)
+                q, gate, k, v = projections(layer_type, fetch, h, with_kv=True)
                 out, scores = attend(layer_type, _layer_view(states[layer_type], index), q, k, v, lengths,
                                      layer_prefixes)
                 return output(fetch, layer_type, out, gate), states, {**pending, layer_type: (k, v, scores)}
@@ -434,7 +441,7 @@ class CausalLM(nnx.Module):
 
         def read(layer_type):
             def mixer(fetch, h, states, pending, index, layer_prefixes):
-                q, gate = projections(layer_type, fetch, h)
+                q, gate, _, _ = projections(layer_type, fetch, h, with_kv=False)
                 k, v, _ = pending[layer_type]
                 out, _ = attend(layer_type, _layer_view(states[layer_type], index), q, k, v, lengths, layer_prefixes)
                 return output(fetch, layer_type, out, gate), states, pending

@@ -17,16 +17,19 @@ from jcascade.models.weights import Weight, declarations, weight_shapes
 from jcascade.rope import Llama3Scaling
 
 CONVERTED_CONFIG = "jcascade-config.json"
+# How `save_converted` stores the weights: 2 since q/k/v and gate/up are stored joined (`models.weights.FUSED`).
+CONVERTED_LAYOUT = 2
 
 def _collect(cfg: ModelConfig, files: dict[str, str], read, source: str) -> dict[str, np.ndarray]:
-    """Our weights (`models.weights`), read by their `source` ("hf" or "gguf") names (`read(name, ours)`),
+    """Our weights (`models.weights`; a fused one joined from its parts), read by their `source` ("hf" or "gguf")
+    names (`read(name, ours, weight)`: `ours` and `weight` name and declare the tensor, a fused weight's part),
     checking presence and shape of every tensor; `files` maps each source name to the file holding it (for the
     errors)."""
 
     def get(name: str, w: Weight, ours: str) -> np.ndarray:
         if name not in files:
             raise ValueError(f"missing tensor {name!r} (needed for {ours}) in {', '.join(sorted(set(files.values())))}")
-        array = read(name, ours)
+        array = read(name, ours, w)
         want = w.shape(cfg)[::-1] if w.transposed else w.shape(cfg)
         if w.hf_half is not None:  # rows [heads, 2, rows per head, ...]: one half of each head
             want = (2 * want[0], *want[1:]) if w.transposed else (*want[:-1], 2 * want[-1])
@@ -38,14 +41,14 @@ def _collect(cfg: ModelConfig, files: dict[str, str], read, source: str) -> dict
             array = array.reshape(cfg.num_heads, 2, -1, array.shape[-1])[:, w.hf_half].reshape(-1, array.shape[-1])
         return array.T if w.transposed else array
 
-    weights = {}
-    for ours, w in declarations(cfg).items():
+    def layer(ours: str, w: Weight, i: int | None) -> np.ndarray:  # one layer's (i) or a model-wide weight
+        if w.parts:
+            return w.join(cfg, [layer(name, part, i) for name, part in w.parts])
         name = getattr(w, source)
-        if w.layer:
-            weights[ours] = np.stack([get(name.format(i=i), w, ours) for i in w.layer_indices(cfg)])
-        else:
-            weights[ours] = get(name, w, ours)
-    return weights
+        return get(name if i is None else name.format(i=i), w, ours)
+
+    return {ours: np.stack([layer(ours, w, i) for i in w.layer_indices(cfg)]) if w.layer else layer(ours, w, None)
+            for ours, w in declarations(cfg).items()}
 
 
 def _json(path: pathlib.Path):
@@ -124,7 +127,7 @@ def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
     # the text model of a multimodal checkpoint: model.language_model.* (its towers' tensors are not read)
     text = {key.replace("model.language_model.", "model.", 1): key for key in tensors}
     return cfg, _collect(cfg, {ours: where[key] for ours, key in text.items()},
-                         lambda name, ours: np.asarray(tensors[text[name]]), "hf")
+                         lambda name, ours, w: np.asarray(tensors[text[name]]), "hf")
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -159,9 +162,8 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     reader = _gguf_reader(path)
     cfg = _gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
-    declared = declarations(cfg)
 
-    def read(name: str, ours: str) -> np.ndarray:
+    def read(name: str, ours: str, declared: Weight) -> np.ndarray:
         t = tensors[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         if cfg.norm_plus_one and name.endswith("norm.weight") and ours != "lin_norm":
@@ -170,7 +172,7 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             w = np.log(-w)
         if ours in _QWEN35_VALUE_HEADS and cfg.linear_key_heads != cfg.linear_value_heads:
             w = _untile_value_heads(w, cfg, *_QWEN35_VALUE_HEADS[ours])
-        heads = declared[ours].gguf_interleaved if cfg.architecture == "llama" else None
+        heads = declared.gguf_interleaved if cfg.architecture == "llama" else None
         return w if heads is None else _unpermute(w, cfg.num_heads if heads == "q" else cfg.num_kv_heads)
 
     return cfg, _collect(cfg, dict.fromkeys(tensors, path.name), read, "gguf")
@@ -311,15 +313,24 @@ def save_converted(model: CausalLM, directory: str | pathlib.Path) -> None:
 
     directory = pathlib.Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = dataclasses.asdict(model.config)
+    cfg = dataclasses.asdict(model.config) | {"layout": CONVERTED_LAYOUT}
     (directory / CONVERTED_CONFIG).write_text(json.dumps(cfg, indent=2))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(directory / "weights", model.weights(), force=True)
     checkpointer.wait_until_finished()
 
 
+def converted_layout(directory: pathlib.Path) -> int:
+    """The `CONVERTED_LAYOUT` of a directory written by `save_converted` (1: before the layout was recorded)."""
+    return _json(directory / CONVERTED_CONFIG).get("layout", 1)
+
+
 def _converted_config(directory: pathlib.Path) -> ModelConfig:
     raw = _json(directory / CONVERTED_CONFIG)
+    layout = raw.pop("layout", 1)
+    if layout != CONVERTED_LAYOUT:
+        raise ValueError(f"{directory}: converted by another jcascade (weights layout {layout}, this one reads "
+                         f"{CONVERTED_LAYOUT}); delete it and convert (or fetch) it again")
     raw["rope_scaling"] = None if raw["rope_scaling"] is None else Llama3Scaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
     raw["layer_types"] = tuple(raw.get("layer_types", ()))  # (absent from checkpoints converted before Gemma 3)

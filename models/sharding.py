@@ -1,9 +1,9 @@
 """Tensor and data parallelism: a model's weights and caches placed on a mesh with axes ("data", "model").
 
 Every cache decision is per (batch row, KV head), so rows go over "data" and KV heads over "model" with no
-communication inside `attend` / `update`; the projections split the usual Megatron way (q/k/v and gate/up
-by output columns, o and down by input rows, the embedding and LM head by vocabulary), so XLA adds one
-reduction after each row-split product. The decoder runs each layer's attend and update (shared
+communication inside `attend` / `update`; the projections split the usual Megatron way (q/k/v by KV head, each
+with its query heads, and gate/up by output columns, o and down by input rows, the embedding and LM head by
+vocabulary), so XLA adds one reduction after each row-split product. The decoder runs each layer's attend and update (shared
 prefixes included) under `shard_map` with `layer_specs` (so the Pallas kernels see their shard; rows or KV heads
 that do not divide are replicated along their axis); the rest follows by sharding propagation under `jit`.
 """
@@ -25,11 +25,11 @@ from jcascade.models.config import ModelConfig
 
 AXES = ("data", "model")
 
-# Logical axis (`models.weights`) -> mesh axis: the Megatron split (q/k/v and gate/up by output columns, o and
-# down by input rows, the embedding and LM head by vocabulary); other axes are replicated.
-LOGICAL_RULES: dict[str, str] = {"vocab": "model", "q": "model", "kv": "model", "mlp": "model"}
+# Logical axis (`models.weights`) -> mesh axis: the Megatron split (q/k/v by KV head and gate/up by output columns,
+# o and down by input rows, the embedding and LM head by vocabulary); other axes are replicated.
+LOGICAL_RULES: dict[str, str] = {"vocab": "model", "q": "model", "kv": "model", "kv_heads": "model", "mlp": "model"}
 # a logical axis -> the group that is split all together or not at all
-GROUPS = {"q": "attention", "kv": "attention", "mlp": "MLP", "vocab": "vocabulary"}
+GROUPS = {"q": "attention", "kv": "attention", "kv_heads": "attention", "mlp": "MLP", "vocab": "vocabulary"}
 
 
 def parse_mesh(text: str) -> tuple[int, int]:

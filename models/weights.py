@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
+
 from jcascade.models.config import GLOBAL, LINEAR, SLIDING, ModelConfig
 
 # Logical axes: "vocab" (vocabulary), "embed" (hidden size), "q" (query heads x head_dim), "kv" (KV heads x
-# head_dim), "mlp" (intermediate size), "head_dim" (one head's features); None: replicated.
+# head_dim), "kv_heads" (KV heads), "mlp" (intermediate size), "head_dim" (one head's features); None: replicated.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +29,9 @@ class Weight:
     first (0) or second (1) half of each head's rows of the stored tensor (Qwen3.5's q_proj and llama.cpp's attn_q
     hold each head's query then its gate); squeezed: the stored tensor has singleton dims ours drops;
     gguf_interleaved: llama.cpp interleaves the rotary halves of each head's rows ("q" or "kv" heads) in llama GGUF
-    files; needed: whether a config has this weight."""
+    files; needed: whether a config has this weight; parts: a weight stored as the join of other declarations'
+    tensors (`FUSED`; its hf and gguf names are unused): ((name, Weight), ...), each part [in, out] reshaped to
+    this shape with its own extent along `join_axis`, then concatenated along it (`join`, `split`)."""
 
     shape: Callable[[ModelConfig], tuple[int, ...]]
     axes: tuple[str | None, ...]
@@ -40,6 +44,8 @@ class Weight:
     squeezed: bool = False
     gguf_interleaved: str | None = None
     needed: Callable[[ModelConfig], bool] = lambda cfg: True
+    parts: tuple[tuple[str, Weight], ...] = ()
+    join_axis: int = -1
 
     def layer_indices(self, cfg: ModelConfig) -> tuple[int, ...]:
         """The model layers this weight's stack holds, in order."""
@@ -48,6 +54,21 @@ class Weight:
         if self.layers.endswith(" kv"):
             return cfg.layers_with_state(self.layers.removesuffix(" kv"))
         return tuple(i for i, t in enumerate(cfg.types) if t == self.layers)
+
+    def join(self, cfg: ModelConfig, parts: list, xp=np):
+        """A fused weight from its parts' arrays (each [..., in, out], in the order of `parts`; leading axes, such as
+        the layers', kept), concatenated with `xp` (numpy, or jax.numpy)."""
+        shape, axis = self.shape(cfg), self.join_axis
+        return xp.concatenate([p.reshape(*p.shape[:-2], *shape[:axis], -1, *shape[axis + 1:]) for p in parts],
+                              axis=axis - len(shape))
+
+    def split(self, cfg: ModelConfig, array: np.ndarray) -> dict[str, np.ndarray]:
+        """The inverse of `join` for `array` (one layer, or stacked over layers): {part name: [..., in, out]}."""
+        lead, axis = array.ndim - len(self.shape(cfg)), self.join_axis
+        sizes = [int(np.prod(w.shape(cfg)[1:])) // int(np.prod(self.shape(cfg)[1:axis] + self.shape(cfg)[axis + 1:]))
+                 for _, w in self.parts]
+        pieces = np.split(array, np.cumsum(sizes)[:-1], axis=lead + axis)
+        return {name: p.reshape(*p.shape[:lead], *w.shape(cfg)) for (name, w), p in zip(self.parts, pieces)}
 
 
 def _q(cfg: ModelConfig) -> int:
@@ -195,10 +216,34 @@ GEMMA4: dict[str, Weight] = {
 }
 
 
+# Products that read the same input, stored joined so that a decode step runs one product for each: a one-row
+# product costs about 8 us on an H200 however small its weight (k and v at 0.2-0.9 TB/s), so q, k and v as one
+# saves 0.6 ms of an 8B batch-1 step at TP = 1, 2 and 4 alike, gate and up 0.1-0.25 ms (benchmarks/RESULTS.md,
+# "One product for q, k and v"). wqkv holds each KV head's query heads, then its key and its value head
+# ([in, KV heads, queries per KV head + 2, head_dim]: a device of a tensor-parallel mesh holds whole groups);
+# w_gate_up [in, 2, intermediate]. Joined where every part is on the same layers (not Gemma 4's attention, whose
+# later layers have q but read an earlier layer's k and v).
+FUSED: dict[str, tuple[tuple[str, ...], Weight]] = {  # name: (its parts' names, its declaration without the parts)
+    "wqkv": (("wq", "wk", "wv"), Weight(lambda c: (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2,
+                                                     c.head_dim), ("embed", "kv_heads", None, None), "", "", join_axis=2)),
+    "w_gate_up": (("w_gate", "w_up"), Weight(lambda c: (c.hidden_size, 2, c.intermediate_size), ("embed", None, "mlp"),
+                                             "", "", join_axis=1)),
+}
+
+
 def declarations(cfg: ModelConfig) -> dict[str, Weight]:
-    """The weights a config has, by our name, in a fixed order."""
+    """The weights a config has, by our name, in a fixed order (each fused weight of `FUSED` in its first part's
+    place, where all its parts are on the same layers)."""
     table = WEIGHTS | {"gemma3": GEMMA3, "gemma4": GEMMA3 | GEMMA4, "qwen3_5": QWEN3_5}.get(cfg.architecture, {})
-    return {name: w for name, w in table.items() if w.needed(cfg)}
+    table = {name: w for name, w in table.items() if w.needed(cfg)}
+    for name, (part_names, fused) in FUSED.items():
+        parts = tuple((part, table.get(part)) for part in part_names)
+        if any(w is None for _, w in parts) or len({w.layers for _, w in parts}) > 1:
+            continue
+        joined = dataclasses.replace(fused, layers=parts[0][1].layers, parts=parts)
+        first, rest = parts[0][0], {part for part, _ in parts[1:]}
+        table = {(name if n == first else n): (joined if n == first else w) for n, w in table.items() if n not in rest}
+    return table
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

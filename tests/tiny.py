@@ -64,24 +64,38 @@ def _split(declared, w: np.ndarray, source: str, layers) -> dict[str, np.ndarray
     return {key: part.T if declared.transposed else part for key, part in parts}
 
 
+def unfused(config: jc.ModelConfig, weights: dict) -> dict[str, np.ndarray]:
+    """A model's weights with each fused one (`models.weights.FUSED`) split into its parts, by their names."""
+    out = {}
+    for name, w in weights.items():
+        declared = declarations(config)[name]
+        out.update(declared.split(config, np.asarray(w)) if declared.parts else {name: np.asarray(w)})
+    return out
+
+
 def source_tensors(name: str, weight, source: str, num_layers: int) -> dict[str, np.ndarray]:
-    """Our weight `name` (layers stacked) as the tensors of a Hugging Face ("hf") or GGUF ("gguf") file, by
-    their names there (`models.weights`; without llama.cpp's Q/K row interleaving)."""
+    """Our unfused weight `name` (layers stacked; `unfused`) as the tensors of a Hugging Face ("hf") or GGUF
+    ("gguf") file, by their names there (`models.weights`; without llama.cpp's Q/K row interleaving)."""
     return _split(WEIGHTS[name], np.asarray(weight), source, range(num_layers))
 
 
 def file_tensors(config: jc.ModelConfig, weights: dict, source: str) -> dict[str, np.ndarray]:
     """All the weights of a model of any family as the tensors of a Hugging Face ("hf") or GGUF ("gguf") file
-    (`models.weights`: each stack split over the layers it holds, the two halves of each head's rows of a
-    Qwen3.5 q_proj in one tensor; without llama.cpp's converter's changes of values and order)."""
+    (`models.weights`: fused weights split into their parts, each stack split over the layers it holds, the two
+    halves of each head's rows of a Qwen3.5 q_proj in one tensor; without llama.cpp's converter's changes of values
+    and order)."""
     tensors, halves = {}, {}
     for ours, declared in declarations(config).items():
-        split = _split(declared, np.asarray(weights[ours]), source, declared.layer_indices(config))
-        for name, part in split.items():
-            if declared.hf_half is None:
-                tensors[name] = part
-            else:
-                halves.setdefault(name, {})[declared.hf_half] = part.reshape(config.num_heads, -1, part.shape[-1])
+        parts = declared.split(config, np.asarray(weights[ours])) if declared.parts else {ours: weights[ours]}
+        for part, array in parts.items():
+            part_declared = dict(declared.parts)[part] if declared.parts else declared
+            split = _split(part_declared, np.asarray(array), source, declared.layer_indices(config))
+            for name, tensor in split.items():
+                if part_declared.hf_half is None:
+                    tensors[name] = tensor
+                else:
+                    halves.setdefault(name, {})[part_declared.hf_half] = tensor.reshape(config.num_heads, -1,
+                                                                                        tensor.shape[-1])
     for name, half in halves.items():  # [heads, 2, rows per head, in]
         tensors[name] = np.stack([half[0], half[1]], 1).reshape(-1, half[0].shape[-1])
     return tensors

@@ -30,7 +30,7 @@ def defaults() -> dict:
     if jax.default_backend() == "cpu":
         return SETTINGS["cpu"] | {"model": None}
     qwen = jc.models.packaged.cache_dir() / jc.models.QWEN25_CODER_05B_INSTRUCT.name
-    if (qwen / jc.models.loading.CONVERTED_CONFIG).is_file():
+    if jc.models.packaged.converted(qwen):
         return SETTINGS["gpu-qwen"] | {"model": str(qwen)}
     return SETTINGS["gpu"] | {"model": None}
 

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jcascade.checks import CLOCK_LIMIT
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import HeadReduced, Positions, Positive
 from jcascade.policies.ring import RingPolicy
@@ -46,14 +47,17 @@ class H2O(RingPolicy, HeadReduced):
         return jnp.where(live, score + increments, score)
 
     def place_evicted(self, layout: RingLayout, score, held, src, mu, valid):
-        return keep_top_scores(layout, score, held, src, mu, valid)
+        return keep_top_scores(self, layout, score, held, src, mu, valid)
 
 
-def keep_top_scores(layout: RingLayout, score, held, src, mu, valid):
+def keep_top_scores(policy, layout: RingLayout, score, held, src, mu, valid):
     """`ring_insertion.PlaceEvicted` of H2O and TOVA: the heavy slots keep the top `heavy` scores among their residents
     and the arriving tokens (residents first, so they win ties); winning arrivals take the slots of the
-    residents that lost or of empty slots."""
+    residents that lost or of empty slots. Raises ValueError (naming `policy`) if the two outnumber int32 indices."""
     B, H, M = src.shape
+    if layout.heavy + M > CLOCK_LIMIT:
+        raise ValueError(f"{policy}: its {layout.heavy} heavy slots and the {M} tokens a chunk brings them are more "
+                         f"than the {CLOCK_LIMIT} that int32 indices address")
     base, cap = layout.capacity - layout.heavy, layout.capacity
     residents = jnp.where(held[..., base:], score[..., base:], -jnp.inf)
     key = jnp.concatenate([residents, jnp.where(valid[:, None, :], mu, -jnp.inf)], -1)

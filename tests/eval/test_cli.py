@@ -107,7 +107,10 @@ def test_main_job_defaults_follow_the_machine(monkeypatch, tmp_path):
     assert main_job.defaults() == main_job.SETTINGS["gpu"] | {"model": None}
     qwen = tmp_path / jc.models.QWEN25_CODER_05B_INSTRUCT.name
     qwen.mkdir()
-    (qwen / jc.models.loading.CONVERTED_CONFIG).write_text("{}")
+    (qwen / "tokenizer_config.json").write_text("{}")
+    (qwen / jc.models.loading.CONVERTED_CONFIG).write_text("{}")  # converted before the layout was recorded
+    assert main_job.defaults() == main_job.SETTINGS["gpu"] | {"model": None}
+    (qwen / jc.models.loading.CONVERTED_CONFIG).write_text(json.dumps({"layout": jc.models.loading.CONVERTED_LAYOUT}))
     assert main_job.defaults() == main_job.SETTINGS["gpu-qwen"] | {"model": str(qwen)}
 
 

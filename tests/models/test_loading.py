@@ -221,7 +221,7 @@ def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
                        (writer.add_rope_freq_base, c.rope_theta), (writer.add_context_length, 4096)]:
         add(value)
     tensors = {}
-    for ours, w in model.weights().items():
+    for ours, w in tiny.unfused(c, model.weights()).items():
         for name, tensor in tiny.source_tensors(ours, w, "gguf", c.num_layers).items():
             if c.architecture == "llama" and ours in ("wq", "wk"):
                 tensor = llama_cpp_interleaved(tensor, c.num_heads if ours == "wq" else c.num_kv_heads)
