@@ -44,7 +44,7 @@ import jcascade as jc
 from jcascade import pallas_kernels as pk
 from jcascade.eval import processes
 from jcascade.models import CausalLM, ModelConfig, delta_net, sharding
-from jcascade.models.weights import declarations, weight_shapes
+from jcascade.models.weights import weight_shapes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import decode_breakdown  # noqa: E402
@@ -157,9 +157,7 @@ def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
     key and head dim, plus the scores pass's QK^T at 2; a sliding layer's query at 4 per key of its window), a
     Gated DeltaNet layer's chunked delta rule (64-token chunks: per value head about 4 * 64 * dk + 2 * 64 * dv +
     6 * dk * dv); the LM head is not run during prefill."""
-    declared = declarations(cfg)
-    dense = 2 * sum(math.prod(shape) for name, shape in weight_shapes(cfg).items()
-                    if declared[name].layer and len(declared[name].shape(cfg)) >= 2)
+    dense = 2 * sum(math.prod(shape) for shape in weight_shapes(cfg).values() if len(shape) >= 3)  # layer matrices
     types = cfg.types
     attention = cfg.num_heads * (cfg.head_size("global") * types.count("global") * keys_per_query * (4 + 2)
                                  + cfg.head_dim * types.count("sliding") * (cfg.sliding_window or 0) * 4)

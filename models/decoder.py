@@ -146,8 +146,8 @@ class CausalLM(nnx.Module):
                 return jnp.ones(shapes[name], dtype)
             w = declared[name]
             if w.parts:
-                return w.join(config, [draw(p, shapes[name][:1] * w.layer + part.shape(config)) for p, part in w.parts],
-                              xp=jnp)
+                layers = (len(w.layer_indices(config)),) if w.layer else ()
+                return w.join(config, [draw(p, layers + part.shape(config)) for p, part in w.parts], xp=jnp)
             return draw(name, shapes[name])
 
         if mesh is None:
@@ -383,13 +383,13 @@ class CausalLM(nnx.Module):
             suffix = weight_suffix(layer_type)
             D, H, Hkv = cfg.head_size(layer_type), cfg.num_heads, cfg.kv_heads(layer_type)
             # a view of h of its own for the gate: XLA would merge the two products into one over [wq | gate],
-            # concatenated anew in every layer of every step (as for k and v below)
+            # concatenated anew in every layer of every step
             h, h_gate = jax.lax.optimization_barrier((h, h)) if cfg.attention_output_gate else (h, None)
             if fused_qkv:  # [in, Hkv, H / Hkv + 2, D]: each KV head's queries, key and value (models.weights.FUSED)
                 qkv = jnp.einsum("btd,dhgk->bthgk", h, fetch("wqkv"))
                 q, k, v = qkv[:, :, :, :-2].reshape(B, T, H, D), qkv[:, :, :, -2], qkv[:, :, :, -1]
             else:  # Gemma 4: later layers read an earlier layer's k and v
-                # two views of h: XLA would merge the projections into one product over [wq | wk | wv],
+                # a view of h for each: XLA would merge the projections into one product over [wq | wk | wv],
                 # concatenated anew in every layer of every step
                 h, h_k, h_v = jax.lax.optimization_barrier((h, h, h))
                 q = (h @ fetch("wq" + suffix)).reshape(B, T, H, D)
@@ -398,7 +398,9 @@ class CausalLM(nnx.Module):
                     k = (h_k @ fetch("wk" + suffix)).reshape(B, T, Hkv, D)
                     v = k if cfg.k_eq_v and layer_type == GLOBAL else (h_v @ fetch("wv" + suffix)).reshape(B, T, Hkv, D)
             if cfg.qkv_bias:
-                q, k, v = q + fetch("bq").reshape(H, D), k + fetch("bk").reshape(Hkv, D), v + fetch("bv").reshape(Hkv, D)
+                q = q + fetch("bq").reshape(H, D)
+                if with_kv:
+                    k, v = k + fetch("bk").reshape(Hkv, D), v + fetch("bv").reshape(Hkv, D)
             q = norm(q, fetch("q_norm" + suffix)) if cfg.qk_norm else q
             gate = h_gate @ fetch("w_attn_gate") if cfg.attention_output_gate else None
             scale = 1.0 if cfg.query_scale is None else cfg.query_scale * D**0.5

@@ -1,9 +1,9 @@
 """Tensor and data parallelism: a model's weights and caches placed on a mesh with axes ("data", "model").
 
 Every cache decision is per (batch row, KV head), so rows go over "data" and KV heads over "model" with no
-communication inside `attend` / `update`; the projections split the usual Megatron way (q/k/v by KV head, each
-with its query heads, and gate/up by output columns, o and down by input rows, the embedding and LM head by
-vocabulary), so XLA adds one reduction after each row-split product. The decoder runs each layer's attend and update (shared
+communication inside `attend` / `update`; the projections split the usual Megatron way (the joined q/k/v by KV
+head, each with its query heads, Gemma 4's q, k, v apart and gate/up by output columns, o and down by input rows,
+the embedding and LM head by vocabulary), so XLA adds one reduction after each row-split product. The decoder runs each layer's attend and update (shared
 prefixes included) under `shard_map` with `layer_specs` (so the Pallas kernels see their shard; rows or KV heads
 that do not divide are replicated along their axis); the rest follows by sharding propagation under `jit`.
 """

@@ -4,8 +4,9 @@ decoder's weight shapes (`weight_shapes`), the sharding rules (`models.sharding`
 mesh axes) and both loaders (`models.loading`) derive from these declarations: adding a weight is one entry
 here and its use in the decoder.
 
-Our layout: x @ W (W is [in, out], the transpose of a PyTorch Linear weight); layer weights are stacked on a
-leading axis over the layers that have them (`Weight.layers`; not part of a declaration's shape or axes).
+Our layout: x @ W (W is [in, out], the transpose of a PyTorch Linear weight; a fused weight of `FUSED` splits its
+out axis further); layer weights are stacked on a leading axis over the layers that have them (`Weight.layers`;
+not part of a declaration's shape or axes).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Weight:
     gguf_interleaved: str | None = None
     needed: Callable[[ModelConfig], bool] = lambda cfg: True
     parts: tuple[tuple[str, Weight], ...] = ()
-    join_axis: int = -1
+    join_axis: int | None = None
 
     def layer_indices(self, cfg: ModelConfig) -> tuple[int, ...]:
         """The model layers this weight's stack holds, in order."""
@@ -55,19 +56,19 @@ class Weight:
             return cfg.layers_with_state(self.layers.removesuffix(" kv"))
         return tuple(i for i, t in enumerate(cfg.types) if t == self.layers)
 
-    def join(self, cfg: ModelConfig, parts: list, xp=np):
-        """A fused weight from its parts' arrays (each [..., in, out], in the order of `parts`; leading axes, such as
-        the layers', kept), concatenated with `xp` (numpy, or jax.numpy)."""
+    def join(self, cfg: ModelConfig, arrays: list, xp=np):
+        """A fused weight [..., *shape(cfg)] from its parts' arrays (each [..., in, out], in the order of `parts`;
+        leading axes, such as the layers', kept), concatenated with `xp` (numpy, or jax.numpy)."""
         shape, axis = self.shape(cfg), self.join_axis
-        return xp.concatenate([p.reshape(*p.shape[:-2], *shape[:axis], -1, *shape[axis + 1:]) for p in parts],
+        return xp.concatenate([a.reshape(*a.shape[:-2], *shape[:axis], -1, *shape[axis + 1:]) for a in arrays],
                               axis=axis - len(shape))
 
     def split(self, cfg: ModelConfig, array: np.ndarray) -> dict[str, np.ndarray]:
-        """The inverse of `join` for `array` (one layer, or stacked over layers): {part name: [..., in, out]}."""
-        lead, axis = array.ndim - len(self.shape(cfg)), self.join_axis
-        sizes = [int(np.prod(w.shape(cfg)[1:])) // int(np.prod(self.shape(cfg)[1:axis] + self.shape(cfg)[axis + 1:]))
-                 for _, w in self.parts]
-        pieces = np.split(array, np.cumsum(sizes)[:-1], axis=lead + axis)
+        """The inverse of `join` for `array` [..., *shape(cfg)]: {part name: [..., in, out]}."""
+        shape, axis = self.shape(cfg), self.join_axis
+        lead, beside = array.ndim - len(shape), int(np.prod(shape[1:axis] + shape[axis + 1:]))
+        extents = [w.shape(cfg)[-1] // beside for _, w in self.parts]  # each part's extent along join_axis
+        pieces = np.split(array, np.cumsum(extents)[:-1], axis=lead + axis)
         return {name: p.reshape(*p.shape[:lead], *w.shape(cfg)) for (name, w), p in zip(self.parts, pieces)}
 
 
@@ -217,12 +218,12 @@ GEMMA4: dict[str, Weight] = {
 
 
 # Products that read the same input, stored joined so that a decode step runs one product for each: a one-row
-# product costs about 8 us on an H200 however small its weight (k and v at 0.2-0.9 TB/s), so q, k and v as one
-# saves 0.6 ms of an 8B batch-1 step at TP = 1, 2 and 4 alike, gate and up 0.1-0.25 ms (benchmarks/RESULTS.md,
-# "One product for q, k and v"). wqkv holds each KV head's query heads, then its key and its value head
-# ([in, KV heads, queries per KV head + 2, head_dim]: a device of a tensor-parallel mesh holds whole groups);
-# w_gate_up [in, 2, intermediate]. Joined where every part is on the same layers (not Gemma 4's attention, whose
-# later layers have q but read an earlier layer's k and v).
+# product costs at least about 8 us on an H200 however small its weight (k and v at 0.27-1.05 TB/s), so joining q, k
+# and v saves 0.36-0.50 ms of an 8B batch-1 step's kernels at TP = 1, 2 and 4, gate and up 0.07-0.17 ms
+# (benchmarks/RESULTS.md, "One product for q, k and v"). wqkv holds each KV head's query heads, then its key and its
+# value head ([in, KV heads, queries per KV head + 2, head_dim]: a device of a tensor-parallel mesh holds whole
+# groups); w_gate_up [in, 2, intermediate]. Joined where every part is on the same set of layers (not Gemma 4's
+# attention, whose q is on every sliding layer, its k and v only on those keeping a cache of their own).
 FUSED: dict[str, tuple[tuple[str, ...], Weight]] = {  # name: (its parts' names, its declaration without the parts)
     "wqkv": (("wq", "wk", "wv"), Weight(lambda c: (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2,
                                                      c.head_dim), ("embed", "kv_heads", None, None), "", "", join_axis=2)),
@@ -240,9 +241,13 @@ def declarations(cfg: ModelConfig) -> dict[str, Weight]:
         parts = tuple((part, table.get(part)) for part in part_names)
         if any(w is None for _, w in parts) or len({w.layers for _, w in parts}) > 1:
             continue
-        joined = dataclasses.replace(fused, layers=parts[0][1].layers, parts=parts)
-        first, rest = parts[0][0], {part for part, _ in parts[1:]}
-        table = {(name if n == first else n): (joined if n == first else w) for n, w in table.items() if n not in rest}
+        joined, out = dataclasses.replace(fused, layers=parts[0][1].layers, parts=parts), {}
+        for n, w in table.items():
+            if n == part_names[0]:
+                out[name] = joined
+            elif n not in part_names:
+                out[n] = w
+        table = out
     return table
 
 

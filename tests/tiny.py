@@ -66,10 +66,9 @@ def _split(declared, w: np.ndarray, source: str, layers) -> dict[str, np.ndarray
 
 def unfused(config: jc.ModelConfig, weights: dict) -> dict[str, np.ndarray]:
     """A model's weights with each fused one (`models.weights.FUSED`) split into its parts, by their names."""
-    out = {}
+    out, declared = {}, declarations(config)
     for name, w in weights.items():
-        declared = declarations(config)[name]
-        out.update(declared.split(config, np.asarray(w)) if declared.parts else {name: np.asarray(w)})
+        out.update(declared[name].split(config, np.asarray(w)) if declared[name].parts else {name: np.asarray(w)})
     return out
 
 
@@ -85,17 +84,14 @@ def file_tensors(config: jc.ModelConfig, weights: dict, source: str) -> dict[str
     halves of each head's rows of a Qwen3.5 q_proj in one tensor; without llama.cpp's converter's changes of values
     and order)."""
     tensors, halves = {}, {}
-    for ours, declared in declarations(config).items():
-        parts = declared.split(config, np.asarray(weights[ours])) if declared.parts else {ours: weights[ours]}
-        for part, array in parts.items():
-            part_declared = dict(declared.parts)[part] if declared.parts else declared
-            split = _split(part_declared, np.asarray(array), source, declared.layer_indices(config))
-            for name, tensor in split.items():
-                if part_declared.hf_half is None:
-                    tensors[name] = tensor
-                else:
-                    halves.setdefault(name, {})[part_declared.hf_half] = tensor.reshape(config.num_heads, -1,
-                                                                                        tensor.shape[-1])
+    declared = {n: w for name, d in declarations(config).items() for n, w in (d.parts or ((name, d),))}
+    for ours, array in unfused(config, weights).items():
+        for name, tensor in _split(declared[ours], array, source, declared[ours].layer_indices(config)).items():
+            if declared[ours].hf_half is None:
+                tensors[name] = tensor
+            else:
+                halves.setdefault(name, {})[declared[ours].hf_half] = tensor.reshape(config.num_heads, -1,
+                                                                                     tensor.shape[-1])
     for name, half in halves.items():  # [heads, 2, rows per head, in]
         tensors[name] = np.stack([half[0], half[1]], 1).reshape(-1, half[0].shape[-1])
     return tensors

@@ -47,17 +47,18 @@ class H2O(RingPolicy, HeadReduced):
         return jnp.where(live, score + increments, score)
 
     def place_evicted(self, layout: RingLayout, score, held, src, mu, valid):
-        return keep_top_scores(self, layout, score, held, src, mu, valid)
+        return keep_top_scores("H2O.heavy", layout, score, held, src, mu, valid)
 
 
-def keep_top_scores(policy, layout: RingLayout, score, held, src, mu, valid):
+def keep_top_scores(field: str, layout: RingLayout, score, held, src, mu, valid):
     """`ring_insertion.PlaceEvicted` of H2O and TOVA: the heavy slots keep the top `heavy` scores among their residents
     and the arriving tokens (residents first, so they win ties); winning arrivals take the slots of the
-    residents that lost or of empty slots. Raises ValueError (naming `policy`) if the two outnumber int32 indices."""
+    residents that lost or of empty slots. Raises ValueError naming `field` (the policy's field that sets the heavy
+    slots) if they and the arrivals are more than int32 indices address."""
     B, H, M = src.shape
     if layout.heavy + M > CLOCK_LIMIT:
-        raise ValueError(f"{policy}: its {layout.heavy} heavy slots and the {M} tokens a chunk brings them are more "
-                         f"than the {CLOCK_LIMIT} that int32 indices address")
+        raise ValueError(f"{field}={layout.heavy}: its heavy slots and the {M} tokens a chunk brings them are more than "
+                         f"the {CLOCK_LIMIT} that int32 indices address")
     base, cap = layout.capacity - layout.heavy, layout.capacity
     residents = jnp.where(held[..., base:], score[..., base:], -jnp.inf)
     key = jnp.concatenate([residents, jnp.where(valid[:, None, :], mu, -jnp.inf)], -1)

@@ -44,4 +44,4 @@ class TOVA(RingPolicy, HeadReduced):
         return jnp.where(live, increments, score)
 
     def place_evicted(self, layout: RingLayout, score, held, src, mu, valid):
-        return keep_top_scores(self, layout, score, held, src, mu, valid)
+        return keep_top_scores("TOVA.cache_size", layout, score, held, src, mu, valid)
