@@ -346,7 +346,7 @@ class CausalLM(nnx.Module):
         cfg = self.config
         B, T = x.shape[:2]
         window_policy = self.window_policy(policy) if SLIDING in cfg.types else None
-        fused_qkv = "wqkv" in declarations(cfg)
+        fused_qkv = "wqkv" in self.layers  # models.weights.FUSED: every family but Gemma 4
         specs = None if self.mesh is None else sharding.layer_specs(states[GLOBAL], self.mesh, prefixes)
 
         norm = self._norm

@@ -326,9 +326,8 @@ def converted_layout(directory: pathlib.Path) -> int:
 
 
 def _converted_config(directory: pathlib.Path) -> ModelConfig:
-    layout = converted_layout(directory)
     raw = _json(directory / CONVERTED_CONFIG)
-    raw.pop("layout", None)
+    layout = raw.pop("layout", 1)  # as `converted_layout` reads it
     if layout != CONVERTED_LAYOUT:
         raise ValueError(f"{directory}: converted by another jcascade (weights layout {layout}, this one reads "
                          f"{CONVERTED_LAYOUT}); delete it and convert (or fetch) it again")
