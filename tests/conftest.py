@@ -36,6 +36,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jcascade-test-jit-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Every process of the run counts its XLA compilations (compile_site/compile_count.py) into one folder of the run;
+# the subprocesses the tests start load the counter through compile_site/sitecustomize.py on PYTHONPATH.
+_COMPILE_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_site")
+if "JCASCADE_TEST_COMPILATIONS" not in os.environ:
+    os.environ["JCASCADE_TEST_COMPILATIONS"] = tempfile.mkdtemp(prefix="jcascade-test-compilations-")
+    atexit.register(shutil.rmtree, os.environ["JCASCADE_TEST_COMPILATIONS"], ignore_errors=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_COMPILE_SITE, os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, _COMPILE_SITE)
+import compile_count  # noqa: E402
+
+compile_count.install()
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -86,6 +97,22 @@ def _missing_devices(n: int) -> bool:
     return jax.device_count() < n
 
 
+def pytest_addoption(parser):
+    parser.addoption("--compilations", type=int, default=None, metavar="N",
+                     help="after the run's XLA compilation count, show the N test files that compile most "
+                          "(0 for all)")
+
+
+def pytest_collectstart(collector):
+    if isinstance(collector, pytest.Module):
+        compile_count.collecting = f"{collector.nodeid} (collection)"
+
+
+def pytest_collection_finish(session):
+    compile_count.collecting = None
+    _start_children(session)
+
+
 def pytest_configure(config):
     path = os.environ.pop(REPORTS, None)
     if path:  # a child run: write every report for the parent
@@ -111,7 +138,7 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [i for i in items if not devices_needed(i)] + [i for i in items if devices_needed(i)]
 
 
-def pytest_collection_finish(session):
+def _start_children(session):
     if session.config.option.collectonly:
         return
     children = session.config.stash.setdefault(_CHILDREN, {})
@@ -135,6 +162,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    compile_count.write()
     stopped = exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or session.shouldstop
     for child in session.config.stash.get(_CHILDREN, {}).values():
         child.finish(kill=bool(stopped))
@@ -260,3 +288,36 @@ class _Child:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+# ---- the run's compilation count -------------------------------------------------------------------------
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The run's XLA compilations, summed over every process (the machine-independent cost of the suite), and
+    with `--compilations N` the N test files that compile most."""
+    if hasattr(config, "workerinput") or config.pluginmanager.has_plugin("jcascade-report-writer"):
+        return  # a worker or the devices child: the process that started the run reports
+    compile_count.write()
+    per_test = compile_count.read(os.environ["JCASCADE_TEST_COMPILATIONS"])
+    total = {field: sum(t[field] for t in per_test.values()) for field in compile_count.FIELDS}
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+    written = len([n for n in os.listdir(cache) if n.endswith("-cache")]) if os.path.isdir(cache) else 0
+    write = terminalreporter.write_line
+    terminalreporter.section("XLA compilations")
+    write(f"{total['compiled']:,.0f} programs compiled in {total['compile_s']:,.0f} s; "
+          f"{total['loaded']:,.0f} loaded from the run's compilation cache instead ({written:,} entries written), "
+          f"saving {total['saved_s']:,.0f} s; tracing {total['trace_s']:,.0f} s, lowering {total['lower_s']:,.0f} s")
+    top = config.getoption("compilations")
+    if top is None:
+        return
+    per_file: dict[str, dict[str, float]] = {}
+    for owner, values in per_test.items():
+        mine = per_file.setdefault(owner.split("::")[0].split(" (")[0], dict.fromkeys(compile_count.FIELDS, 0.0))
+        for field, value in values.items():
+            mine[field] += value
+    rows = sorted(per_file.items(), key=lambda kv: -(kv[1]["compile_s"] + kv[1]["trace_s"] + kv[1]["lower_s"]))
+    write(f"{'compiled':>9} {'compile s':>10} {'loaded':>7} {'saved s':>8} {'trace s':>8} {'lower s':>8}  file")
+    for name, v in rows[: top or None]:
+        write(f"{v['compiled']:9.0f} {v['compile_s']:10.1f} {v['loaded']:7.0f} {v['saved_s']:8.1f} "
+              f"{v['trace_s']:8.1f} {v['lower_s']:8.1f}  {name}")
