@@ -35,7 +35,7 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jcascade-test-jit-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 # Every process of the run counts its XLA compilations (compile_site/compile_count.py) into one folder of the run;
 # the subprocesses the tests start load the counter through compile_site/sitecustomize.py on PYTHONPATH.
 _COMPILE_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_site")
@@ -51,13 +51,16 @@ compile_count.install()
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-settings.register_profile(
-    "default",
-    deadline=None,
-    max_examples=25,  # each example of the cache properties compiles its own programs
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# The suite's two tiers (`JCASCADE_TESTS`): the default tier runs every test, but of a test's parametrized product
+# (family x policy, backend x format x ...) only a few instances in which every value of every parameter appears
+# (`sampled`), and fewer hypothesis examples; the full tier (`JCASCADE_TESTS=full`, what .ci/run runs) runs every
+# instance and more examples.
+TIERS = ("default", "full")
+TIER = os.environ.get("JCASCADE_TESTS", "default")
+for tier, examples in zip(TIERS, (8, 25)):  # each example of the cache properties compiles its own programs
+    settings.register_profile(tier, deadline=None, max_examples=examples,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", TIER if TIER in TIERS else "default"))
 
 
 @pytest.fixture(scope="session")
@@ -99,13 +102,35 @@ def _missing_devices(n: int) -> bool:
 
 def pytest_addoption(parser):
     parser.addoption("--compilations", type=int, default=None, metavar="N",
-                     help="after the run's XLA compilation count, show the N test files that compile most "
-                          "(0 for all)")
+                     help="after the run's XLA compilation count, show the N test files that compile most and the N "
+                          "jitted functions compiled most often (0 for all)")
 
 
 def pytest_collectstart(collector):
     if isinstance(collector, pytest.Module):
         compile_count.collecting = f"{collector.nodeid} (collection)"
+
+
+def sampled(items: list) -> set:
+    """The default tier's instances: every test that is not a product of several parameters, and of each product
+    a few instances that together take every value of every parameter (greedily: each next instance the one with
+    the most values not yet taken, the first in collection order among equals; deterministic)."""
+    kept, products = set(), {}
+    for item in items:
+        # one id per parametrize() call or parametrized fixture (pytest's CallSpec._idlist; pytest is pinned)
+        ids = getattr(getattr(item, "callspec", None), "_idlist", ())
+        if len(ids) > 1:
+            products.setdefault(item.nodeid.split("[")[0], []).append(item)
+        else:
+            kept.add(item)
+    for instances in products.values():
+        values = {item: set(enumerate(item.callspec._idlist)) for item in instances}
+        untaken = set().union(*values.values())
+        while untaken:
+            best = max(instances, key=lambda item: len(values[item] & untaken))
+            kept.add(best)
+            untaken -= values[best]
+    return kept
 
 
 def pytest_collection_finish(session):
@@ -114,6 +139,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_configure(config):
+    if TIER not in TIERS:
+        raise pytest.UsageError(f"JCASCADE_TESTS={TIER!r}: expected one of {', '.join(TIERS)} (unset: default)")
     path = os.environ.pop(REPORTS, None)
     if path:  # a child run: write every report for the parent
         config.pluginmanager.register(_ReportWriter(config, path), "jcascade-report-writer")
@@ -135,6 +162,10 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
 
     items.sort(key=rank)  # stable: a file's tests keep their order
+    if TIER == "default":
+        kept = sampled(items)
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = [i for i in items if i in kept]
     items[:] = [i for i in items if not devices_needed(i)] + [i for i in items if devices_needed(i)]
 
 
@@ -295,11 +326,12 @@ class _Child:
 
 def pytest_terminal_summary(terminalreporter, config):
     """The run's XLA compilations, summed over every process (the machine-independent cost of the suite), and
-    with `--compilations N` the N test files that compile most."""
-    if hasattr(config, "workerinput") or config.pluginmanager.has_plugin("jcascade-report-writer"):
+    with `--compilations N` the N test files that compile most and the N jitted functions compiled most often."""
+    if hasattr(config, "workerinput") or config.pluginmanager.has_plugin("jcascade-report-writer") \
+            or config.option.collectonly:
         return  # a worker or the devices child: the process that started the run reports
     compile_count.write()
-    per_test = compile_count.read(os.environ["JCASCADE_TEST_COMPILATIONS"])
+    per_test, programs = compile_count.read(os.environ["JCASCADE_TEST_COMPILATIONS"])
     total = {field: sum(t[field] for t in per_test.values()) for field in compile_count.FIELDS}
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
     written = len([n for n in os.listdir(cache) if n.endswith("-cache")]) if os.path.isdir(cache) else 0
@@ -321,3 +353,6 @@ def pytest_terminal_summary(terminalreporter, config):
     for name, v in rows[: top or None]:
         write(f"{v['compiled']:9.0f} {v['compile_s']:10.1f} {v['loaded']:7.0f} {v['saved_s']:8.1f} "
               f"{v['trace_s']:8.1f} {v['lower_s']:8.1f}  {name}")
+    write(f"{'compiled':>9} {'compile s':>10}  jitted function")
+    for name, (count, seconds) in sorted(programs.items(), key=lambda kv: -kv[1][0])[: top or None]:
+        write(f"{count:9.0f} {seconds:10.1f}  {name}")

@@ -25,6 +25,7 @@ FIELDS = ("compiled", "compile_s", "loaded", "saved_s", "trace_s", "lower_s")
 OUTSIDE = "(outside a test)"
 
 _stats: dict[str, list[float]] = {}
+_programs: dict[str, list[float]] = {}  # jitted function name -> [compiled, compile_s]
 _hit = threading.local()  # a cache hit is announced inside the compile whose duration follows it
 _installed = False
 collecting = None  # the test file being collected, set by the conftest
@@ -46,7 +47,7 @@ def _on_event(event: str, **_) -> None:
         _hit.value = True
 
 
-def _on_duration(event: str, seconds: float, **_) -> None:
+def _on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         if getattr(_hit, "value", False):
             _hit.value = False
@@ -54,6 +55,9 @@ def _on_duration(event: str, seconds: float, **_) -> None:
         else:
             _add("compiled", 1)
             _add("compile_s", seconds)
+            program = _programs.setdefault(fun_name, [0, 0.0])
+            program[0] += 1
+            program[1] += seconds
     elif event == "/jax/compilation_cache/compile_time_saved_sec":
         _add("saved_s", max(seconds, 0.0))
     elif event == "/jax/core/compile/jaxpr_trace_duration":
@@ -82,18 +86,26 @@ def write() -> None:
         return
     path = os.path.join(folder, f"{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({owner: dict(zip(FIELDS, values)) for owner, values in _stats.items()}, f)
+        json.dump({"tests": {owner: dict(zip(FIELDS, values)) for owner, values in _stats.items()},
+                   "programs": _programs}, f)
     os.replace(path + ".tmp", path)
 
 
-def read(folder: str) -> dict[str, dict[str, float]]:
-    """Every process's counts in `folder`, added up per test (or collection, or outside)."""
-    total: dict[str, dict[str, float]] = {}
+def read(folder: str) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
+    """Every process's counts in `folder`, added up per test (or collection, or outside), and the programs
+    compiled per jitted function name ([count, seconds])."""
+    tests: dict[str, dict[str, float]] = {}
+    programs: dict[str, list[float]] = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(".json"):
             with open(os.path.join(folder, name)) as f:
-                for owner, values in json.load(f).items():
-                    mine = total.setdefault(owner, dict.fromkeys(FIELDS, 0.0))
-                    for field, value in values.items():
-                        mine[field] += value
-    return total
+                data = json.load(f)
+            for owner, values in data["tests"].items():
+                mine = tests.setdefault(owner, dict.fromkeys(FIELDS, 0.0))
+                for field, value in values.items():
+                    mine[field] += value
+            for program, (count, seconds) in data["programs"].items():
+                mine = programs.setdefault(program, [0, 0.0])
+                mine[0] += count
+                mine[1] += seconds
+    return tests, programs
