@@ -335,7 +335,8 @@ def pytest_terminal_summary(terminalreporter, config):
         return  # a worker or the devices child: the process that started the run reports
     compile_count.write()
     per_test, programs = compile_count.read(os.environ["JCASCADE_TEST_COMPILATIONS"])
-    total = {field: sum(t[field] for t in per_test.values()) for field in compile_count.FIELDS}
+    total = compile_count.added_up(per_test.items(), key=lambda owner: "run").get("run") or \
+        dict.fromkeys(compile_count.FIELDS, 0.0)
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
     written = len([n for n in os.listdir(cache) if n.endswith("-cache")]) if os.path.isdir(cache) else 0
     write = terminalreporter.write_line
@@ -346,11 +347,7 @@ def pytest_terminal_summary(terminalreporter, config):
     top = config.getoption("compilations")
     if top is None:
         return
-    per_file: dict[str, dict[str, float]] = {}
-    for owner, values in per_test.items():
-        mine = per_file.setdefault(owner.split("::")[0].split(" (")[0], dict.fromkeys(compile_count.FIELDS, 0.0))
-        for field, value in values.items():
-            mine[field] += value
+    per_file = compile_count.added_up(per_test.items(), key=lambda owner: owner.split("::")[0].split(" (")[0])
     rows = sorted(per_file.items(), key=lambda kv: -(kv[1]["compile_s"] + kv[1]["trace_s"] + kv[1]["lower_s"]))
     write(f"{'compiled':>9} {'compile s':>10} {'loaded':>7} {'saved s':>8} {'trace s':>8} {'lower s':>8}  file")
     for name, v in rows[: top or None]:

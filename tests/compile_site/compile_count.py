@@ -91,21 +91,27 @@ def write() -> None:
     os.replace(path + ".tmp", path)
 
 
+def added_up(counts, key=lambda owner: owner) -> dict[str, dict[str, float]]:
+    """(owner, {field: value}) pairs added up per `key(owner)` (every field present, 0 where none was counted)."""
+    total: dict[str, dict[str, float]] = {}
+    for owner, values in counts:
+        mine = total.setdefault(key(owner), dict.fromkeys(FIELDS, 0.0))
+        for field, value in values.items():
+            mine[field] += value
+    return total
+
+
 def read(folder: str) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
     """Every process's counts in `folder`, added up per test (or collection, or outside), and the programs
     compiled per jitted function name ([count, seconds])."""
-    tests: dict[str, dict[str, float]] = {}
-    programs: dict[str, list[float]] = {}
+    counts, programs = [], {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(".json"):
             with open(os.path.join(folder, name)) as f:
                 data = json.load(f)
-            for owner, values in data["tests"].items():
-                mine = tests.setdefault(owner, dict.fromkeys(FIELDS, 0.0))
-                for field, value in values.items():
-                    mine[field] += value
+            counts += data["tests"].items()
             for program, (count, seconds) in data["programs"].items():
                 mine = programs.setdefault(program, [0, 0.0])
                 mine[0] += count
                 mine[1] += seconds
-    return tests, programs
+    return added_up(counts), programs
