@@ -99,7 +99,8 @@ def perplexity_table(runs: list[pathlib.Path]) -> str:
     return "\n".join(lines)
 
 
-RULER_PAIRS = {"Cascade": "Sink", "AdaKV-SnapKV": "SnapKV", "ExpectedAttention": "SnapKV", "KVzip": "SnapKV"}  # also compared at a budget
+RULER_PAIRS = {"Cascade": "Sink", "AdaKV-SnapKV": "SnapKV", "ExpectedAttention": "SnapKV", "KVzip": "SnapKV",
+               "KVzip-head": "SnapKV"}  # also compared at a budget
 
 
 def ruler_tables(runs: list[pathlib.Path]) -> str:

@@ -16,9 +16,10 @@ def concrete(*arrays) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in arrays)
 
 
-def int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: str, where=None) -> jax.Array:
+def int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: str, where=None, host: bool = False):
     """`x` as int32, once checked: an integer array of any width (not float or bool) of `shape` whose entries
-    (where `where` is true, if given) lie in [low, high), `rule` in words. The values are compared in x's own
+    (where `where` is true, if given) lie in [low, high), `rule` in words; a jax Array, or with `host` a NumPy
+    array when x has a value (for a caller that computes on the host, even under an outer trace). The values are compared in x's own
     dtype, before any narrowing (jnp.asarray would turn an int64 2**32 + 5 into 5 without a word). Traced
     values (inside a user's jit) cannot be checked here: there the check is a `checkify.debug_check`, an error
     only under `jax.experimental.checkify.checkify` (docs/reliability.md)."""
@@ -43,7 +44,8 @@ def int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: s
         checkify.debug_check(~bad.any(), f"{name}: {rule}, got {{value}} at {{at}}", value=jnp.ravel(values)[first],
                              at=jnp.stack(jnp.unravel_index(first, shape)) if shape else first)
         return jnp.asarray(x, jnp.int32)
-    return jnp.asarray(values.astype(np.int32))  # narrowed on the host: no program compiled for it
+    values = values.astype(np.int32)  # narrowed on the host: no program compiled for it
+    return values if host else jnp.asarray(values)
 
 
 def check_clock(seen: jax.Array, n: jax.Array) -> None:

@@ -53,8 +53,16 @@ def _option(name: str):
         raise ValueError(message if message.startswith(name) else f"{name}: {message}") from e
 
 
+_OUT_OF_MEMORY = re.compile(r"(?:RESOURCE_EXHAUSTED|Out of memory)\D*?(\d+) bytes", re.IGNORECASE)
+
+
 def _message(error: Exception) -> str:
-    """The error's message; with its type's name for other than ValueError and OSError (whose messages say)."""
+    """The error's message; with its type's name for other than ValueError and OSError (whose messages say); an
+    allocation that failed says how much it asked for and what to lower."""
+    asked = _OUT_OF_MEMORY.search(str(error)) if isinstance(error, jax.errors.JaxRuntimeError | MemoryError) else None
+    if asked:
+        return (f"out of memory: the run asked for {int(asked.group(1)) / 2**30:.1f} GiB at once; lower --batch-size "
+                "or --max-length (or the policies' stride), or run on a device with more memory")
     return str(error) if isinstance(error, ValueError | OSError) else f"{type(error).__name__}: {error}"
 
 
@@ -428,6 +436,40 @@ def _negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, list[str]]:
+    """{option: how `argv` sets it, once per time ("--opt value", "--opt=value")} for `parser`'s long options, as
+    argparse reads them (a unique prefix stands for its option), by each option's last name."""
+    actions = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    given: dict[str, list[str]] = {}
+    for i, arg in enumerate(argv):
+        word = arg.split("=", 1)[0]
+        if not word.startswith("--"):
+            continue
+        matches = {actions[word]} if word in actions else {a for o, a in actions.items() if o.startswith(word)}
+        if len(matches) == 1:
+            action = matches.pop()
+            value = i + 1 < len(argv) and "=" not in arg and action.nargs != 0
+            given.setdefault(action.option_strings[-1], []).append(f"{arg} {argv[i + 1]}" if value else arg)
+    return given
+
+
+def _check_once(args) -> None:
+    """An option that takes one value given twice, or the storage format named by both --kv-dtype and a --policy
+    spec: a ValueError naming both (argparse would keep one of them without a word)."""
+    given = _given(args.parser, args.argv)
+    once = {a.option_strings[-1] for a in args.parser._actions if not isinstance(a, argparse._AppendAction)}
+    for option, entries in given.items():
+        if option in once and len(entries) > 1:
+            raise ValueError(f"{option}: given {len(entries)} times ({', '.join(entries)}); give it once")
+    if "--kv-dtype" in given:
+        specs = [p for group in getattr(args, "policy", None) or [] for p in group if not isinstance(p, str)]
+        for policy in specs:
+            if policy.kv_dtype != "model":
+                raise ValueError(f"--kv-dtype: the storage format is given twice, by {given['--kv-dtype'][0]} and by "
+                                 f"--policy {type(policy).__name__.lower()}:...,kv_dtype={policy.kv_dtype}; name it "
+                                 "once (--kv-dtype formats the named policies, a spec its own policy)")
+
+
 RESULTS = {"compare": "passkey", "attention-map": "attention_map"}  # a command's results file, <name>.json
 
 
@@ -457,6 +499,7 @@ def _check(args) -> None:
     path; a packaged book's name is checked when it loads) and --out, and options that must agree (--protocol
     query-agnostic refuses --retention, a Recycled --policy and, by its config, a --model with sliding or linear
     layers)."""
+    _check_once(args)
     if args.model is not None and not pathlib.Path(args.model).exists():
         raise ValueError(f"--model: no such model directory or .gguf file: {args.model}")
     if getattr(args, "words_file", None) is not None and not pathlib.Path(args.words_file).is_file():

@@ -66,19 +66,20 @@ def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None
     if S == 0:
         raise ValueError(f"{names[0]} is empty: a prompt needs at least one token")
     # values at hand are masked on the host (no program compiled per shape for it); traced ones in the user's jit
-    xp = np if checks.concrete(tokens, lengths, targets) else jnp
+    host = checks.concrete(tokens, lengths, targets)
+    xp = np if host else jnp
     if lengths is None:
-        lengths = jnp.asarray(np.full((B,), S, np.int32))
+        lengths = np.full((B,), S, np.int32)
     else:
         rule = f"each must lie in [{least}, {S}]" + (" (a prompt needs at least one token)" if least else "")
-        lengths = int_array(lengths, names[1], (B,), least, S + 1, rule)
-    valid = xp.arange(S)[None, :] < xp.asarray(lengths)[:, None]
+        lengths = int_array(lengths, names[1], (B,), least, S + 1, rule, host=host)
+    valid = xp.arange(S)[None, :] < lengths[:, None]
     rule = f"token ids must lie in [0, vocab_size={model.config.vocab_size})"
     tokens, targets = (None if ids is None else
-                       jnp.asarray(xp.where(valid, xp.asarray(int_array(ids, name, (B, S), 0, model.config.vocab_size,
-                                                                        rule, valid)), 0))
+                       jnp.asarray(xp.where(valid, int_array(ids, name, (B, S), 0, model.config.vocab_size, rule,
+                                                             valid, host=host), 0))
                        for name, ids in ((names[0], tokens), ("targets", targets)))
-    return tokens, lengths, targets
+    return tokens, jnp.asarray(lengths), targets
 
 
 def check_sharing(argument: str, policy=None, config: ModelConfig | None = None) -> None:

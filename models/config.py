@@ -19,6 +19,9 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
 GLOBAL, SLIDING, LINEAR = "global", "sliding", "linear"
 
 
+INT32_MAX = 2**31 - 1  # sizes and counts are int32 inside
+
+
 def required(fields: dict[str, Any], name: str, source, kind: type = int):
     """fields[name] as `kind`: an int > 0 (int), a finite number (float) or a str; a ValueError naming the field
     and `source` (the file) when it is missing, null or of another kind."""
@@ -26,15 +29,36 @@ def required(fields: dict[str, Any], name: str, source, kind: type = int):
     if value is None:
         raise ValueError(f"{source}: the required field {name!r} is missing")
     if kind is int:
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 < value <= INT32_MAX
     elif kind is float:
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     else:
         ok = isinstance(value, kind)
     if not ok:
-        wanted = {int: "a positive int", float: "a finite number"}.get(kind, kind.__name__)
+        wanted = {int: f"a positive int (at most {INT32_MAX})", float: "a finite number"}.get(kind, kind.__name__)
         raise ValueError(f"{source}: field {name!r} must be {wanted}, got {value!r}")
     return kind(value)
+
+
+def optional(fields: dict[str, Any], name: str, source, default, kind: type = int, least: int = 1):
+    """fields[name] checked as `required` checks it (an int >= `least` for int), or `default` when it is missing
+    or null."""
+    value = fields.get(name)
+    if value is None:
+        return default
+    if kind is int and not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                            and least <= value <= INT32_MAX):
+        raise ValueError(f"{source}: field {name!r} must be an int in [{least}, {INT32_MAX}], got {value!r}")
+    return required(fields, name, source, kind) if kind is not int else int(value)
+
+
+def _layer_names(config: dict[str, Any], source, default: list[str]) -> list[str]:
+    names = config.get("layer_types")
+    if names is None or names == []:
+        return default
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{source}: field 'layer_types' must be a list of layer type names, got {names!r}")
+    return names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +117,9 @@ class ModelConfig:
                                  or set(self.layer_types) - {SLIDING, GLOBAL, LINEAR}):
             raise ValueError(f"ModelConfig.layer_types must name {GLOBAL!r}, {SLIDING!r} or {LINEAR!r} for each of the "
                              f"{self.num_layers} layers, got {self.layer_types!r}")
+        if self.layer_types and GLOBAL not in self.layer_types:
+            raise ValueError(f"ModelConfig.layer_types must name at least one {GLOBAL!r} layer (the layers the cache "
+                             f"policy serves), got {self.layer_types!r}")
         if LINEAR in self.layer_types and min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
                                               self.linear_value_dim, self.linear_conv_kernel) < 1:
             raise ValueError("linear layers need positive ModelConfig.linear_key_heads, linear_value_heads, "
@@ -176,9 +203,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """From a Hugging Face config.json dictionary (transformers 4 or 5 layout); `source` (the file) is named
-        in the error for a required field that is missing or of the wrong kind."""
+        """From a Hugging Face config.json dictionary (transformers 4 or 5 layout); every ValueError (a required
+        field missing or of the wrong kind, a value the config refuses) starts with `source`, the file."""
+        try:
+            return cls._translate(config, source)
+        except ValueError as e:
+            if str(e).startswith(str(source)):
+                raise
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def _translate(cls, config: dict[str, Any], source: str) -> ModelConfig:
         names = config.get("architectures") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{source}: field 'architectures' must be a list of class names, got {names!r}")
         known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
         if not known:
             raise ValueError(
@@ -302,24 +340,24 @@ class ModelConfig:
             if config.get(name, supported) != supported:
                 raise ValueError(f"unsupported {source}: {name}={config[name]!r} (supported: {supported!r})")
         layers, heads = field("num_hidden_layers"), field("num_attention_heads")
-        interval = config.get("full_attention_interval", 4)
-        names = config.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                              for i in range(layers)]
+        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)  # noqa: E731
+        interval = get("full_attention_interval", 4)
+        names = _layer_names(config, source, ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                              for i in range(layers)])
         _check_layer_types(names, {"full_attention": GLOBAL, "linear_attention": LINEAR}, source)
         return cls(
             architecture="qwen3_5", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
             intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim") or 256,
+            num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", 256),
             rope_theta=required(rope, "rope_theta", f"{source} (rope_parameters)", float), rope_scaling=None,
             partial_rotary_factor=required(rope, "partial_rotary_factor", f"{source} (rope_parameters)", float),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=get("rms_norm_eps", 1e-6, float),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=False, o_bias=False,
-            max_position_embeddings=config.get("max_position_embeddings", 32768), qk_norm=True,
+            max_position_embeddings=get("max_position_embeddings", 32768), qk_norm=True,
             layer_types=tuple(GLOBAL if n == "full_attention" else LINEAR for n in names), attention_output_gate=True,
-            linear_key_heads=config.get("linear_num_key_heads", 16),
-            linear_value_heads=config.get("linear_num_value_heads", 32),
-            linear_key_dim=config.get("linear_key_head_dim", 128), linear_value_dim=config.get("linear_value_head_dim", 128),
-            linear_conv_kernel=config.get("linear_conv_kernel_dim", 4),
+            linear_key_heads=get("linear_num_key_heads", 16), linear_value_heads=get("linear_num_value_heads", 32),
+            linear_key_dim=get("linear_key_head_dim", 128), linear_value_dim=get("linear_value_head_dim", 128),
+            linear_conv_kernel=get("linear_conv_kernel_dim", 4),
             bos_token_id=config.get("bos_token_id"), eos_token_ids=_eos(config),
         )
 
@@ -335,8 +373,9 @@ class ModelConfig:
             raise ValueError(f"unsupported {source}: hidden_activation={config['hidden_activation']!r} "
                              "(supported: gelu_pytorch_tanh)")
         layers, heads = field("num_hidden_layers"), field("num_attention_heads")
-        names = list(config.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                                   for i in range(layers)])
+        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)  # noqa: E731
+        names = list(_layer_names(config, source, ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                   for i in range(layers)]))
         names[-1] = "full_attention"  # as transformers forces it
         _check_layer_types(names, {"full_attention": GLOBAL, "sliding_attention": SLIDING}, source)
         per_type = config.get("rope_parameters") or {}
@@ -348,28 +387,28 @@ class ModelConfig:
             if params.get("rope_type", "default") not in supported or params.get("factor", 1.0) != 1.0:
                 raise ValueError(f"unsupported rope parameters {params!r} of the {kind} layers in {source}")
         full_overrides = [o for i, o in (config.get("per_layer_config") or {}).items() if names[int(i)] == "full_attention"]
-        global_head_dim = (full_overrides[0] if full_overrides else {}).get("head_dim", config.get("global_head_dim", 512))
+        global_head_dim = (full_overrides[0] if full_overrides else {}).get("head_dim", get("global_head_dim", 512))
         global_kv = (full_overrides[0] if full_overrides else {}).get(
-            "num_key_value_heads", config.get("num_global_key_value_heads") if config.get("attention_k_eq_v") else None)
-        per_layer = config.get("hidden_size_per_layer_input") or 0
+            "num_key_value_heads", get("num_global_key_value_heads", None) if config.get("attention_k_eq_v") else None)
+        per_layer = get("hidden_size_per_layer_input", 0, least=0)
         return cls(
             architecture="gemma4", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
             intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim") or 256,
+            num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", 256),
             rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
             rope_scaling=None,
             partial_rotary_factor=float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=get("rms_norm_eps", 1e-6, float),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)), qkv_bias=False, o_bias=False,
-            max_position_embeddings=config.get("max_position_embeddings", 131072), qk_norm=True,
+            max_position_embeddings=get("max_position_embeddings", 131072), qk_norm=True,
             layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
-            sliding_window=config.get("sliding_window", 512),
+            sliding_window=get("sliding_window", 512),
             rope_local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
             query_scale=1.0, global_head_dim=global_head_dim, global_kv_heads=global_kv,
-            k_eq_v=bool(config.get("attention_k_eq_v", False)), kv_shared_layers=config.get("num_kv_shared_layers", 0),
+            k_eq_v=bool(config.get("attention_k_eq_v", False)), kv_shared_layers=get("num_kv_shared_layers", 0, least=0),
             per_layer_input_size=per_layer,
-            per_layer_vocab_size=config.get("vocab_size_per_layer_input", field("vocab_size")) if per_layer else 0,
-            final_logit_softcapping=config.get("final_logit_softcapping"),
+            per_layer_vocab_size=get("vocab_size_per_layer_input", field("vocab_size")) if per_layer else 0,
+            final_logit_softcapping=get("final_logit_softcapping", None, float),
             bos_token_id=config.get("bos_token_id"), eos_token_ids=_eos(config),
         )
 

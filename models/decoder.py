@@ -116,6 +116,9 @@ class CausalLM(nnx.Module):
             if sliding_policy.needs_prompt:
                 raise ValueError(f"sliding_policy must act while tokens stream ({', '.join(policy_names(needs_prompt=False))}"
                                  f"), not after a prompt: got {type(sliding_policy).__name__}")
+            if sliding_policy.kv_dtype != "model":
+                raise ValueError(f"sliding_policy's kv_dtype must be 'model', got {sliding_policy.kv_dtype!r}: the "
+                                 "sliding layers store the format of the policy the model runs under (its kv_dtype)")
         self.config, self.sliding_policy = config, sliding_policy
         self.kernels = Kernels.default() if kernels is None else kernels
         self.mesh, self.embed_spec = mesh, embed_spec  # (`sharding.embed` looks tokens up by the spec)
@@ -172,8 +175,9 @@ class CausalLM(nnx.Module):
         """This model (the same weights, mesh and config) with `policy` as the cache policy of its sliding-window
         layers, the one given to `generate`, `score` or `prefill` serving its global layers. Each sliding
         layer still sees only the keys of its trained window that its cache holds (so e.g. `jc.Sink`'s sinks
-        drop out of the window once the text outgrows it); the policy runs with the global policy's stride,
-        and must not act after a prompt (not `needs_prompt`). None: the exact trained window."""
+        drop out of the window once the text outgrows it); the policy runs with the global policy's stride and
+        storage format (its own kv_dtype must be "model"), and must not act after a prompt (not `needs_prompt`).
+        None: the exact trained window."""
         return self._with(sliding_policy=policy)
 
     def with_kernels(self, kernels: Kernels) -> CausalLM:
@@ -188,11 +192,13 @@ class CausalLM(nnx.Module):
         return CausalLM(self.config, self.weights(), **(kept | changes))
 
     def window_policy(self, policy):
-        """The cache policy of the sliding layers with `policy`'s stride: `with_sliding_policy`'s, by default
-        the model's window minus the query itself."""
+        """The cache policy of the sliding layers with `policy`'s stride and storage format (`kv_dtype`: every
+        attention cache of a model stores one format): `with_sliding_policy`'s, by default the model's window
+        minus the query itself."""
+        same = dict(stride=policy.stride, kv_dtype=policy.kv_dtype)
         if self.sliding_policy is None:
-            return SlidingWindow(window=self.config.sliding_window - 1, positions="original", stride=policy.stride)
-        return dataclasses.replace(self.sliding_policy, stride=policy.stride)
+            return SlidingWindow(window=self.config.sliding_window - 1, positions="original", **same)
+        return dataclasses.replace(self.sliding_policy, **same)
 
     def init_cache(self, policy, batch: int, max_tokens: int | None = None):
         """An empty state for every layer, in the model's dtype, with the model's kernels; on a sharded model's mesh,

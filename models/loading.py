@@ -408,10 +408,13 @@ def _converted_restore(path: pathlib.Path, cfg: ModelConfig, dtype):
     return restore
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")  # any one
+
+
 def load_tokenizer(path: str | pathlib.Path):
     """The Hugging Face tokenizer of a model directory (no torch needed) or of a .gguf file (transformers
-    needs torch for that: install jcascade[gguf]). When transformers fails on a damaged JSON file of the
-    directory, or on a damaged .gguf, a ValueError names the file and what is wrong."""
+    needs torch for that: install jcascade[gguf]). A directory without any of `TOKENIZER_FILES`, a damaged JSON
+    file of the directory, or a damaged .gguf: a ValueError naming the path and what is wrong."""
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -426,6 +429,9 @@ def load_tokenizer(path: str | pathlib.Path):
         except Exception:
             _gguf_reader(path)  # a damaged file: raises naming it
             raise
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{path}: the model directory holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "save one there with tokenizer.save_pretrained(directory)")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception:

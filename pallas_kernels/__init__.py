@@ -31,6 +31,18 @@ BACKENDS = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
 NATIVE = {"triton": "gpu", "mosaic_gpu": "gpu", "mosaic_tpu": "tpu"}  # the platform each Pallas backend compiles for
 
 
+XLA_LOGITS_BYTES = 1 << 28  # the XLA path's budget for one array of a block's logits, float32
+
+
+def xla_query_block(q_shape: tuple, slots: int) -> int:
+    """Queries per block of the XLA path's chunk attention (`reference.chunk_attention_blocked`) for q [B, T, Hq, D]
+    over `slots` cached keys plus the chunk's: the largest power of two (at least 16) whose logits [B, Hq, block,
+    slots + T] fit XLA_LOGITS_BYTES; a chunk within it (a decode step, a tiny model's chunk) is one block."""
+    B, T, Hq, _ = q_shape
+    fit = XLA_LOGITS_BYTES // (4 * B * Hq * (slots + T))
+    return T if fit >= T else max(16, 1 << max(fit, 1).bit_length() - 1)
+
+
 def is_hopper() -> bool:
     """Whether the default device is a Hopper GPU (compute capability 9.x)."""
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
@@ -143,7 +155,7 @@ class Kernels:
         k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
         args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
         if self.backend == "xla":
-            return reference.chunk_attention(*args)
+            return reference.chunk_attention_blocked(*args, block=xla_query_block(q.shape, k_cache.shape[-2]))
         return tpu.chunk_attention(*args, config=self.tpu, interpret=self.interpret)
 
     def quantized_decode_path(self, codes, rope=None) -> str:

@@ -205,3 +205,15 @@ def test_the_kernel_choice_is_carried_not_passed_along():
               if {"implementation", "kernels"} & {a.arg for a in f.args.args + f.args.kwonlyargs}]
     assert len(takers) <= 6, takers
     assert not [t for t in takers if "policies/" in t or t.endswith(("__call__", "_layers"))], takers
+
+
+def test_the_tests_the_docs_cite_exist():
+    """Each `path.py::test_name` a doc cites (docs/reliability.md names the test behind each promise) is a test of
+    that file under tests/ (a name cut short, `test_a_..._`, is an abbreviation, not checked)."""
+    root = pathlib.Path(__file__).parent
+    cited = [(doc.name, path, name) for doc in (root.parent / "docs").glob("*.md")
+             for path, name in re.findall(r"`([\w/]+\.py)::(test_\w+)", doc.read_text()) if not name.endswith("_")]
+    assert cited
+    missing = [c for c in cited if not (root / c[1]).is_file()
+               or not re.search(rf"^def {c[2]}\(", (root / c[1]).read_text(), re.MULTILINE)]
+    assert not missing, missing

@@ -106,7 +106,7 @@ def code_lists() -> dict[str, list[str]]:
 
 def test_the_lists_of_the_pages_are_the_codes():
     code = code_lists()
-    found = [(page, m.group("name"), NAMES.get(m.group("name"), lambda body: re.findall(r"`(\w+)`", body))(
+    found = [(page, m.group("name"), NAMES.get(m.group("name"), lambda body: re.findall(r"`([\w-]+)`", body))(
         m.group("body"))) for page in PAGES for m in LIST.finditer(page.read_text(encoding="utf-8"))]
     in_readme = {name for page, name, _ in found if page.name == "README.md"}
     assert {"policies", "ruler tasks", "packaged models", "commands", "architectures"} <= in_readme

@@ -438,7 +438,7 @@ def paired_differences(results: Sequence[PasskeyResult], baseline: str) -> dict[
     for policy, mine in by_policy.items():
         if policy == baseline:
             continue
-        trials = sorted(set(mine) & set(base))
+        trials = sorted(stats.shared_units(mine, base, policy, baseline, "prompt"))
         for length in sorted({t[0] for t in trials}):
             here = [t for t in trials if t[0] == length]
             table.setdefault(policy, {})[length] = stats.paired_difference(

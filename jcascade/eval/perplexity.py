@@ -280,7 +280,7 @@ def paired_differences(results: list[BookPerplexity], baseline: str) -> dict[str
     for policy, mine in by_policy.items():
         if policy == baseline:
             continue
-        books = [b for b in mine if b in base]
+        books = stats.shared_units(mine, base, policy, baseline, "book")
         for length in [*prefix_lengths(results), "all"]:
             ours, theirs, names = [], [], []
             for b in books:

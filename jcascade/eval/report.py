@@ -68,6 +68,21 @@ def policy_specs(policies, context_lengths: Sequence[int] = ()) -> dict:
     return {label: {str(n): write(at[n][label]) for n in context_lengths} for label in at[context_lengths[0]]}
 
 
+def _check_results(results, kind: type, made_by: str, empty_ok: bool = False) -> list:
+    """`results` as a list: a sequence of `kind` (what `made_by` returns), non-empty unless `empty_ok`, else a
+    TypeError or ValueError naming the argument."""
+    if isinstance(results, str | bytes | Mapping) or not isinstance(results, Sequence):
+        raise TypeError(f"results must be a sequence of {kind.__name__} (as {made_by} returns), got "
+                        f"{type(results).__name__}")
+    if not results and not empty_ok:
+        raise ValueError(f"results is empty: a report needs at least one {kind.__name__} (as {made_by} returns)")
+    strangers = [r for r in results if not isinstance(r, kind)]
+    if strangers:
+        raise TypeError(f"results must hold {kind.__name__}s (as {made_by} returns), got a "
+                        f"{type(strangers[0]).__name__}: {strangers[0]!r:.80}")
+    return list(results)
+
+
 def _lengths(results: Sequence) -> list[int]:
     return sorted({r.context_length for r in results})
 
@@ -122,6 +137,7 @@ def passkey(results: Sequence[passkey_eval.PasskeyResult], policies, *, baseline
     policy and context length, per depth bucket, paired differences to `baseline` (default: the first
     policy) per length and over all, a verdict per policy, retention when recorded, every trial. run: what
     else the payload should hold (model, filler, seconds, ...)."""
+    results = _check_results(results, passkey_eval.PasskeyResult, "passkey.sweep")
     policies = policy_specs(policies, _lengths(results))
     baseline = baseline_label(policies, baseline)
     retained = any(r.retention is not None for r in results)
@@ -194,6 +210,7 @@ def perplexity(results: Sequence[perplexity_eval.BookPerplexity], policies: Mapp
     """The report of `perplexity.perplexity`: per policy over all books (with the position curve), per book,
     paired differences to `baseline` (default: the first policy) over the first N tokens and whole
     streams, and a verdict per policy (lower perplexity is better)."""
+    results = _check_results(results, perplexity_eval.BookPerplexity, "perplexity.perplexity", empty_ok=bool(skipped))
     baseline = baseline_label(policies, baseline)
     differences = perplexity_eval.paired_differences(list(results), baseline) if len(policies) > 1 else {}
     return {
@@ -234,6 +251,9 @@ def ruler(results: Sequence, policies, *, baseline: str | None = None, run: Mapp
     score (string_match_all, in [0, 1]) per policy, task and length, the average over tasks per length (a
     bootstrap over samples, stratified by task), paired differences to `baseline` (default: the first policy) on
     the same prompts per length and over all lengths, and a verdict per policy."""
+    from jcascade.eval.ruler import RulerResult
+
+    results = _check_results(results, RulerResult, "ruler.sweep")
     lengths = _lengths(results)
     policies = policy_specs(policies, lengths)
     baseline = baseline_label(policies, baseline)
@@ -247,6 +267,8 @@ def ruler(results: Sequence, policies, *, baseline: str | None = None, run: Mapp
     by_prompt = {label: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == label}
                  for label in policies}
     for label, mine in by_prompt.items():
+        if label != baseline:
+            stats.shared_units(mine, by_prompt[baseline], label, baseline, "prompt")
         for n in [*lengths, "all"]:
             keys = sorted(k for k in mine if n == "all" or k[1] == n)
             strata = [k[:2] if n == "all" else k[0] for k in keys]

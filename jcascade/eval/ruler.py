@@ -135,9 +135,17 @@ def sentences(prose: str) -> list[str]:
 
 
 def string_match_all(output: str, answers: Sequence[str]) -> float:
-    """RULER's score of one output: the fraction of `answers` found in it, case-insensitively, in [0, 1]."""
+    """RULER's score of one output: the fraction of `answers` (a sequence of strings) found in it,
+    case-insensitively, in [0, 1]."""
+    if not isinstance(output, str):
+        raise TypeError(f"output must be the generated text (a str), got {type(output).__name__}")
+    if isinstance(answers, str | bytes) or not isinstance(answers, Sequence):
+        raise TypeError(f"answers must be a sequence of expected strings (e.g. [{answers!r:.40}]), got "
+                        f"{type(answers).__name__}")
     if not answers:
         raise ValueError("answers must name at least one expected string")
+    if not all(isinstance(a, str) for a in answers):
+        raise TypeError(f"answers must be strings, got {[type(a).__name__ for a in answers]}")
     found = output.strip().lower()
     return sum(a.lower() in found for a in answers) / len(answers)
 
@@ -271,6 +279,8 @@ class Generator:
     prose haystack (e.g. `texts.load_book("paradise_lost")`), needed by the tasks whose `needs_prose`."""
 
     def __init__(self, tokenizer, prose: str | None = None):
+        if prose is not None and not isinstance(prose, str):
+            raise TypeError(f"prose must be text (a str; decode bytes first) or None, got {type(prose).__name__}")
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("tokenizer: RULER's prompts find where their question starts from the tokenizer's "
                              "character offsets, which only a fast (Rust-backed) Hugging Face tokenizer gives")
@@ -385,7 +395,7 @@ class Generator:
 # ---- evaluation: every policy at one budget ------------------------------------------------------------------
 
 POLICIES = ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "adakv",
-            "expectedattention", "kvzip")  # the names `policies_at` knows
+            "expectedattention", "kvzip", "kvzip-head")  # the names `policies_at` knows
 DEFAULT_POLICIES = POLICIES[:6]  # the command's default grid
 
 
@@ -479,13 +489,14 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
     per KV head, stored as `kv_dtype` (the policies' field; labels name a format other than "model"): Sink 64
     sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half recent; TOVA all of them;
     SnapKV, PyramidKV, KNorm, ExpectedAttention and KVzip their budget (SnapKV's window 32, PyramidKV's 8; KVzip's
-    reconstruction prompts in `tokenizer`'s tokens, which it needs); AdaKV SnapKV's budget on average over a
+    reconstruction prompts in `tokenizer`'s tokens, which it needs; `kvzip` ranks every layer and KV head's tokens
+    together, as the paper and kvpress do, `kvzip-head` keeps the budget in each KV head); AdaKV SnapKV's budget on average over a
     layer's heads. Streaming policies prefill in chunks of half their slots (at most 2048); labels name the budget
     ("Cascade 25%", "Cascade 12.5%", "Cascade 2048"), so distinct budgets label apart. Each name once."""
     import jcascade as jc
     from jcascade.eval.report import with_format
 
-    if "kvzip" in names and tokenizer is None:
+    if {"kvzip", "kvzip-head"} & set(names) and tokenizer is None:
         raise ValueError("policies_at: kvzip needs the tokenizer (its reconstruction prompts are token ids)")
 
     slots = budget_slots(budget, context_length)
@@ -502,7 +513,8 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
             "knorm": lambda: jc.KNorm(budget=slots, stride=2048, **kw),
             "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048, **kw)),
             "expectedattention": lambda: jc.ExpectedAttention(budget=slots, stride=2048, **kw),
-            "kvzip": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, stride=2048, **kw)}
+            "kvzip": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, allocation="global", stride=2048, **kw),
+            "kvzip-head": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, allocation="head", stride=2048, **kw)}
     if any(n not in make for n in names):
         raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
     distinct("policies", names)

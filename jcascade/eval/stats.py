@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -271,6 +271,16 @@ def by_policy(results, unit, value, baseline: str) -> tuple[dict, dict]:
     if baseline not in table:
         raise ValueError(f"baseline {baseline!r} is not among the policies {list(table)}")
     return table, table[baseline]
+
+
+def shared_units(mine: Mapping, base: Mapping, policy: str, baseline: str, unit: str) -> list:
+    """The units (keys, in `mine`'s order) that a policy's results and the baseline's share, the units of their
+    paired differences; a ValueError naming both policies when they share none (runs merged from other prompts)."""
+    shared = [k for k in mine if k in base]
+    if not shared:
+        raise ValueError(f"policy {policy!r} shares no {unit} with the baseline {baseline!r}: a paired difference "
+                         f"compares the same {unit}s (run both on them, or choose another baseline)")
+    return shared
 
 
 VERDICTS = ("better", "worse", "no measured difference", "too few units")

@@ -37,11 +37,12 @@ class KVzip(ScorerPolicy):
     the chat template's end of the user turn and start of the assistant's, the length of the template's opening);
     left empty, the pass re-reads the bare chunks.
 
-    allocation "head": each KV head keeps `budget` (a cache of `budget` + decoding slots). "global" (kvpress's
-    default, the paper's): each row keeps the budget x layers x KV heads best tokens of the whole model, so layers
-    and heads keep different counts; the cache then stays allocated at the prompt's length (`jc.cache_occupancy`:
-    resident vs allocated), as kvpress masks rather than frees. Positions are the original ones. Models with sliding-window layers
-    (Gemma 3) are refused, as kvpress refuses them.
+    allocation "head" (labelled "KVzip-head"; the command line's `kvzip-head`): each KV head keeps `budget` (a
+    cache of `budget` + decoding slots). "global" (labelled "KVzip"; kvpress's default, the paper's, the command
+    line's `kvzip`): each row keeps the budget x layers x KV heads best tokens of the whole model, so layers and
+    heads keep different counts; the cache then stays allocated at the prompt's length (`jc.cache_occupancy`:
+    resident vs allocated), as kvpress masks rather than frees. Positions are the original ones. Models with
+    sliding-window layers (Gemma 3) are refused, as kvpress refuses them.
     """
 
     instruction: TokenIds = dataclasses.field(default=(), repr=False)
@@ -56,6 +57,9 @@ class KVzip(ScorerPolicy):
     @classmethod
     def for_tokenizer(cls, tokenizer, budget: int, **fields) -> KVzip:
         """KVzip with kvpress's reconstruction prompts in `tokenizer`'s tokens (a Hugging Face tokenizer)."""
+        if not callable(getattr(tokenizer, "encode", None)):
+            raise TypeError("KVzip.for_tokenizer: tokenizer must be a Hugging Face tokenizer (its reconstruction "
+                            f"prompts are token ids), got {type(tokenizer).__name__}")
         encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
         opening, turn = "", "\n"  # kvpress's for a tokenizer without a chat template
         if getattr(tokenizer, "chat_template", None):
@@ -68,7 +72,10 @@ class KVzip(ScorerPolicy):
 
     @property
     def label(self) -> str:
-        return super().label + (" global" if self.allocation == "global" else "")
+        if self.allocation == "global":
+            return super().label
+        name, _, rest = super().label.partition(" ")  # "KVzip 2048" -> "KVzip-head 2048"
+        return f"{name}-head {rest}".rstrip()
 
     def __post_init__(self):
         super().__post_init__()

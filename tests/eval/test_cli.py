@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -364,6 +365,41 @@ _VALUES = st.one_of(st.integers(-2**70, 2**70).map(str), st.integers(-2**25, 2**
                     st.floats().map(str), st.text(max_size=6),
                     st.sampled_from(["0", "-0", "1e999", "-inf", "NaN", "0x10", " 7 ", "1_000", "4k", "K", "-.5",
                                      "--json", "0.25,0.5", "2048,nan", ""]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ruler", "--kv-dtype", "int8", "--policy", "sink", "--policy", "snapkv:budget=256,kv_dtype=float8_e4m3fn"],
+     r"--kv-dtype: the storage format is given twice, by --kv-dtype int8 and by --policy "
+     r"snapkv:\.\.\.,kv_dtype=float8_e4m3fn"),
+    (["ruler", "--budget", "0.5", "--budget=0.25"], r"--budget: given 2 times \(--budget 0.5, --budget=0.25\)"),
+    (["passkey", "--json", "--js"], r"--json: given 2 times \(--json, --js\)"),
+    (["perplexity", "--block", "64", "--bucket", "32", "--block", "64"], r"--block: given 2 times")],
+    ids=["kv_dtype by flag and spec", "a flag twice", "a prefix", "the same value twice"])
+def test_a_setting_given_twice_is_refused_naming_both(argv, message, capsys):
+    """argparse keeps the last of an option given twice; the command line refuses it before any model time, as it
+    refuses a storage format named by --kv-dtype and by a --policy spec (which of them formats that policy?)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse(argv)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err.splitlines()[-1])
+    cli.parse(["ruler", "--kv-dtype", "int8", "--policy", "sink", "--policy", "snapkv:budget=256"])  # once each: fine
+
+
+def test_an_out_of_memory_error_names_the_memory_asked_for_and_what_to_lower(model_dir, tmp_path, monkeypatch, capsys):
+    """XLA's allocation failure reaches the user as one line (the command's usage error, no traceback) with the
+    GiB asked for and the options that lower it."""
+    def out_of_memory(*_, **__):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 29856398512 bytes.")
+
+    monkeypatch.setattr(cli.ruler, "sweep", out_of_memory)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["ruler", "--model", model_dir, "--tasks", "vt", "--min-length", "512", "--max-length", "512",
+                  "--samples", "1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == ("jcascade ruler: error: out of memory: the run asked for 27.8 GiB at once; lower "
+                                    "--batch-size or --max-length (or the policies' stride), or run on a device with "
+                                    "more memory")
 
 
 @settings(max_examples=200)  # parsing only: a few ms an example

@@ -110,12 +110,14 @@ def test_every_policy_keeps_the_budget():
 
     policies = ruler.policies_at(ruler.POLICIES, 0.25, 8192, tiny.tokenizer())  # 2048 slots, sinks and windows included
     assert list(policies) == ["Full", "Sink 25%", "Cascade 25%", "H2O 25%", "SnapKV 25%", "PyramidKV 25%", "TOVA 25%",
-                              "KNorm 25%", "AdaKV-SnapKV 25%", "ExpectedAttention 25%", "KVzip 25%"]
+                              "KNorm 25%", "AdaKV-SnapKV 25%", "ExpectedAttention 25%", "KVzip 25%",
+                              "KVzip-head 25%"]
     for label, policy in policies.items():
         if label != "Full":
             slots = policy.scorer.budget if isinstance(policy, jc.AdaKV) else policy.budget if isinstance(
                 policy, (jc.SnapKV, jc.PyramidKV, jc.KNorm, jc.ExpectedAttention, jc.KVzip)) else policy.cache_slots(None)
             assert slots == 2048, (label, slots)
+    assert policies["KVzip 25%"].allocation == "global" and policies["KVzip-head 25%"].allocation == "head"
     assert ruler.policies_at(["sink"], 4096, 16384)["Sink 4096"].cache_slots(None) == 4096
     with pytest.raises(ValueError, match="kvzip needs the tokenizer"):
         ruler.policies_at(["kvzip"], 0.25, 8192)

@@ -3,6 +3,8 @@ at most half a byte of temporaries per cache byte (the layer loop carries the ca
 layer's slice in place; it used to take the cache as scan input and emit a new one). A model with sliding
 layers keeps a window cache for them."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,23 @@ def test_window_attention_with_a_window_past_every_token_is_the_policys_attentio
     np.testing.assert_allclose(out, want_out, atol=1e-5)
     np.testing.assert_allclose(scores.cache, want.cache, atol=1e-5)
     np.testing.assert_allclose(scores.chunk, want.chunk, atol=1e-5)
+
+
+def test_window_attention_over_a_quantized_cache_reads_each_code_times_its_scale():
+    """A window cache in int8 (a Gemma model under a policy with kv_dtype="int8") attends as the float32 cache
+    that holds its codes times their slots' scales."""
+    from jcascade.models.decoder import window_attention
+
+    policy = jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=16, kv_dtype="int8")
+    state, q, k, v, lengths, rope = _chunk_after_a_first_one(policy)
+    assert state.k.dtype == jnp.int8
+    plain = dataclasses.replace(state, k=state.k.astype(jnp.float32) * state.k_scale[..., None],
+                                v=state.v.astype(jnp.float32) * state.v_scale[..., None], k_scale=None, v_scale=None)
+    out, scores = window_attention(policy, state, q, k, v, lengths, rope, window=7)
+    want_out, want = window_attention(dataclasses.replace(policy, kv_dtype="model"), plain, q, k, v, lengths, rope, 7)
+    np.testing.assert_allclose(out, want_out, atol=1e-6)
+    np.testing.assert_allclose(scores.cache, want.cache, atol=1e-6)
+    np.testing.assert_allclose(scores.chunk, want.chunk, atol=1e-6)
 
 
 def test_window_attention_sees_only_the_window():

@@ -180,7 +180,7 @@ def test_a_config_json_lacking_a_required_field_names_it_and_the_file(kind, tmp_
     cases = [(field, lambda c, f=field: c.pop(f), rf"config.json: the required field '{field}' is missing")
              for field in HF_REQUIRED]
     cases.append(("vocab_size", lambda c: c.update(vocab_size="101"),
-                  r"config.json: field 'vocab_size' must be a positive int, got '101'"))
+                  r"config.json: field 'vocab_size' must be a positive int \(at most 2147483647\), got '101'"))
     if kind == "llama3-tied":
         for field in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             cases.append((field, lambda c, f=field: c["rope_parameters"].pop(f),
@@ -333,3 +333,30 @@ def test_a_qwen35_or_gemma4_gguf_file_loads_the_config_and_weights_written(kind,
         path = write_gguf(tmp_path / f"{name}.gguf", arch, meta | meta_change, tensors | tensors_change, c.vocab_size)
         with pytest.raises(ValueError, match=match):
             read_gguf(path)
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_every_attention_cache_of_each_family_stores_the_policys_kv_dtype(kind):
+    """A model's state in int8 is its state in bfloat16 less, per slot of every attention cache (the global
+    layers', the sliding layers' window caches; layers reading another's cache keep none), 2 D bytes of keys and
+    values plus 8 of scales: codes of one byte and a float32 scale per slot for k and for v. Recurrent states are
+    not KV caches and keep the model's dtype. From shapes alone (nothing is allocated)."""
+    config = jc.ModelConfig.from_hf(hf_config(kind).to_dict() | {"architectures": [FAMILIES[kind]]})
+    batch = 3
+
+    def state(kv_dtype):
+        policy = jc.Cascade(cache_size=64, sinks=4, num_cascades=2, stride=16, kv_dtype=kv_dtype)
+        states = jax.eval_shape(
+            lambda: jc.CausalLM.random(config, jax.random.key(0), jnp.bfloat16).init_cache(policy, batch))
+        return dict(zip(config.state_types, states if isinstance(states, tuple) else (states,)))
+
+    nbytes = lambda states: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states))  # noqa: E731
+    plain, quantized = state("model"), state("int8")
+    saved = 0
+    for layer_type, cache in plain.items():
+        if layer_type == LINEAR:
+            continue
+        slots = len(config.layers_with_state(layer_type)) * batch * config.kv_heads(layer_type) * cache.capacity
+        saved += slots * (2 * config.head_size(layer_type) * (2 - 1) - 2 * 4)
+        assert quantized[layer_type].k.dtype == jnp.int8, layer_type
+    assert nbytes(quantized) == nbytes(plain) - saved

@@ -150,3 +150,23 @@ def test_decode_grid_orders_equal_the_reference(heads_first):
     got = pk.Kernels("triton", triton=config).chunk_attention(**inputs, rope=rope)
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         assert_close(np.asarray(g, np.float64), np.asarray(w, np.float64), jnp.float32, name)
+
+
+@pytest.mark.parametrize("reduction", ["max", "mean"])
+def test_the_xla_paths_query_blocks_equal_the_reference(reduction):
+    """The CPU's XLA path attends a chunk's queries a block at a time (`reference.chunk_attention_blocked`,
+    blocks chosen by `xla_query_block`): outputs, log-sum-exp and score increments as the reference's, the last
+    block padded, ragged rows and empty queries included; without weights no increments."""
+    x = random_inputs(np.random.default_rng(3), 3, 37, 4, 2, 8, 21, jnp.float32, per_head_positions=True)
+    rope = jc.RoPE(10000.0)
+    want = pk.reference.chunk_attention(**x, head_reduction=reduction, rope=rope)
+    for block in (16, 8):  # 37 = 2 x 16 + 5 = 4 x 8 + 5
+        got = pk.reference.chunk_attention_blocked(**x, head_reduction=reduction, rope=rope, block=block)
+        for g, w, name in zip(got, want, ("out", "lse", "inc_cache", "inc_chunk")):
+            assert_close(g, w, jnp.float32, f"{name}, block {block}")
+    out, lse, *increments = pk.reference.chunk_attention_blocked(**x | {"query_weights": None}, rope=rope, block=16)
+    assert increments == [None, None]
+    assert_close(out, want[0], jnp.float32, "out without weights")
+    # SmolLM2's chunk of 4,096 queries over 8,192 slots at batch 8: 64 queries a block, 256 MiB of logits
+    assert pk.xla_query_block((8, 4096, 9, 64), 4096) == 64
+    assert pk.xla_query_block((1, 1, 32, 128), 16384) == 1 and pk.xla_query_block((2, 40, 4, 8), 64) == 40

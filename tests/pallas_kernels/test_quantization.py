@@ -198,13 +198,14 @@ def test_the_triton_insertion_writes_a_stack_as_int16_pairs_as_xla_writes_its_co
 
 
 def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():
-    """Mosaic GPU (interpret mode, bfloat16, fallback=False so its own kernel runs) on int8 codes and scales."""
+    """Mosaic GPU (interpret mode, bfloat16, fallback=False so its own kernel runs) on int8 codes and scales
+    against the XLA reference on the dequantized slots (not against itself)."""
     inputs, plain = quantized_inputs(random_inputs(np.random.default_rng(4), 1, 64, 4, 2, 64, 64, jnp.bfloat16,
                                                    weights=False), "int8")
-    kernels = pk.Kernels("mosaic_gpu", fallback=False)
-    got, want = kernels.chunk_attention(**inputs)[:2], kernels.chunk_attention(**plain)[:2]
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    got = pk.Kernels("mosaic_gpu", fallback=False).chunk_attention(**inputs)[:2]
+    want = pk.reference.chunk_attention(**plain)[:2]
+    for g, w, name in zip(got, want, ("out", "lse")):
+        assert_close(g, w, jnp.bfloat16, name)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -317,6 +318,45 @@ def test_a_model_scores_with_a_quantized_cache():
     quantized = dataclasses.replace(plain, kv_dtype="int8")
     state, _, _ = jc.prefill(model, quantized, model.init_cache(quantized, 2), tokens, lengths)
     assert state.k.dtype == jnp.int8 and state.k_scale.shape == state.pos.shape
+
+
+def test_a_gemma_model_stores_its_window_caches_in_the_policys_format():
+    """Gemma 3's sliding layers keep their window caches in the policy's kv_dtype, as its global layers keep
+    theirs: after a prompt longer than the window both hold int8 codes, scores lie nearer the model's dtype's in
+    int8 than in float8, and a sliding policy cannot name a format of its own."""
+    model = tiny.model(96, architecture="gemma3", qk_norm=True, layer_types=("sliding", "global"), sliding_window=8,
+                       rope_local_theta=10000.0, scale=0.3)
+    tokens = np.random.default_rng(1).integers(0, 96, (2, 40)).astype(np.int32)
+    lengths = np.array([40, 27], np.int32)
+    plain = jc.Cascade(cache_size=24, sinks=2, num_cascades=2, stride=8)
+    quantized = dataclasses.replace(plain, kv_dtype="int8")
+    global_cache, window_cache = jc.prefill(model, quantized, model.init_cache(quantized, 2), tokens, lengths)[0]
+    assert global_cache.k.dtype == window_cache.k.dtype == jnp.int8
+    assert window_cache.k_scale.shape == window_cache.pos.shape
+    want = np.asarray(jc.score(model, tokens, plain, lengths=lengths, prefix=16))
+    error = {d: np.abs(np.asarray(jc.score(model, tokens, dataclasses.replace(plain, kv_dtype=d), lengths=lengths,
+                                           prefix=16)) - want).mean() for d in FORMATS}
+    assert 0 < error["int8"] < error["float8_e4m3fn"] < 0.2, error
+    with pytest.raises(ValueError, match="sliding_policy's kv_dtype must be 'model', got 'int8'"):
+        model.with_sliding_policy(jc.Sink(window=8, sinks=2, kv_dtype="int8"))
+
+
+def test_the_xla_paths_memory_under_a_quantized_cache_stays_near_the_model_dtypes():
+    """`jcascade ruler --policy snapkv:budget=64,kv_dtype=int8` on the CPU once asked for 30 GB (SmolLM2, 8 rows of
+    4K: the XLA path held every query's logits of a 4K chunk). Scaled down (bfloat16, 4 rows of 2,048 tokens in one
+    chunk), the compiled generate's temporaries in int8 are within 1.5x of the model dtype's, and neither holds the
+    chunk's logits [B, Hq, T, S + T] at once."""
+    config = tiny.model(96, hidden_size=128, intermediate_size=128, num_heads=8, num_kv_heads=2, head_dim=64,
+                        num_layers=4).config
+    weights = jax.eval_shape(lambda: jc.CausalLM.random(config, jax.random.key(0), jnp.bfloat16).weights())
+    tokens = jax.ShapeDtypeStruct((4, 2048), jnp.int32)
+    temp = {}
+    for kv_dtype in ("model", "int8"):
+        policy = jc.SnapKV(budget=64, kv_dtype=kv_dtype)
+        run = jax.jit(lambda w, t: jc.generate(jc.CausalLM(config, w), t, policy, max_new_tokens=4))
+        temp[kv_dtype] = run.lower(weights, tokens).compile().memory_analysis().temp_size_in_bytes
+    logits = 4 * 8 * 2048 * (2048 + 2048) * 4
+    assert temp["int8"] <= 1.5 * temp["model"] and max(temp.values()) < logits, (temp, logits)
 
 
 def test_kv_dtype_is_checked_and_written_in_specs():
