@@ -29,11 +29,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 # One persistent compilation cache for the whole run, every compile written to it: the xdist workers, the device
-# child and the subprocesses (CLI, README) compile some of the same programs, and each test module starts with
-# jax's in-memory caches cleared (below). Measured over a full run: 5,992 entries written, 1,954 read back instead
-# of compiled (jax's estimate of the time saved: 76 s); with only the programs of 1 s or more written (448), 25
-# were read back and the count of programs compiled grew by about 1,900 (the small programs each module compiles
-# again). A fresh folder per run (created by the first process, inherited by the rest through the environment)
+# child and the subprocesses (CLI, README) compile some of the same programs, and a worker drops jax's in-memory
+# caches when its programs' memory maps grow large (below). Measured over a full run that dropped them after every
+# module: 5,992 entries written, 1,954 read back instead of compiled (jax's estimate of the time saved: 76 s); with
+# only the programs of 1 s or more written (448), 25 were read back and the count of programs compiled grew by
+# about 1,900 (the small programs each module compiled again). A fresh folder per run (created by the first process, inherited by the rest through the environment)
 # keeps runs independent; the run's summary says what was written, read and saved.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jcascade-test-jit-")
@@ -74,15 +74,38 @@ def model_dir(tmp_path_factory) -> str:
     return str(tiny.save(tmp_path_factory.mktemp("tiny-model")))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_compilation_caches():
-    """Drops JAX's compiled programs after each test module: a long-lived xdist worker otherwise keeps every
-    program of the suite (two fresh-clone runs lost a worker to a SIGSEGV inside XLA's CPU compile late in the
-    run; cause not found)."""
-    yield
-    import jax
+def _memory_maps() -> int:
+    """The memory maps this process holds (0 where /proc/self/maps does not exist)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
 
-    jax.clear_caches()
+
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_compiled_programs():
+    """Each program XLA compiles for the CPU holds about three memory maps until jax drops it, and a process may
+    hold at most vm.max_map_count of them (65,530 by default): an xdist worker that kept every program of the
+    suite crossed it and died by SIGSEGV inside an XLA compile (two workers in one default-tier run, at about
+    25,000 maps each when replaced). After a test module, jax's in-memory caches are dropped only once the process
+    holds more than half that many maps, so that later modules reuse the programs earlier ones compiled."""
+    yield
+    if _memory_maps() > _map_limit() // 2:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()  # the programs' maps go with the executables
 
 
 # ---- tests that need several devices -------------------------------------------------------------------
