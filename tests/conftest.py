@@ -92,6 +92,15 @@ def _map_limit() -> int:
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _counts_written():
+    """Writes this process's compilation counts after each test module, so that a worker that dies keeps what it
+    counted up to its last module in the run's summary (a default-tier run lost two workers' counts, which were
+    written only at exit)."""
+    yield
+    compile_count.write()
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _bounded_compiled_programs():
     """Each program XLA compiles for the CPU holds about three memory maps until jax drops it, and a process may
     hold at most vm.max_map_count of them (65,530 by default): an xdist worker that kept every program of the

@@ -2,8 +2,8 @@
 
 Each process that imports jax (the pytest process, its xdist workers, the child run with emulated devices, and
 the subprocesses the tests start: the command line, the README's blocks, multi-process runs) listens to jax's
-monitoring events and, when it ends its session or exits, writes what it saw to a file of its own in the folder
-named by `$JCASCADE_TEST_COMPILATIONS`. A compile is charged to the test that `$PYTEST_CURRENT_TEST` names when
+monitoring events and writes what it saw to a file of its own in the folder named by `$JCASCADE_TEST_COMPILATIONS`
+(a test process after each test module and when its session ends, any process when it exits). A compile is charged to the test that `$PYTEST_CURRENT_TEST` names when
 it happens (pytest sets it during a test's setup, call and teardown; subprocesses inherit it), or to the file
 being collected, else to "(outside a test)".
 
