@@ -141,9 +141,25 @@ class ModelConfig:
             raise ValueError("sliding layers need ModelConfig.sliding_window (an int >= 2) and rope_local_theta, got "
                              f"{self.sliding_window!r} and {self.rope_local_theta!r}")
 
+    # Features of a family's layer, from the translated architecture (the decoder tests these, never a name).
     @property
-    def gemma(self) -> bool:
-        """Gemma's layer: embeddings scaled by sqrt(hidden), norms after attention and MLP too, a GeLU-tanh MLP."""
+    def embed_scaled(self) -> bool:
+        """Embeddings scaled by sqrt(hidden_size) (Gemma 3 and 4)."""
+        return self.architecture in ("gemma3", "gemma4")
+
+    @property
+    def post_norms(self) -> bool:
+        """Norms after attention and after the MLP too, before each residual add (Gemma 3 and 4)."""
+        return self.architecture in ("gemma3", "gemma4")
+
+    @property
+    def activation(self) -> str:
+        """The MLP's gate activation: "gelu_tanh" (Gemma 3 and 4) or "silu"."""
+        return "gelu_tanh" if self.architecture in ("gemma3", "gemma4") else "silu"
+
+    @property
+    def norm_scale_f32(self) -> bool:
+        """Norms that multiply by their weight in float32 before casting back (Gemma 3 and 4)."""
         return self.architecture in ("gemma3", "gemma4")
 
     @property

@@ -247,7 +247,7 @@ class CausalLM(nnx.Module):
 
     def _norm(self, x: jax.Array, weight: jax.Array | None) -> jax.Array:
         cfg = self.config
-        return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, scale_f32=cfg.gemma)
+        return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, scale_f32=cfg.norm_scale_f32)
 
     def __call__(self, policy, state, tokens: jax.Array, lengths: jax.Array,
                  prefixes: tuple = ()) -> tuple[jax.Array, cache_state.CacheState]:
@@ -260,7 +260,7 @@ class CausalLM(nnx.Module):
             raise ValueError("shared prefixes (num_samples, context=) are not supported for models with sliding or "
                              "linear layers or shared caches (Gemma 3 and 4, Qwen3.5)")
         x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
-        if cfg.gemma:
+        if cfg.embed_scaled:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
         per_layer = self._per_layer_inputs(tokens, x) if cfg.per_layer_input_size else None
         layers = functools.partial(self._layers, lengths=lengths, prefixes=tuple(prefixes), per_layer=per_layer)
@@ -318,12 +318,13 @@ class CausalLM(nnx.Module):
             o, states, pending = jax.lax.switch(
                 branch_index, [functools.partial(m, fetch) for m in mixers.values()], h, states, pending, index,
                 layer_prefixes)
-            x = x + (norm(o, w["post_attn_norm"]) if cfg.gemma else o)
+            x = x + (norm(o, w["post_attn_norm"]) if cfg.post_norms else o)
             h = norm(x, w["mlp_norm"])
             gate_up = jnp.einsum("btd,dci->btci", h, w["w_gate_up"])  # [in, 2, intermediate] (models.weights.FUSED)
             gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
-            m = ((jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)) * up) @ w["w_down"]
-            x = x + (norm(m, w["post_mlp_norm"]) if cfg.gemma else m)
+            act = functools.partial(jax.nn.gelu, approximate=True) if cfg.activation == "gelu_tanh" else jax.nn.silu
+            m = (act(gate) * up) @ w["w_down"]
+            x = x + (norm(m, w["post_mlp_norm"]) if cfg.post_norms else m)
             if extra is not None:  # Gemma 4's per-layer input
                 g = jax.nn.gelu(x @ w["ple_gate"], approximate=True) * extra
                 x = x + norm(g @ w["ple_proj"], w["ple_norm"])
