@@ -45,9 +45,18 @@ import time
 from eval_tables import load
 from parity_kvpress import kvpress_python, policies_for
 
-METHODS = {"full": "full", "streamingllm": "streamingllm", "snapkv": "snapkv", "pyramidkv": "pyramidkv",
-           "knorm": "knorm", "tova": "tova", "expectedattention": "expectedattention", "adakv": "adakv",
-           "kvzip": "kvzip", "kvzip-global": "kvzip"}  # jcascade method: the kvpress press it is compared with
+METHODS = {
+    "full": "full",
+    "streamingllm": "streamingllm",
+    "snapkv": "snapkv",
+    "pyramidkv": "pyramidkv",
+    "knorm": "knorm",
+    "tova": "tova",
+    "expectedattention": "expectedattention",
+    "adakv": "adakv",
+    "kvzip": "kvzip",
+    "kvzip-global": "kvzip",
+}  # jcascade method: the kvpress press it is compared with
 
 # The kvpress side, run by the venv's python: argv = model.gguf prompts.json kept protocol presses dtype out.json
 KVPRESS_SIDE = r'''
@@ -126,24 +135,29 @@ def table(paths: list[str]) -> None:
     """One markdown table of the rows of earlier runs' JSON."""
     from jcascade.eval.stats import Estimate
 
-    print("| protocol | method | kept | jcascade | kvpress | jcascade - kvpress | identical answers | prompts/s "
-          "jcascade / kvpress |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "| protocol | method | kept | jcascade | kvpress | jcascade - kvpress | identical answers | prompts/s "
+        "jcascade / kvpress |\n|---|---|---|---|---|---|---|---|"
+    )
     for path in paths:
         path = pathlib.Path(path)
         run = load(path.parent, path.name.removesuffix(".gz").removesuffix(".json"))
         for r in run["rows"]:
-            fmt = lambda e: Estimate.from_dict(e).format()  # noqa: E731
+            fmt = lambda e: Estimate.from_dict(e).format()
             speed = r["jcascade_prompts_per_s"], r["kvpress_prompts_per_s"]
-            print(f"| {run['protocol']} | {r['method']} | {r['kept'] or '-'} | "
-                  f"{fmt(r['jcascade'])} | {fmt(r['kvpress'])} | {fmt(r['difference'])} | "
-                  f"{r['identical_answers'] * r['n']:.0f} / {r['n']} | {speed[0]:.1f} / {speed[1]:.2f} "
-                  f"({speed[0] / speed[1]:.1f}x) |")
+            print(
+                f"| {run['protocol']} | {r['method']} | {r['kept'] or '-'} | "
+                f"{fmt(r['jcascade'])} | {fmt(r['kvpress'])} | {fmt(r['difference'])} | "
+                f"{r['identical_answers'] * r['n']:.0f} / {r['n']} | {speed[0]:.1f} / {speed[1]:.2f} "
+                f"({speed[0] / speed[1]:.1f}x) |"
+            )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", nargs="+", metavar="JSON", help="print one markdown table of these runs (.json or "
-                   ".json.gz) and stop")
+    p.add_argument(
+        "--table", nargs="+", metavar="JSON", help="print one markdown table of these runs (.json or .json.gz) and stop"
+    )
     p.add_argument("--venv", default="/tmp/kvpress-venv")
     p.add_argument("--wheels", help="a folder of wheels to make the kvpress venv from, without an index")
     p.add_argument("--model", help="a GGUF file read by both sides (default: the packaged SmolLM2-135M-Instruct)")
@@ -155,19 +169,22 @@ def main():
     p.add_argument("--samples", type=int, default=4, help="prompts per task")
     p.add_argument("--batch-size", type=int, help="jcascade's rows per batch (default: half the prompts)")
     p.add_argument("--book", default="paradise_lost", help="the prose haystack (a shipped book or a text file)")
-    p.add_argument("--methods", default="full,streamingllm,snapkv,knorm,kvzip,kvzip-global",
-                   help=f"comma-separated among {', '.join(METHODS)}")
+    p.add_argument(
+        "--methods",
+        default="full,streamingllm,snapkv,knorm,kvzip,kvzip-global",
+        help=f"comma-separated among {', '.join(METHODS)}",
+    )
     p.add_argument("--out", default="benchmarks/results/accuracy-kvpress.json")
     a = p.parse_args()
     if a.table:
         return table(a.table)
     import jax
     import numpy as np
+    from jcascade.models import packaged
 
     import jcascade as jc
     from jcascade.eval import ruler, stats, texts
     from jcascade.eval.report import json_text
-    from jcascade.models import packaged
 
     tasks, methods, kept = a.tasks.split(","), a.methods.split(","), [int(k) for k in a.kept.split(",")]
     if any(m not in METHODS for m in methods):
@@ -186,12 +203,36 @@ def main():
         model, tokenizer = jc.load_pretrained(gguf, dtype=a.dtype), jc.load_tokenizer(gguf)
         prose = texts.load_book(a.book)
         samples = ruler.plan(ruler.Generator(tokenizer, prose), tasks, [a.length], a.samples)[a.length]
-        (pathlib.Path(tmp) / "prompts.json").write_text(json.dumps({"eos_id": tokenizer.eos_token_id, "prompts": [
-            {"ids": s.prompt.tolist(), "question_start": s.question_start,
-             "tokens": ruler.TASKS[s.task].tokens_to_generate} for s in samples]}))
-        subprocess.run([str(python), "-c", KVPRESS_SIDE, str(gguf), str(pathlib.Path(tmp) / "prompts.json"), a.kept,
-                        a.protocol, ",".join(dict.fromkeys(METHODS[m] for m in methods)), a.dtype,
-                        str(pathlib.Path(tmp) / "kvpress.json")], check=True)
+        (pathlib.Path(tmp) / "prompts.json").write_text(
+            json.dumps(
+                {
+                    "eos_id": tokenizer.eos_token_id,
+                    "prompts": [
+                        {
+                            "ids": s.prompt.tolist(),
+                            "question_start": s.question_start,
+                            "tokens": ruler.TASKS[s.task].tokens_to_generate,
+                        }
+                        for s in samples
+                    ],
+                }
+            )
+        )
+        subprocess.run(
+            [
+                str(python),
+                "-c",
+                KVPRESS_SIDE,
+                str(gguf),
+                str(pathlib.Path(tmp) / "prompts.json"),
+                a.kept,
+                a.protocol,
+                ",".join(dict.fromkeys(METHODS[m] for m in methods)),
+                a.dtype,
+                str(pathlib.Path(tmp) / "kvpress.json"),
+            ],
+            check=True,
+        )
         theirs = json.loads((pathlib.Path(tmp) / "kvpress.json").read_text())
     batch_size = a.batch_size or math.ceil(len(samples) / 2)
     runs = [(m, k) for m in methods for k in ([0] if m == "full" else kept)]
@@ -200,31 +241,64 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     for method, n in runs:
         done = []  # (time, prompts) after each batch
-        results = ruler.sweep(model, tokenizer, {method: jcascade_policy(method, n, a.length, tokenizer)},
-                              [a.length], tasks=tasks, prose=prose, samples=a.samples, batch_size=batch_size,
-                              protocol=a.protocol, progress=lambda k: done.append((time.perf_counter(), k)))
+        results = ruler.sweep(
+            model,
+            tokenizer,
+            {method: jcascade_policy(method, n, a.length, tokenizer)},
+            [a.length],
+            tasks=tasks,
+            prose=prose,
+            samples=a.samples,
+            batch_size=batch_size,
+            protocol=a.protocol,
+            progress=lambda k: done.append((time.perf_counter(), k)),
+        )
         assert [(r.task, r.index) for r in results] == [(s.task, s.index) for s in samples]
         prompts_per_s = sum(k for _, k in done[1:]) / (done[-1][0] - done[0][0]) if len(done) > 1 else math.nan
         press = theirs[f"{METHODS[method]}@{n}"]
-        answers = [tokenizer.decode(np.asarray(ids)[: ruler.TASKS[s.task].tokens_to_generate],
-                                    skip_special_tokens=True) for ids, s in zip(press["ids"], samples)]
+        answers = [
+            tokenizer.decode(np.asarray(ids)[: ruler.TASKS[s.task].tokens_to_generate], skip_special_tokens=True)
+            for ids, s in zip(press["ids"], samples)
+        ]
         mine = [r.score for r in results]
         their_scores = [ruler.string_match_all(t, s.answers) for t, s in zip(answers, samples)]
-        estimate = lambda x: stats.mean(x, strata=strata, bounds=(0, 1))  # noqa: E731
-        rows.append(dict(method=method, kept=n or None, n=len(samples), jcascade=estimate(mine),
-                         kvpress=estimate(their_scores),
-                         difference=stats.paired_difference(mine, their_scores, strata=strata, bounds=(0, 1)),
-                         identical_answers=float(np.mean([r.output.strip() == t.strip()
-                                                          for r, t in zip(results, answers)])),
-                         jcascade_prompts_per_s=prompts_per_s,
-                         kvpress_prompts_per_s=len(samples) / press["seconds"]))
+        estimate = lambda x: stats.mean(x, strata=strata, bounds=(0, 1))
+        rows.append(
+            dict(
+                method=method,
+                kept=n or None,
+                n=len(samples),
+                jcascade=estimate(mine),
+                kvpress=estimate(their_scores),
+                difference=stats.paired_difference(mine, their_scores, strata=strata, bounds=(0, 1)),
+                identical_answers=float(np.mean([r.output.strip() == t.strip() for r, t in zip(results, answers)])),
+                jcascade_prompts_per_s=prompts_per_s,
+                kvpress_prompts_per_s=len(samples) / press["seconds"],
+            )
+        )
         detail[f"{method}@{n}"] = {"jcascade": [r.output for r in results], "kvpress": answers}
-        out.write_text(json_text({  # after each method: a run cut short keeps what it measured
-            "benchmark": "accuracy_kvpress", "date": time.strftime("%Y-%m-%d"), "model": name,
-            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": a.dtype, "protocol": a.protocol,
-            "length": a.length, "kept": kept, "tasks": tasks, "samples": a.samples, "batch_size": batch_size,
-            "answers": detail, "rows": [{k: v.as_dict() if isinstance(v, stats.Estimate) else v for k, v in r.items()}
-                                        for r in rows]}))
+        out.write_text(
+            json_text(
+                {  # after each method: a run cut short keeps what it measured
+                    "benchmark": "accuracy_kvpress",
+                    "date": time.strftime("%Y-%m-%d"),
+                    "model": name,
+                    "device": jax.devices()[0].device_kind,
+                    "jax": jax.__version__,
+                    "dtype": a.dtype,
+                    "protocol": a.protocol,
+                    "length": a.length,
+                    "kept": kept,
+                    "tasks": tasks,
+                    "samples": a.samples,
+                    "batch_size": batch_size,
+                    "answers": detail,
+                    "rows": [
+                        {k: v.as_dict() if isinstance(v, stats.Estimate) else v for k, v in r.items()} for r in rows
+                    ],
+                }
+            )
+        )
     table([str(out)])
     print(f"wrote {out}")
 

@@ -30,30 +30,45 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+from jcascade.models import sharding
 
 import jcascade as jc
 from jcascade.cli import count
 from jcascade.eval import processes, ruler, stats, texts
-from jcascade.models import sharding
 
 
 def sweep(model, tokenizer, prose, tasks, length, names, budget, samples, rows) -> tuple[list, int, float]:
     """(the sweep's results, the prompts timed, their seconds): from the end of the first batch to the sweep's
     return (over processes: process 0's first batch, and every process's rows gathered)."""
     ends = []
-    out = ruler.sweep(model, tokenizer, ruler.policy_grid(names, [budget]), [length], tasks=tasks, prose=prose,
-                      samples=samples, batch_size=rows, progress=lambda n: ends.append((n, time.perf_counter())))
+    out = ruler.sweep(
+        model,
+        tokenizer,
+        ruler.policy_grid(names, [budget]),
+        [length],
+        tasks=tasks,
+        prose=prose,
+        samples=samples,
+        batch_size=rows,
+        progress=lambda n: ends.append((n, time.perf_counter())),
+    )
     if len(ends) < 2:
-        raise SystemExit(f"--samples {samples}: one batch of {rows} rows holds every prompt, so none is timed; use "
-                         "more samples")
+        raise SystemExit(
+            f"--samples {samples}: one batch of {rows} rows holds every prompt, so none is timed; use more samples"
+        )
     return out, sum(n for n, _ in ends[1:]), time.perf_counter() - ends[0][1]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
-    p.add_argument("--mesh", action="append", type=sharding.parse_mesh, metavar="data=D,model=M",
-                   help="a mesh to compare with one device; repeatable (default: data=every device)")
+    p.add_argument(
+        "--mesh",
+        action="append",
+        type=sharding.parse_mesh,
+        metavar="data=D,model=M",
+        help="a mesh to compare with one device; repeatable (default: data=every device)",
+    )
     p.add_argument("--length", type=count, default=4096, help="context length (e.g. 4K)")
     p.add_argument("--samples", type=count, default=16, help="prompts per task")
     p.add_argument("--tasks", default="all", help="comma-separated RULER tasks, or all")
@@ -79,10 +94,13 @@ def main():
     else:
         for data, model in a.mesh or []:
             if data * model < 2 or data * model > len(jax.devices()):
-                raise SystemExit(f"--mesh data={data},model={model}: needs 2 to the {len(jax.devices())} devices present")
+                raise SystemExit(
+                    f"--mesh data={data},model={model}: needs 2 to the {len(jax.devices())} devices present"
+                )
         runs_of = [("data=1,model=1", None, a.rows)] + [
             (f"data={d},model={m}", sharding.device_mesh((d, m), batched=True), a.rows * d)
-            for d, m in a.mesh or [(len(jax.devices()), 1)]]
+            for d, m in a.mesh or [(len(jax.devices()), 1)]
+        ]
     first = jax.process_index() == 0  # prints and writes
     tasks = list(ruler.TASKS) if a.tasks == "all" else a.tasks.split(",")
     names = a.policy.split(",")
@@ -90,19 +108,46 @@ def main():
     tokenizer = jc.load_tokenizer(path if path else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT))
     if a.tiny:
         tasks, a.length, a.samples = ["niah_single_1", "vt"], 1024, 2
-        config = jc.models.ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=64,
-                                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                                       rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                                       qkv_bias=False, o_bias=False, max_position_embeddings=4096)
+        config = jc.models.ModelConfig(
+            architecture="llama",
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rope_theta=1e4,
+            rope_scaling=None,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            qkv_bias=False,
+            o_bias=False,
+            max_position_embeddings=4096,
+        )
     prose = texts.load_book(a.book) if any(ruler.TASKS[t].needs_prose for t in tasks) else None
     runs, one_outputs, one_scores = {}, None, None
-    result = dict(benchmark="data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                  date=time.strftime("%Y-%m-%d"), processes=a.processes, model=path.name if path else "tiny random",
-                  length=a.length, tasks=tasks, samples=a.samples, policies=names, budget=a.budget, rows_per_data_shard=a.rows,
-                  runs=runs)
+    result = dict(
+        benchmark="data_parallel",
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        processes=a.processes,
+        model=path.name if path else "tiny random",
+        length=a.length,
+        tasks=tasks,
+        samples=a.samples,
+        policies=names,
+        budget=a.budget,
+        rows_per_data_shard=a.rows,
+        runs=runs,
+    )
     for label, mesh, rows in runs_of:  # one device first: the reference every run's outputs are compared with
-        model = (jc.CausalLM.random(config, jax.random.key(0), mesh=mesh) if a.tiny  # every process: orbax syncs them
-                 else jc.load_pretrained(path, mesh=mesh))
+        model = (
+            jc.CausalLM.random(config, jax.random.key(0), mesh=mesh)
+            if a.tiny  # every process: orbax syncs them
+            else jc.load_pretrained(path, mesh=mesh)
+        )
         alone = mesh is not None and jax.process_count() > 1  # process 0's device alone, the others waiting
         if alone and not first:
             multihost_utils.sync_global_devices("one device")
@@ -120,28 +165,41 @@ def main():
         strata = [r.task for r in results]
         if one_outputs is None:  # the first mesh is one device
             one_outputs, one_scores = outputs, scores
-        r = runs[label] = dict(seconds=seconds, timed_prompts=timed, first_run_s=compile_s, prompts=len(results),
-                               prompts_per_s=timed / seconds)
-        r.update(speedup=r["prompts_per_s"] / runs["data=1,model=1"]["prompts_per_s"],
-                 identical_outputs=sum(x == y for x, y in zip(one_outputs, outputs)),
-                 score=stats.mean(scores, strata=strata, bounds=(0, 1)).as_dict(),
-                 score_minus_one_device=stats.paired_difference(scores, one_scores, strata=strata,
-                                                                bounds=(0, 1)).as_dict())
-        print(f"{label}: {timed} of {len(results)} prompts timed, {seconds:.1f} s ({timed / seconds:.1f} prompts/s; "
-              f"first run, compiling: {compile_s:.1f} s)", flush=True)
+        r = runs[label] = dict(
+            seconds=seconds,
+            timed_prompts=timed,
+            first_run_s=compile_s,
+            prompts=len(results),
+            prompts_per_s=timed / seconds,
+        )
+        r.update(
+            speedup=r["prompts_per_s"] / runs["data=1,model=1"]["prompts_per_s"],
+            identical_outputs=sum(x == y for x, y in zip(one_outputs, outputs)),
+            score=stats.mean(scores, strata=strata, bounds=(0, 1)).as_dict(),
+            score_minus_one_device=stats.paired_difference(scores, one_scores, strata=strata, bounds=(0, 1)).as_dict(),
+        )
+        print(
+            f"{label}: {timed} of {len(results)} prompts timed, {seconds:.1f} s ({timed / seconds:.1f} prompts/s; "
+            f"first run, compiling: {compile_s:.1f} s)",
+            flush=True,
+        )
         if a.out:  # after each mesh: a run stopped later keeps what it measured
             pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(a.out).write_text(json.dumps(result, indent=2))
     if not first:
         return
     one = runs["data=1,model=1"]
-    print(f"\nrun, prompts/s, timed seconds, speed-up, identical outputs, score, score - one device ({result['model']}, "
-          f"{a.length} tokens, {len(tasks)} tasks x {a.samples}, {', '.join(names)} at {a.budget:.0%})")
+    print(
+        f"\nrun, prompts/s, timed seconds, speed-up, identical outputs, score, score - one device ({result['model']}, "
+        f"{a.length} tokens, {len(tasks)} tasks x {a.samples}, {', '.join(names)} at {a.budget:.0%})"
+    )
     for name, r in runs.items():
         s, d = r["score"], r["score_minus_one_device"]
-        print(f"  {name:16s} {r['prompts_per_s']:8.2f} {r['seconds']:8.1f} {r['speedup']:6.2f}x "
-              f"{r['identical_outputs']}/{one['prompts']}  {s['value']:.3f} [{s['low']:.3f}, {s['high']:.3f}]  "
-              f"{d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]")
+        print(
+            f"  {name:16s} {r['prompts_per_s']:8.2f} {r['seconds']:8.1f} {r['speedup']:6.2f}x "
+            f"{r['identical_outputs']}/{one['prompts']}  {s['value']:.3f} [{s['low']:.3f}, {s['high']:.3f}]  "
+            f"{d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+        )
 
 
 if __name__ == "__main__":

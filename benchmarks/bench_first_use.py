@@ -32,26 +32,36 @@ def main():
     p.add_argument("--out", default=None, help="JSON file for the results")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--new", type=int, default=16, help="new tokens per call")
-    p.add_argument("--policy", action="append", choices=("sink", "cascade", "kvzip", "snapkv"),
-                   help="the policies to time (default: all four)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=("sink", "cascade", "kvzip", "snapkv"),
+        help="the policies to time (default: all four)",
+    )
     args = p.parse_args()
 
     path = jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT)
     model, tokenizer = jc.load_pretrained(path), jc.load_tokenizer(path)
-    prompt = np.array([tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
-                                                     add_generation_prompt=True, return_dict=False)])
-    policies = {"sink": ("Sink(window=64, sinks=4)", jc.Sink(window=64, sinks=4)),
-                "cascade": ("Cascade(cache_size=64, sinks=4)", jc.Cascade(cache_size=64, sinks=4)),
-                "kvzip": ("KVzip(budget=32)", jc.KVzip.for_tokenizer(tokenizer, budget=32)),
-                "snapkv": ("SnapKV(budget=64)", jc.SnapKV(budget=64))}
+    prompt = np.array(
+        [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": QUESTION}], add_generation_prompt=True, return_dict=False
+            )
+        ]
+    )
+    policies = {
+        "sink": ("Sink(window=64, sinks=4)", jc.Sink(window=64, sinks=4)),
+        "cascade": ("Cascade(cache_size=64, sinks=4)", jc.Cascade(cache_size=64, sinks=4)),
+        "kvzip": ("KVzip(budget=32)", jc.KVzip.for_tokenizer(tokenizer, budget=32)),
+        "snapkv": ("SnapKV(budget=64)", jc.SnapKV(budget=64)),
+    }
     policies = dict(v for k, v in policies.items() if args.policy is None or k in args.policy)
     device = jax.devices()[0].device_kind
     rows = []
     print(f"{prompt.shape[1]}-token prompt, {args.new} new tokens, {device}")
     print(f"{'policy':<34}{'stride':>8}{'first call (s)':>16}{'after (s)':>12}")
     for label, policy in policies.items():
-        call = lambda: jc.generate(model, prompt, policy, max_new_tokens=args.new,  # noqa: E731
-                                   eos_id=tokenizer.eos_token_id)
+        call = lambda: jc.generate(model, prompt, policy, max_new_tokens=args.new, eos_id=tokenizer.eos_token_id)
         first = seconds(call)
         after = statistics.median(seconds(call) for _ in range(args.iters))
         rows.append(dict(policy=label, stride=policy.stride, first_call_s=round(first, 3), after_s=round(after, 3)))
@@ -59,8 +69,15 @@ def main():
     if args.out:
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(dict(device=device, prompt_tokens=int(prompt.shape[1]), new_tokens=args.new,
-                                       iters=args.iters, rows=rows), indent=2) + "\n")
+        out.write_text(
+            json.dumps(
+                dict(
+                    device=device, prompt_tokens=int(prompt.shape[1]), new_tokens=args.new, iters=args.iters, rows=rows
+                ),
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
   shared prefix (stored once):
     flashinfer cascade (fa2)   two-level cascade as MultiLevelCascadeAttentionWrapper runs it (a batch-prefill
                                pass per level, then merge_state_in_place) on the FA2 backend
-    jcascade shared            `jc.attend_shared`, the prefix made by `jc.share_prefix(..., rope=)` (keys stored rotated)
+    jcascade shared            `jc.attend_shared`, the prefix made by `jc.share_prefix(..., rope=)` (keys stored
+    rotated)
 
 Two timings per method: wall = median ms per call with a device sync after each call (host dispatch included);
 device = ms per call inside one loop of --loop calls (a jitted fori_loop for jcascade, one CUDA graph for
@@ -75,12 +76,15 @@ def jcascade_rows(a) -> list[dict]:
 
     def device_ms(step, *args):
         """ms per call of step(q, *args) inside one jitted loop; q moves with the loop so nothing is hoisted."""
+
         def run(q, *args):
             def body(i, acc):
                 qi, rest = jax.lax.optimization_barrier((q, args, i))[:2]
                 out = step(qi + (acc[0, 0, 0, :1] * 0).astype(q.dtype), *rest)
                 return acc + out.astype(jnp.float32)
+
             return jax.lax.fori_loop(0, a.loop, body, jnp.zeros(q.shape, jnp.float32))
+
         f = jax.jit(run)
         return wall_ms(f, *args) / a.loop
 
@@ -89,15 +93,22 @@ def jcascade_rows(a) -> list[dict]:
         quantized cache: the codes and scales of one random row in every row)."""
         k1, k2 = jax.random.split(jax.random.fold_in(key, B))
         pos = jnp.where(jnp.arange(cap) < held, jnp.arange(cap), -1).astype(jnp.int32)
-        state = dict(score=jnp.zeros((B, HKV, cap), jnp.float32), pos=jnp.broadcast_to(pos, (B, HKV, cap)),
-                     seen=jnp.full((B,), held, jnp.int32), kernels=jc.Kernels.default())
+        state = dict(
+            score=jnp.zeros((B, HKV, cap), jnp.float32),
+            pos=jnp.broadcast_to(pos, (B, HKV, cap)),
+            seen=jnp.full((B,), held, jnp.int32),
+            kernels=jc.Kernels.default(),
+        )
         if kv_dtype == "model":
             offset = (jnp.arange(B, dtype=jnp.bfloat16) / 64)[:, None, None, None]
-            make = jax.jit(lambda k: jnp.broadcast_to(jax.random.normal(k, (1, HKV, cap, D), jnp.bfloat16),
-                                                      (B, HKV, cap, D)) + offset)
+            make = jax.jit(
+                lambda k: (
+                    jnp.broadcast_to(jax.random.normal(k, (1, HKV, cap, D), jnp.bfloat16), (B, HKV, cap, D)) + offset
+                )
+            )
             return jc.CacheState(k=make(k1), v=make(k2), **state)
         dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
-        one_row = lambda k: pk.quantization.quantize(jax.random.normal(k, (1, HKV, cap, D)), dtype)  # noqa: E731
+        one_row = lambda k: pk.quantization.quantize(jax.random.normal(k, (1, HKV, cap, D)), dtype)
         make = jax.jit(lambda k: jax.tree.map(lambda x: jnp.broadcast_to(x, (B, *x.shape[1:])), one_row(k)))
         (k, k_scale), (v, v_scale) = make(k1), make(k2)
         return jc.CacheState(k=k, v=v, k_scale=k_scale, v_scale=v_scale, **state)
@@ -112,25 +123,48 @@ def jcascade_rows(a) -> list[dict]:
         kv_bytes = 2 * B * HKV * (n + 1) * D * 2
 
         own_state = rows_state(B, own + 1, own)
-        shared = lambda q, st, k1, v1: jc.attend_shared(policy, st, q, k1, v1, [prefix], None, rope)  # noqa: E731
-        rows.append(dict(batch=B, method="jcascade shared", wall_ms=wall_ms(jax.jit(shared), q, own_state, k1, v1),
-                         device_ms=device_ms(shared, q, own_state, k1, v1), kv_bytes=None))
+        shared = lambda q, st, k1, v1: jc.attend_shared(policy, st, q, k1, v1, [prefix], None, rope)
+        rows.append(
+            dict(
+                batch=B,
+                method="jcascade shared",
+                wall_ms=wall_ms(jax.jit(shared), q, own_state, k1, v1),
+                device_ms=device_ms(shared, q, own_state, k1, v1),
+                kv_bytes=None,
+            )
+        )
         del own_state
         state = rows_state(B, n + 1, n)
-        decode = lambda q, st, k1, v1: jc.attend(policy, st, q, k1, v1, None, rope)[0]  # noqa: E731
-        rows.append(dict(batch=B, method="jcascade decode", wall_ms=wall_ms(jax.jit(decode), q, state, k1, v1),
-                         device_ms=device_ms(decode, q, state, k1, v1), kv_bytes=kv_bytes))
+        decode = lambda q, st, k1, v1: jc.attend(policy, st, q, k1, v1, None, rope)[0]
+        rows.append(
+            dict(
+                batch=B,
+                method="jcascade decode",
+                wall_ms=wall_ms(jax.jit(decode), q, state, k1, v1),
+                device_ms=device_ms(decode, q, state, k1, v1),
+                kv_bytes=kv_bytes,
+            )
+        )
         del state
         for kv_dtype, name in (("int8", "int8"), ("float8_e4m3fn", "fp8")):
             state = rows_state(B, n + 1, n, kv_dtype)
             path = state.kernels.quantized_decode_path(state.k, rope=rope)
-            rows.append(dict(batch=B, method=f"jcascade decode {name}", wall_ms=wall_ms(jax.jit(decode), q, state, k1,
-                                                                                        v1),
-                             device_ms=device_ms(decode, q, state, k1, v1), kv_bytes=2 * B * HKV * (n + 1) * (D + 4),
-                             path=path))
+            rows.append(
+                dict(
+                    batch=B,
+                    method=f"jcascade decode {name}",
+                    wall_ms=wall_ms(jax.jit(decode), q, state, k1, v1),
+                    device_ms=device_ms(decode, q, state, k1, v1),
+                    kv_bytes=2 * B * HKV * (n + 1) * (D + 4),
+                    path=path,
+                )
+            )
             del state
-        print(f"   jcascade batch {B}: " + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms"
-                                                    for r in rows if r["batch"] == B), flush=True)
+        print(
+            f"   jcascade batch {B}: "
+            + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms" for r in rows if r["batch"] == B),
+            flush=True,
+        )
     return rows
 
 
@@ -167,11 +201,13 @@ def torch_timers(a):
                 for _ in range(a.loop):
                     fn()
             run, how = graph.replay, "cuda graph"
-        except Exception as e:  # noqa: BLE001 (any capture failure: time without a graph, and say so)
+        except Exception as e:  # any capture failure: time without a graph, and say so
             print(f"   graph capture failed ({type(e).__name__}: {e}); timing with events", flush=True)
+
             def run():
                 for _ in range(a.loop):
                     fn()
+
             how = "events"
         run()
         torch.cuda.synchronize()
@@ -209,9 +245,19 @@ def decode_wrapper(workspace, B, pages, last, **options):
     kv_dtype = options.pop("kv_dtype", torch.bfloat16)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", **options)
     i32 = dict(dtype=torch.int32, device="cuda")
-    w.plan(torch.arange(B + 1, **i32) * pages, torch.arange(B * pages, **i32), torch.full((B,), last, **i32),
-           HQ, HKV, D, PAGE, pos_encoding_mode=rope, rope_theta=THETA, data_type=kv_dtype,
-           q_data_type=torch.bfloat16)
+    w.plan(
+        torch.arange(B + 1, **i32) * pages,
+        torch.arange(B * pages, **i32),
+        torch.full((B,), last, **i32),
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        pos_encoding_mode=rope,
+        rope_theta=THETA,
+        data_type=kv_dtype,
+        q_data_type=torch.bfloat16,
+    )
     return w
 
 
@@ -223,16 +269,35 @@ def cascade_wrappers(workspace, B, shared_pages, own_pages, own_last):
 
     i32 = dict(dtype=torch.int32, device="cuda")
     levels = [
-        (torch.tensor([0, B], **i32), torch.tensor([0, shared_pages], **i32), torch.arange(shared_pages, **i32),
-         torch.tensor([PAGE], **i32)),
-        (torch.arange(B + 1, **i32), torch.arange(B + 1, **i32) * own_pages,
-         shared_pages + torch.arange(B * own_pages, **i32), torch.full((B,), own_last, **i32)),
+        (
+            torch.tensor([0, B], **i32),
+            torch.tensor([0, shared_pages], **i32),
+            torch.arange(shared_pages, **i32),
+            torch.tensor([PAGE], **i32),
+        ),
+        (
+            torch.arange(B + 1, **i32),
+            torch.arange(B + 1, **i32) * own_pages,
+            shared_pages + torch.arange(B * own_pages, **i32),
+            torch.full((B,), own_last, **i32),
+        ),
     ]
     wrappers = []
     for qo, indptr, indices, last in levels:
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")
-        w.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=False, q_data_type=torch.bfloat16,
-               kv_data_type=torch.bfloat16)
+        w.plan(
+            qo,
+            indptr,
+            indices,
+            last,
+            HQ,
+            HKV,
+            D,
+            PAGE,
+            causal=False,
+            q_data_type=torch.bfloat16,
+            kv_data_type=torch.bfloat16,
+        )
         wrappers.append(w)
     return wrappers
 
@@ -259,31 +324,62 @@ def flashinfer_rows(a) -> list[dict]:
         q = torch.randn(B, HQ, D, generator=gen, device="cuda").bfloat16()
         pages = -(-n // PAGE)
         replicated = torch.randn(B * pages, 2, HKV, PAGE, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-        for method, options in (("flashinfer decode", {}), ("flashinfer decode (tc)", dict(use_tensor_cores=True)),
-                                ("flashinfer decode, rope", dict(pos_encoding_mode="ROPE_LLAMA"))):
+        for method, options in (
+            ("flashinfer decode", {}),
+            ("flashinfer decode (tc)", dict(use_tensor_cores=True)),
+            ("flashinfer decode, rope", dict(pos_encoding_mode="ROPE_LLAMA")),
+        ):
             w = decode_wrapper(workspace, B, pages, n - (pages - 1) * PAGE, **options)
-            fn = lambda w=w: w.run(q, replicated)  # noqa: E731
+            fn = lambda w=w: w.run(q, replicated)
             dev, how = device_ms(fn)
-            rows.append(dict(batch=B, method=method, wall_ms=wall_ms(fn), device_ms=dev, timing=how,
-                             kv_bytes=2 * B * HKV * n * D * 2))
+            rows.append(
+                dict(
+                    batch=B,
+                    method=method,
+                    wall_ms=wall_ms(fn),
+                    device_ms=dev,
+                    timing=how,
+                    kv_bytes=2 * B * HKV * n * D * 2,
+                )
+            )
         replicated = replicated.to(torch.float8_e4m3fn)
         w = decode_wrapper(workspace, B, pages, n - (pages - 1) * PAGE, kv_dtype=torch.float8_e4m3fn)
-        fn = lambda w=w: w.run(q, replicated, k_scale=1.0, v_scale=1.0)  # noqa: E731
+        fn = lambda w=w: w.run(q, replicated, k_scale=1.0, v_scale=1.0)
         dev, how = device_ms(fn)
-        rows.append(dict(batch=B, method="flashinfer decode fp8", wall_ms=wall_ms(fn), device_ms=dev, timing=how,
-                         kv_bytes=2 * B * HKV * n * D))
+        rows.append(
+            dict(
+                batch=B,
+                method="flashinfer decode fp8",
+                wall_ms=wall_ms(fn),
+                device_ms=dev,
+                timing=how,
+                kv_bytes=2 * B * HKV * n * D,
+            )
+        )
         replicated = None  # freed before the next cache (the timed lambdas hold the name, not the tensor)
         shared_pages, own_pages = S // PAGE, -(-(own + 1) // PAGE)
-        shared = torch.randn(shared_pages + B * own_pages, 2, HKV, PAGE, D, generator=gen, device="cuda",
-                            dtype=torch.bfloat16)
+        shared = torch.randn(
+            shared_pages + B * own_pages, 2, HKV, PAGE, D, generator=gen, device="cuda", dtype=torch.bfloat16
+        )
         wrappers = cascade_wrappers(workspace, B, shared_pages, own_pages, own + 1 - (own_pages - 1) * PAGE)
-        fn = lambda: run_cascade(wrappers, q, shared)  # noqa: E731
+        fn = lambda: run_cascade(wrappers, q, shared)
         dev, how = device_ms(fn)
-        rows.append(dict(batch=B, method="flashinfer cascade (fa2)", wall_ms=wall_ms(fn), device_ms=dev, timing=how,
-                         kv_bytes=None))
+        rows.append(
+            dict(
+                batch=B,
+                method="flashinfer cascade (fa2)",
+                wall_ms=wall_ms(fn),
+                device_ms=dev,
+                timing=how,
+                kv_bytes=None,
+            )
+        )
         shared = None
-        print(f"   flashinfer batch {B}: " + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms"
-                                                      for r in rows if r["batch"] == B), flush=True)
+        print(
+            f"   flashinfer batch {B}: "
+            + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms" for r in rows if r["batch"] == B),
+            flush=True,
+        )
     return rows
 
 
@@ -317,11 +413,17 @@ def agreement_at(a, B: int) -> dict:
 
     def state_of(k, v, held):
         pos = jnp.broadcast_to(jnp.arange(held, dtype=jnp.int32), (k.shape[0], HKV, held))
-        return jc.CacheState(k=k, v=v, score=jnp.zeros(pos.shape, jnp.float32), pos=pos,
-                             seen=jnp.full((k.shape[0],), held, jnp.int32), kernels=jc.Kernels.default())
+        return jc.CacheState(
+            k=k,
+            v=v,
+            score=jnp.zeros(pos.shape, jnp.float32),
+            pos=pos,
+            seen=jnp.full((k.shape[0],), held, jnp.int32),
+            kernels=jc.Kernels.default(),
+        )
 
-    t = lambda x: torch.from_dlpack(jax.block_until_ready(x))  # noqa: E731
-    rotate = lambda x, start: rope(x, start + jnp.arange(x.shape[2], dtype=jnp.int32)[None, None, :])  # noqa: E731
+    t = lambda x: torch.from_dlpack(jax.block_until_ready(x))
+    rotate = lambda x, start: rope(x, start + jnp.arange(x.shape[2], dtype=jnp.int32)[None, None, :])
     # FlashInfer's inputs: keys rotated at their positions, q at the new token's (n - 1)
     rot_q = t(rope(q.swapaxes(1, 2), jnp.full((B, 1, 1), n - 1, jnp.int32))[:, :, 0]).contiguous()
     rot_prefix, rot_own = rotate(prefix_k, 0), rotate(own_k, S)
@@ -332,17 +434,24 @@ def agreement_at(a, B: int) -> dict:
         all_v = jnp.concatenate([jnp.broadcast_to(prefix_v, (B, HKV, S, D)), own_v], 2)
         got = jc.attend(policy, state_of(all_k[:, :, :-1], all_v[:, :, :-1], n - 1), q, new_k, new_v, None, rope)[0]
         rot_all = jnp.concatenate([jnp.broadcast_to(rot_prefix, (B, HKV, S, D)), rot_own], 2)
-        for name, keys, query, options in (("flashinfer decode vs jcascade decode", rot_all, rot_q, {}),
-                                           ("flashinfer decode, rope vs jcascade decode", all_k,
-                                            t(q[:, 0]).contiguous(), dict(pos_encoding_mode="ROPE_LLAMA"))):
+        for name, keys, query, options in (
+            ("flashinfer decode vs jcascade decode", rot_all, rot_q, {}),
+            (
+                "flashinfer decode, rope vs jcascade decode",
+                all_k,
+                t(q[:, 0]).contiguous(),
+                dict(pos_encoding_mode="ROPE_LLAMA"),
+            ),
+        ):
             cache, last = paged(t(keys), t(all_v))
             w = decode_wrapper(workspace, B, cache.shape[0] // B, last, **options)
             result[name] = float((w.run(query, cache).float() - t(got[:, 0]).float()).abs().max())
             del cache
         del all_k, all_v, rot_all, got
     prefix = jc.share_prefix(policy, state_of(prefix_k, prefix_v, S), rope=rope)
-    got = jc.attend_shared(policy, state_of(own_k[:, :, :-1], own_v[:, :, :-1], own), q, new_k, new_v, [prefix], None,
-                           rope)
+    got = jc.attend_shared(
+        policy, state_of(own_k[:, :, :-1], own_v[:, :, :-1], own), q, new_k, new_v, [prefix], None, rope
+    )
     prefix_cache, _ = paged(t(rot_prefix), t(prefix_v))
     own_cache, own_last = paged(t(rot_own), t(own_v))
     cache = torch.cat([prefix_cache, own_cache])
@@ -356,10 +465,20 @@ def agreement_at(a, B: int) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    eight_bit = lambda r: r["method"].endswith(("int8", "fp8"))  # noqa: E731  compared with FlashInfer's fp8
-    best_decode = {(r["batch"], eight_bit(r)): min(
-        (x["device_ms"] for x in rows if x["batch"] == r["batch"] and x["method"].startswith("flashinfer decode")
-         and eight_bit(x) == eight_bit(r)), default=None) for r in rows}
+    eight_bit = lambda r: r["method"].endswith(("int8", "fp8"))  # compared with FlashInfer's fp8
+    best_decode = {
+        (r["batch"], eight_bit(r)): min(
+            (
+                x["device_ms"]
+                for x in rows
+                if x["batch"] == r["batch"]
+                and x["method"].startswith("flashinfer decode")
+                and eight_bit(x) == eight_bit(r)
+            ),
+            default=None,
+        )
+        for r in rows
+    }
     cascade = {r["batch"]: r["device_ms"] for r in rows if r["method"].startswith("flashinfer cascade")}
     lines = [f"{'batch':>5} {'method':<26} {'wall ms':>8} {'device ms':>9} {'TB/s':>5} {'vs FlashInfer':>13}"]
     for r in sorted(rows, key=lambda r: (r["batch"], r["method"])):
@@ -367,7 +486,9 @@ def table(rows: list[dict]) -> list[str]:
         peer = best_decode.get((r["batch"], eight_bit(r))) if r.get("kv_bytes") else cascade.get(r["batch"])
         ratio = f"{r['device_ms'] / peer:13.2f}" if peer else ""
         path = f"  ({r['path']})" if r.get("path", "in place") != "in place" else ""
-        lines.append(f"{r['batch']:>5} {r['method']:<26} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}{path}")
+        lines.append(
+            f"{r['batch']:>5} {r['method']:<26} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}{path}"
+        )
     return lines
 
 
@@ -399,16 +520,36 @@ def main():
         return
 
     # the parent touches no device: each library runs in its own process, with the memory to itself
-    result = dict(benchmark="flashinfer_side_by_side", date=time.strftime("%Y-%m-%d"),
-                  shape=dict(prefix=shapes(a.tiny)[0], own=shapes(a.tiny)[1], heads=[HQ, HKV, D], page=PAGE),
-                  iters=a.iters, loop=a.loop, rows=[], agreement=None, failures={})
+    result = dict(
+        benchmark="flashinfer_side_by_side",
+        date=time.strftime("%Y-%m-%d"),
+        shape=dict(prefix=shapes(a.tiny)[0], own=shapes(a.tiny)[1], heads=[HQ, HKV, D], page=PAGE),
+        iters=a.iters,
+        loop=a.loop,
+        rows=[],
+        agreement=None,
+        failures={},
+    )
     out = pathlib.Path(a.out or "benchmarks/results/flashinfer.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for peer in peers:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [sys.executable, __file__, "--peer", peer, "--peer-out", f.name, "--batches",
-                   ",".join(map(str, a.batches)), "--iters", str(a.iters), "--loop", str(a.loop),
-                   "--agree-batches", ",".join(map(str, a.agree_batches))] + (["--tiny"] if a.tiny else [])
+            cmd = [
+                sys.executable,
+                __file__,
+                "--peer",
+                peer,
+                "--peer-out",
+                f.name,
+                "--batches",
+                ",".join(map(str, a.batches)),
+                "--iters",
+                str(a.iters),
+                "--loop",
+                str(a.loop),
+                "--agree-batches",
+                ",".join(map(str, a.agree_batches)),
+            ] + (["--tiny"] if a.tiny else [])
             print(f"{peer} ...", flush=True)
             done = subprocess.run(cmd)
             if done.returncode:
@@ -421,9 +562,11 @@ def main():
         else:
             result["rows"] += got["result"]
         out.write_text(json.dumps(result, indent=2))
-    print(f"\n{result.get('device')}: one decode step, {result['shape']['prefix']}-token prefix + "
-          f"{result['shape']['own']} own tokens per request; ratio = device time over FlashInfer's best decode "
-          "(replicated cache) or its cascade (shared prefix)")
+    print(
+        f"\n{result.get('device')}: one decode step, {result['shape']['prefix']}-token prefix + "
+        f"{result['shape']['own']} own tokens per request; ratio = device time over FlashInfer's best decode "
+        "(replicated cache) or its cascade (shared prefix)"
+    )
     print("\n".join(table(result["rows"])))
     if result["agreement"]:
         print("max |difference|:", result["agreement"])

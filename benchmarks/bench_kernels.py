@@ -1,23 +1,24 @@
 """Kernel benchmarks on the Llama-3.1-8B layer shape (32 query heads, 8 KV heads, D = 128, bf16).
 
-  a  chunk attention with exact scores (chunk 4096 vs a 16K + 64 cache), the kernels of each GPU backend
-     (Triton; Mosaic GPU on a Hopper GPU) in several tilings, vs cuDNN attention on the same shapes without
-     scores (jax.nn.dot_product_attention(implementation="cudnn"), non-causal over cache + chunk keys,
-     about 11 % more key positions than the causal chunk needs);
-  b  the paper's Figure 6b: one attention layer over 1M tokens with strided prefill (cache 16K + 64 sinks,
-     4 cascades, attend + update per chunk) on each GPU backend vs cuDNN causal attention over the same
-     tokens, and the stride sweep of Figure 6c (default kernels);
-  c  the paper's Figure 6a: 16K tokens pushed one at a time into a 16K cache (fill phase), then 16K more
-     (steady phase), with 1 and 4 cascades, vs a concatenation-based sink cache written in JAX;
-  d  decode attention (one query per row, scores on, RoPE fused) over a 16K cache at batch 1 and 32, over
-     the layers of a stacked cache inside one jitted loop, in each storage format asked for (bf16; int8 and
-     float8 codes dequantized in the kernel's registers), with --decode-ablation also without the RoPE and
-     without the scores: achieved bandwidth vs the memory bandwidth measured in the same run (best of copies and
-     reads over three sizes, as bench_model.py measures it).
+a  chunk attention with exact scores (chunk 4096 vs a 16K + 64 cache), the kernels of each GPU backend
+   (Triton; Mosaic GPU on a Hopper GPU) in several tilings, vs cuDNN attention on the same shapes without
+   scores (jax.nn.dot_product_attention(implementation="cudnn"), non-causal over cache + chunk keys,
+   about 11 % more key positions than the causal chunk needs);
+b  the paper's Figure 6b: one attention layer over 1M tokens with strided prefill (cache 16K + 64 sinks,
+   4 cascades, attend + update per chunk) on each GPU backend vs cuDNN causal attention over the same
+   tokens, and the stride sweep of Figure 6c (default kernels);
+c  the paper's Figure 6a: 16K tokens pushed one at a time into a 16K cache (fill phase), then 16K more
+   (steady phase), with 1 and 4 cascades, vs a concatenation-based sink cache written in JAX;
+d  decode attention (one query per row, scores on, RoPE fused) over a 16K cache at batch 1 and 32, over
+   the layers of a stacked cache inside one jitted loop, in each storage format asked for (bf16; int8 and
+   float8 codes dequantized in the kernel's registers), with --decode-ablation also without the RoPE and
+   without the scores: achieved bandwidth vs the memory bandwidth measured in the same run (best of copies and
+   reads over three sizes, as bench_model.py measures it).
 
-    python benchmarks/bench_kernels.py [--only abcd] [--decode-sweep] [--decode-kv-dtypes model,int8,float8_e4m3fn] [--decode-ablation]
-        [--out benchmarks/results/kernels-<device>.json]
-    python benchmarks/bench_kernels.py --tiny     # a seconds-long dry run of the same code on the CPU
+  python benchmarks/bench_kernels.py [--only abcd] [--decode-sweep] [--decode-kv-dtypes model,int8,float8_e4m3fn]
+      [--decode-ablation]
+      [--out benchmarks/results/kernels-<device>.json]
+  python benchmarks/bench_kernels.py --tiny     # a seconds-long dry run of the same code on the CPU
 """
 
 from __future__ import annotations
@@ -27,19 +28,16 @@ import dataclasses
 import json
 import pathlib
 import statistics
-import sys
 import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_model import memory_bandwidth
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_model import memory_bandwidth  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DT = jnp.bfloat16
@@ -66,7 +64,9 @@ def full_cache(policy, batch, key, kernels=None, seen=1 << 20):
     state = jc.init_cache(policy, batch, HKV, D, DT, kernels=kernels)
     k1, k2, k3 = jax.random.split(key, 3)
     return dataclasses.replace(
-        state, k=rand(k1, state.k.shape), v=rand(k2, state.v.shape),
+        state,
+        k=rand(k1, state.k.shape),
+        v=rand(k2, state.v.shape),
         score=jax.random.uniform(k3, state.score.shape) * 1e-3,
         pos=jnp.broadcast_to(jnp.arange(state.capacity, dtype=jnp.int32), state.pos.shape),
         seen=jnp.full((batch,), seen, jnp.int32),
@@ -96,8 +96,12 @@ def bench_chunk(a, cudnn):
         except Exception as e:  # a config the compiler rejects (e.g. shared memory) is reported, not fatal
             rows.append(row | dict(error=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
-        rows.append(row | dict(ms_with_scores=t_scores * 1e3, ms_without_scores=t_plain * 1e3,
-                               tflops_forward=useful / t_plain / 1e12))
+        rows.append(
+            row
+            | dict(
+                ms_with_scores=t_scores * 1e3, ms_without_scores=t_plain * 1e3, tflops_forward=useful / t_plain / 1e12
+            )
+        )
     kf, vf = jnp.concatenate([jnp.swapaxes(kc, 1, 2), k], 1), jnp.concatenate([jnp.swapaxes(vc, 1, 2), v], 1)
     base = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=cudnn))
     try:
@@ -109,10 +113,19 @@ def bench_chunk(a, cudnn):
         timed_rows = [r for r in rows if r["implementation"] == impl and "error" not in r]
         if timed_rows:
             fastest = min(timed_rows, key=lambda r: r["ms_with_scores"])
-            best[impl] = fastest | dict(ratio_with_scores=fastest["ms_with_scores"] / (t_base * 1e3),
-                                        ratio_without_scores=fastest["ms_without_scores"] / (t_base * 1e3))
-    return dict(T=T, S=S, baseline=cudnn or "xla", baseline_ms=t_base * 1e3,
-                baseline_tflops=4 * T * (S + T) * D * HQ / t_base / 1e12, configs=rows, best=best)
+            best[impl] = fastest | dict(
+                ratio_with_scores=fastest["ms_with_scores"] / (t_base * 1e3),
+                ratio_without_scores=fastest["ms_without_scores"] / (t_base * 1e3),
+            )
+    return dict(
+        T=T,
+        S=S,
+        baseline=cudnn or "xla",
+        baseline_ms=t_base * 1e3,
+        baseline_tflops=4 * T * (S + T) * D * HQ / t_base / 1e12,
+        configs=rows,
+        best=best,
+    )
 
 
 def prefill_layer(policy, tokens, kernels, key):
@@ -129,6 +142,7 @@ def prefill_layer(policy, tokens, kernels, key):
             q, k, v = rand(kq, (1, T, HQ, D)), rand(kk, (1, T, HKV, D)), rand(kv, (1, T, HKV, D))
             out, scores = jc.attend(policy, state, q, k, v, rope=rope)
             return jc.update(policy, state, k, v, scores), out[0, -1, 0, 0]
+
         state, outs = jax.lax.scan(step, state, jnp.arange(chunks))
         return state, outs
 
@@ -147,7 +161,11 @@ def bench_prefill(a, kernels, cudnn):
     for length in a.full_lengths:
         try:
             ks = jax.random.split(jax.random.key(3), 3)
-            q, k, v = rand(ks[0], (1, length, HQ, D)), rand(ks[1], (1, length, HKV, D)), rand(ks[2], (1, length, HKV, D))
+            q, k, v = (
+                rand(ks[0], (1, length, HQ, D)),
+                rand(ks[1], (1, length, HKV, D)),
+                rand(ks[2], (1, length, HKV, D)),
+            )
             f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cudnn))
             full.append(dict(tokens=length, seconds=timed(f, q, k, v, iters=1)))
             del q, k, v
@@ -157,9 +175,16 @@ def bench_prefill(a, kernels, cudnn):
     x, y = np.array(measured, float).T
     coeffs = np.polyfit(x, y, 2)
     at_n = dict(measured).get(n, float(np.polyval(coeffs, n)))
-    return dict(tokens=n, ours_s=ours, full_attention=full, quadratic_fit=coeffs.tolist(),
-                full_attention_at_tokens_s=at_n, full_measured_at_tokens=n in dict(measured),
-                speedup={backend: at_n / t for backend, t in ours.items()}, stride_sweep=sweep)
+    return dict(
+        tokens=n,
+        ours_s=ours,
+        full_attention=full,
+        quadratic_fit=coeffs.tolist(),
+        full_attention_at_tokens_s=at_n,
+        full_measured_at_tokens=n in dict(measured),
+        speedup={backend: at_n / t for backend, t in ours.items()},
+        stride_sweep=sweep,
+    )
 
 
 def push_tokens(policy, state, num, key):
@@ -175,6 +200,7 @@ def push_tokens(policy, state, num, key):
         def body(i, state):
             scores = jc.Scores(cache_inc, chunk_mu[i]) if isinstance(policy, jc.Cascade) else None
             return jc.update(policy, state, new_k[i], new_v[i], scores)
+
         return jax.lax.fori_loop(0, num, body, state)
 
     return timed(run, state, iters=1), run(state)
@@ -192,6 +218,7 @@ def push_concat(num, cap, sinks, batch, key):
             k = jnp.concatenate([k[:, :, :sinks], k[:, :, sinks + 1 :], new_k[i]], axis=2)
             v = jnp.concatenate([v[:, :, :sinks], v[:, :, sinks + 1 :], new_v[i]], axis=2)
             return k, v
+
         return jax.lax.fori_loop(0, num, body, (k, v))
 
     zeros = jnp.zeros((batch, HKV, cap, D), DT)
@@ -206,16 +233,27 @@ def bench_push(a, kernels):
             empty = jc.init_cache(policy, batch, HKV, D, DT, kernels=kernels)
             t_fill, filled = push_tokens(policy, empty, a.cache, jax.random.key(4))
             t_steady, _ = push_tokens(policy, filled, a.cache, jax.random.key(5))
-            rows.append(dict(batch=batch, cascades=n_casc, implementation=kernels.backend,
-                             fill_us_per_token=t_fill / a.cache * 1e6, steady_us_per_token=t_steady / a.cache * 1e6))
+            rows.append(
+                dict(
+                    batch=batch,
+                    cascades=n_casc,
+                    implementation=kernels.backend,
+                    fill_us_per_token=t_fill / a.cache * 1e6,
+                    steady_us_per_token=t_steady / a.cache * 1e6,
+                )
+            )
         if kernels.backend != "xla":  # the vectorised XLA formulation, single tokens (slow: a short sample)
             policy = jc.Cascade(cache_size=a.cache, sinks=a.sinks, num_cascades=4)
             xla = full_cache(policy, batch, jax.random.key(7), jc.Kernels("xla"))
             t_xla, _ = push_tokens(policy, xla, a.xla_tokens, jax.random.key(5))
-            rows.append(dict(batch=batch, cascades=4, implementation="xla", steady_us_per_token=t_xla / a.xla_tokens * 1e6))
+            rows.append(
+                dict(batch=batch, cascades=4, implementation="xla", steady_us_per_token=t_xla / a.xla_tokens * 1e6)
+            )
         pushed = a.cache if batch == 1 else a.cache // 8  # each token copies the whole cache: keep it short
         t_concat = push_concat(pushed, a.cache + a.sinks, a.sinks, batch, jax.random.key(6))
-        rows.append(dict(batch=batch, cascades=1, implementation="concatenation", steady_us_per_token=t_concat / pushed * 1e6))
+        rows.append(
+            dict(batch=batch, cascades=1, implementation="concatenation", steady_us_per_token=t_concat / pushed * 1e6)
+        )
     return rows
 
 
@@ -227,11 +265,19 @@ def decode_inputs(policy, batch: int, layers: int, kv_dtype: str = "model") -> d
     offsets = jnp.arange(layers, dtype=DT)[:, None, None, None, None]
     ks = jax.random.split(jax.random.key(8), 3)
     lengths = jnp.ones((batch,), jnp.int32)
-    x = dict(stack_k=jnp.broadcast_to(cache.k, (layers, *cache.k.shape)) + offsets,
-             stack_v=jnp.broadcast_to(cache.v, (layers, *cache.v.shape)) + offsets,
-             q=rand(ks[0], (batch, 1, HQ, D)), k=rand(ks[1], (batch, 1, HKV, D)), v=rand(ks[2], (batch, 1, HKV, D)),
-             lengths=lengths, weights=policy.query_weights(lengths, 1), positions=cache.pos[:, :1],
-             valid=cache.pos >= 0, k_scale=None, v_scale=None)
+    x = dict(
+        stack_k=jnp.broadcast_to(cache.k, (layers, *cache.k.shape)) + offsets,
+        stack_v=jnp.broadcast_to(cache.v, (layers, *cache.v.shape)) + offsets,
+        q=rand(ks[0], (batch, 1, HQ, D)),
+        k=rand(ks[1], (batch, 1, HKV, D)),
+        v=rand(ks[2], (batch, 1, HKV, D)),
+        lengths=lengths,
+        weights=policy.query_weights(lengths, 1),
+        positions=cache.pos[:, :1],
+        valid=cache.pos >= 0,
+        k_scale=None,
+        v_scale=None,
+    )
     if kv_dtype != "model":
         dtype = pk.quantization.storage_dtype(kv_dtype, DT)
         quantize = jax.jit(lambda stack: pk.quantization.quantize(stack, dtype))
@@ -242,14 +288,29 @@ def decode_inputs(policy, batch: int, layers: int, kv_dtype: str = "model") -> d
 def decode_loop(x: dict, weights, rope, layers: int, calls: int, kernels):
     """jit (stack_k, stack_v) -> sums of out and scores: `calls` decode ops on `kernels`, call i reading layer
     i % layers of the stack in place; `weights` None turns the scores off."""
+
     def run(stack_k, stack_v):
         def one(i, acc):
-            scales = {} if x["k_scale"] is None else dict(k_scale=x["k_scale"][i % layers],
-                                                                          v_scale=x["v_scale"][i % layers])
-            out, _, inc, _ = kernels.chunk_attention(x["q"], x["k"], x["v"], stack_k, stack_v, x["valid"],
-                                                     x["positions"], x["lengths"], weights, "max", rope,
-                                                     layer=i % layers, **scales)
+            scales = (
+                {} if x["k_scale"] is None else dict(k_scale=x["k_scale"][i % layers], v_scale=x["v_scale"][i % layers])
+            )
+            out, _, inc, _ = kernels.chunk_attention(
+                x["q"],
+                x["k"],
+                x["v"],
+                stack_k,
+                stack_v,
+                x["valid"],
+                x["positions"],
+                x["lengths"],
+                weights,
+                "max",
+                rope,
+                layer=i % layers,
+                **scales,
+            )
             return acc[0] + out.astype(jnp.float32), acc[1] + (0 if inc is None else inc)
+
         zeros = (jnp.zeros(x["q"].shape, jnp.float32), jnp.zeros(x["valid"].shape, jnp.float32))
         return jax.lax.fori_loop(0, calls, one, zeros)
 
@@ -275,14 +336,24 @@ def bench_decode(a, kernels, bandwidth):
         if a.decode_ablation:  # what the kernel's RoPE and the scores' logits cost
             variants += [("no RoPE, scores", None, x["weights"]), ("no RoPE, no scores", None, None)]
         for cfg, (variant, variant_rope, weights) in ((c, v) for c in a.decode_configs for v in variants):
-            run = decode_loop(x, weights, variant_rope, a.decode_layers, a.decode_calls,
-                              dataclasses.replace(kernels, triton=cfg))
+            run = decode_loop(
+                x, weights, variant_rope, a.decode_layers, a.decode_calls, dataclasses.replace(kernels, triton=cfg)
+            )
             t = timed(run, x["stack_k"], x["stack_v"], iters=3) / a.decode_calls
-            rows.append(dict(batch=batch, kv_dtype=kv_dtype, variant=variant, config=str(cfg), us_per_step=t * 1e6,
-                             kv_gb_per_s=(kv_bytes + meta_bytes) / t / 1e9,
-                             fraction_of_bandwidth=(kv_bytes + meta_bytes) / t / bandwidth,
-                             all_bytes_fraction=(kv_bytes + meta_bytes + (logit_bytes if weights is not None else 0))
-                             / t / bandwidth))
+            rows.append(
+                dict(
+                    batch=batch,
+                    kv_dtype=kv_dtype,
+                    variant=variant,
+                    config=str(cfg),
+                    us_per_step=t * 1e6,
+                    kv_gb_per_s=(kv_bytes + meta_bytes) / t / 1e9,
+                    fraction_of_bandwidth=(kv_bytes + meta_bytes) / t / bandwidth,
+                    all_bytes_fraction=(kv_bytes + meta_bytes + (logit_bytes if weights is not None else 0))
+                    / t
+                    / bandwidth,
+                )
+            )
         del x
     return rows
 
@@ -293,11 +364,14 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes on any platform (a dry run of the script)")
     p.add_argument("--out", default=None)
     p.add_argument("--budget-s", type=float, default=480, help="skip the sections that would start after this")
-    p.add_argument("--decode-sweep", action="store_true", help="d: time nine tilings and grid orders, not only the default one")
+    p.add_argument(
+        "--decode-sweep", action="store_true", help="d: time nine tilings and grid orders, not only the default one"
+    )
     p.add_argument("--decode-batches", default="1,32", help="d: comma-separated batch sizes")
     p.add_argument("--decode-ablation", action="store_true", help="d: also without the fused RoPE, and without scores")
-    p.add_argument("--decode-kv-dtypes", default="model", help=f"d: comma-separated storage formats of "
-                   f"{pk.quantization.KV_DTYPES}")
+    p.add_argument(
+        "--decode-kv-dtypes", default="model", help=f"d: comma-separated storage formats of {pk.quantization.KV_DTYPES}"
+    )
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     a.decode_batches = [int(b) for b in a.decode_batches.split(",")]
@@ -313,19 +387,39 @@ def main():
     a.full_lengths = [1 << 17, 1 << 18, 1 << 19, 1 << 20]
     a.push_batches, a.xla_tokens = [1, 32], 512
     G, M = pk.TritonConfig, pk.MosaicGpuConfig
-    triton = lambda cfg: jc.Kernels("triton", triton=cfg)  # noqa: E731
-    mosaic = lambda cfg: jc.Kernels("mosaic_gpu", fallback=False, mosaic_gpu=cfg)  # noqa: E731
-    a.configs = [triton(G()), triton(G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3)),
-                 triton(G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3)),
-                 triton(G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2))]
+    triton = lambda cfg: jc.Kernels("triton", triton=cfg)
+    mosaic = lambda cfg: jc.Kernels("mosaic_gpu", fallback=False, mosaic_gpu=cfg)
+    a.configs = [
+        triton(G()),
+        triton(G(block_q=64, block_k=128, score_block_q=128, score_block_k=64, num_stages=3)),
+        triton(G(block_q=64, block_k=128, score_block_q=64, score_block_k=128, num_stages=3)),
+        triton(G(block_q=128, block_k=128, score_block_q=128, score_block_k=128, num_warps=8, num_stages=2)),
+    ]
     if "mosaic_gpu" in a.backends:
-        a.configs += [mosaic(M()), mosaic(M(score_block_k=64, score_block_q=64)), mosaic(M(score_block_k=64)),
-                      mosaic(M(block_k=64))]
-    a.decode_configs = [G(decode_block_k=bk, decode_num_stages=stages, decode_num_warps=warps, decode_programs=programs)
-                        for bk, stages, warps, programs in ((64, 3, 4, 256), (64, 4, 4, 256), (64, 3, 4, 512),
-                                                            (64, 3, 4, 1024), (128, 3, 4, 256), (128, 3, 8, 256),
-                                                            (128, 2, 8, 512), (32, 4, 4, 512))
-                        ] + [G(decode_heads_first=False)] if a.decode_sweep else [G()]
+        a.configs += [
+            mosaic(M()),
+            mosaic(M(score_block_k=64, score_block_q=64)),
+            mosaic(M(score_block_k=64)),
+            mosaic(M(block_k=64)),
+        ]
+    a.decode_configs = (
+        [
+            G(decode_block_k=bk, decode_num_stages=stages, decode_num_warps=warps, decode_programs=programs)
+            for bk, stages, warps, programs in (
+                (64, 3, 4, 256),
+                (64, 4, 4, 256),
+                (64, 3, 4, 512),
+                (64, 3, 4, 1024),
+                (128, 3, 4, 256),
+                (128, 3, 8, 256),
+                (128, 2, 8, 512),
+                (32, 4, 4, 512),
+            )
+        ]
+        + [G(decode_heads_first=False)]
+        if a.decode_sweep
+        else [G()]
+    )
     a.decode_layers, a.decode_calls = 8, 64
     sizes = [1 << 28, 1 << 30, 1 << 31]  # bf16 elements
     if a.tiny:
@@ -338,12 +432,22 @@ def main():
         sizes = [1 << 20]
     device = jax.devices()[0]
     bandwidth = memory_bandwidth([device], sizes)["rate"]  # the best of copies and reads over three sizes
-    result = dict(benchmark="kernels", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  implementation=kernels.backend, bandwidth_gb_s=bandwidth / 1e9)
+    result = dict(
+        benchmark="kernels",
+        device=device.device_kind,
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        implementation=kernels.backend,
+        bandwidth_gb_s=bandwidth / 1e9,
+    )
     out = pathlib.Path(a.out or f"benchmarks/results/kernels-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    sections = dict(a=("a_chunk", lambda: bench_chunk(a, cudnn)), b=("b_prefill_1m", lambda: bench_prefill(a, kernels, cudnn)),
-                    c=("c_push", lambda: bench_push(a, kernels)), d=("d_decode", lambda: bench_decode(a, kernels, bandwidth)))
+    sections = dict(
+        a=("a_chunk", lambda: bench_chunk(a, cudnn)),
+        b=("b_prefill_1m", lambda: bench_prefill(a, kernels, cudnn)),
+        c=("c_push", lambda: bench_push(a, kernels)),
+        d=("d_decode", lambda: bench_decode(a, kernels, bandwidth)),
+    )
     start = time.perf_counter()
     for letter in a.only:
         name, run = sections[letter]
@@ -359,39 +463,61 @@ def main():
 
 
 def report(r):
-    print(f"\n{r['device']}, jax {r['jax']}, {r['implementation']}; memory bandwidth {r['bandwidth_gb_s']:.0f} GB/s "
-          f"(best of copies and reads)")
+    print(
+        f"\n{r['device']}, jax {r['jax']}, {r['implementation']}; memory bandwidth {r['bandwidth_gb_s']:.0f} GB/s "
+        f"(best of copies and reads)"
+    )
     if "a_chunk" in r:
         c = r["a_chunk"]
-        print(f"a) chunk {c['T']} x cache {c['S']}: baseline {c['baseline']} {c['baseline_ms']:.2f} ms "
-              f"({c['baseline_tflops']:.0f} TFLOP/s)")
+        print(
+            f"a) chunk {c['T']} x cache {c['S']}: baseline {c['baseline']} {c['baseline_ms']:.2f} ms "
+            f"({c['baseline_tflops']:.0f} TFLOP/s)"
+        )
         for row in c["configs"]:
             if "error" in row:
                 print(f"   {row['implementation']} {row['config']}: {row['error']}")
             else:
-                print(f"   {row['implementation']} {row['config']}: {row['ms_with_scores']:.2f} ms with scores, "
-                      f"{row['ms_without_scores']:.2f} ms without ({row['tflops_forward']:.0f} TFLOP/s)")
+                print(
+                    f"   {row['implementation']} {row['config']}: {row['ms_with_scores']:.2f} ms with scores, "
+                    f"{row['ms_without_scores']:.2f} ms without ({row['tflops_forward']:.0f} TFLOP/s)"
+                )
         for impl, best in c["best"].items():
-            print(f"   best {impl}: {best['ratio_with_scores']:.2f}x baseline with scores, "
-                  f"{best['ratio_without_scores']:.2f}x without")
+            print(
+                f"   best {impl}: {best['ratio_with_scores']:.2f}x baseline with scores, "
+                f"{best['ratio_without_scores']:.2f}x without"
+            )
     if "b_prefill_1m" in r:
         b = r["b_prefill_1m"]
         ours = ", ".join(f"{impl} {t:.2f} s ({b['speedup'][impl]:.1f}x)" for impl, t in b["ours_s"].items())
-        print(f"b) one layer over {b['tokens']} tokens: cascade {ours}; full causal "
-              f"{b['full_attention_at_tokens_s']:.2f} s ({'measured' if b['full_measured_at_tokens'] else 'quadratic fit'})")
-        print("   full attention: " + ", ".join(f"{x['tokens']}: {x.get('seconds', x.get('error'))}" for x in b["full_attention"]))
+        print(
+            f"b) one layer over {b['tokens']} tokens: cascade {ours}; full causal "
+            f"{b['full_attention_at_tokens_s']:.2f} s "
+            f"({'measured' if b['full_measured_at_tokens'] else 'quadratic fit'})"
+        )
+        print(
+            "   full attention: "
+            + ", ".join(f"{x['tokens']}: {x.get('seconds', x.get('error'))}" for x in b["full_attention"])
+        )
         print("   stride sweep: " + ", ".join(f"{x['stride']}: {x['seconds']:.2f} s" for x in b["stride_sweep"]))
     if "c_push" in r:
         print("c) tokens pushed one at a time (us/token): batch, cascades, implementation, fill, steady")
         for x in r["c_push"]:
-            print(f"   {x['batch']:>3} {x['cascades']} {x['implementation']:<14} {x.get('fill_us_per_token', float('nan')):9.2f} {x['steady_us_per_token']:9.2f}")
+            print(
+                f"   {x['batch']:>3} {x['cascades']} {x['implementation']:<14} "
+                f"{x.get('fill_us_per_token', float('nan')):9.2f} {x['steady_us_per_token']:9.2f}"
+            )
     if "d_decode" in r:
-        print("d) decode attention over the cache: batch, format, variant, us/step, GB/s (K, V, scales, metadata), "
-              "fraction of the measured bandwidth, config")
+        print(
+            "d) decode attention over the cache: batch, format, variant, us/step, GB/s (K, V, scales, metadata), "
+            "fraction of the measured bandwidth, config"
+        )
         for x in r["d_decode"]:
-            print(f"   {x['batch']:>3} {x['kv_dtype']:<13} {x['variant']:<18} {x['us_per_step']:9.1f} "
-                  f"{x['kv_gb_per_s']:8.0f} {x['fraction_of_bandwidth']:6.2f} (with logits {x['all_bytes_fraction']:.2f}) "
-                  f"{x['config'][9:]}")
+            print(
+                f"   {x['batch']:>3} {x['kv_dtype']:<13} {x['variant']:<18} {x['us_per_step']:9.1f} "
+                f"{x['kv_gb_per_s']:8.0f} {x['fraction_of_bandwidth']:6.2f} "
+                f"(with logits {x['all_bytes_fraction']:.2f}) "
+                f"{x['config'][9:]}"
+            )
 
 
 if __name__ == "__main__":

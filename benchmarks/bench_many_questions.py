@@ -32,8 +32,10 @@ import time
 import numpy as np
 
 NEEDLE = " The special magic number for {key} is: {value}."
-INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. I will quiz "
-         "you about the numbers afterwards.\n")
+INTRO = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize them. I will quiz "
+    "you about the numbers afterwards.\n"
+)
 QUESTION = "\nWhat is the special magic number for {key} mentioned in the provided text?"
 PREFIX = " The special magic number for {key} mentioned in the provided text is"
 METHODS = ("shared", "replicated", "reprefill")
@@ -41,7 +43,7 @@ MARK = "@@DOCUMENT@@"
 
 
 def tokens_of(text: str, value: str) -> int:
-    """"32K" -> 32768, "300" -> 300 (argparse type)."""
+    """ "32K" -> 32768, "300" -> 300 (argparse type)."""
     try:
         number = int(value[:-1]) * 1024 if value[-1:].lower() == "k" else int(value)
     except ValueError:
@@ -59,10 +61,11 @@ def build(tokenizer, book: str, context: int, questions: int, answer_tokens: int
     `answer_tokens`."""
     from jcascade.eval import ruler, texts
 
-    ids = lambda text: np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)  # noqa: E731
+    ids = lambda text: np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
     if getattr(tokenizer, "chat_template", None):
-        head, tail = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], add_generation_prompt=True,
-                                                   tokenize=False).split(MARK)
+        head, tail = tokenizer.apply_chat_template(
+            [{"role": "user", "content": MARK}], add_generation_prompt=True, tokenize=False
+        ).split(MARK)
     else:
         head, tail = "", ""
     rng = np.random.default_rng(seed)
@@ -81,8 +84,10 @@ def build(tokenizer, book: str, context: int, questions: int, answer_tokens: int
     lengths = np.cumsum([len(s) for s in sentences])
     count = int(np.searchsorted(lengths, budget, side="right"))
     if count < questions:
-        raise SystemExit(f"--context {context}: the book {book!r} fills only {count} sentences around {questions} "
-                         f"needles; use a longer context or fewer questions")
+        raise SystemExit(
+            f"--context {context}: the book {book!r} fills only {count} sentences around {questions} "
+            f"needles; use a longer context or fewer questions"
+        )
     at = [int((i + 0.5) / questions * count) for i in range(questions)]
     parts, placed = [opening], iter(zip(at, needles))
     following = next(placed, None)
@@ -107,8 +112,11 @@ def worker(a) -> dict:
     model, tokenizer, name = runner.load(a.model)
     document, asked, values, depths = build(tokenizer, a.book, a.context, a.questions, a.answer_tokens, a.seed)
     policy = parse_policy(a.worker_policy)
-    chosen = (list(range(a.questions)) if a.worker_method != "reprefill"
-              else np.linspace(0, a.questions - 1, min(a.reprefill, a.questions)).round().astype(int).tolist())
+    chosen = (
+        list(range(a.questions))
+        if a.worker_method != "reprefill"
+        else np.linspace(0, a.questions - 1, min(a.reprefill, a.questions)).round().astype(int).tolist()
+    )
     rows = a.questions if a.worker_method == "shared" else a.rows
     common = dict(max_new_tokens=a.answer_tokens, eos_id=tokenizer.eos_token_id)
 
@@ -121,7 +129,7 @@ def worker(a) -> dict:
         context = document[None] if a.worker_method == "shared" else np.repeat(document[None], len(batch), 0)
         return np.asarray(jc.generate(model, questions, policy, context=context, lengths=lengths, **common))
 
-    batches = [chosen[i: i + rows] for i in range(0, len(chosen), rows)]
+    batches = [chosen[i : i + rows] for i in range(0, len(chosen), rows)]
     batches[-1] += [batches[-1][-1]] * (len(batches[0]) - len(batches[-1]))  # one shape: one compilation
     start = time.perf_counter()
     answer(batches[0])
@@ -132,27 +140,53 @@ def worker(a) -> dict:
     seconds = time.perf_counter() - start
     texts = [tokenizer.decode([t for t in out if t >= 0], skip_special_tokens=True) for out in outputs[: len(chosen)]]
     stats = jax.devices()[0].memory_stats() or {}
-    return dict(method=a.worker_method, policy=a.worker_policy, model=name, document_tokens=len(document),
-                questions=chosen, answers=texts, correct=[values[i] in t for i, t in zip(chosen, texts)],
-                depths=[depths[i] for i in chosen], seconds=seconds, first_call_s=compile_s,
-                questions_per_s=len(chosen) / seconds, peak_bytes=stats.get("peak_bytes_in_use"),
-                device=jax.devices()[0].device_kind)
+    return dict(
+        method=a.worker_method,
+        policy=a.worker_policy,
+        model=name,
+        document_tokens=len(document),
+        questions=chosen,
+        answers=texts,
+        correct=[values[i] in t for i, t in zip(chosen, texts)],
+        depths=[depths[i] for i in chosen],
+        seconds=seconds,
+        first_call_s=compile_s,
+        questions_per_s=len(chosen) / seconds,
+        peak_bytes=stats.get("peak_bytes_in_use"),
+        device=jax.devices()[0].device_kind,
+    )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
     p.add_argument("--book", default="paradise_lost", help="a packaged book or a text file")
-    p.add_argument("--context", type=lambda v: tokens_of("--context", v), default=32768,
-                   help="tokens of document + question + answer")
+    p.add_argument(
+        "--context",
+        type=lambda v: tokens_of("--context", v),
+        default=32768,
+        help="tokens of document + question + answer",
+    )
     p.add_argument("--questions", type=lambda v: tokens_of("--questions", v), default=256)
-    p.add_argument("--reprefill", type=lambda v: tokens_of("--reprefill", v), default=64,
-                   help="questions the reprefill method answers (evenly spread over the depths)")
-    p.add_argument("--rows", type=lambda v: tokens_of("--rows", v), default=8,
-                   help="questions per call of replicated and reprefill")
+    p.add_argument(
+        "--reprefill",
+        type=lambda v: tokens_of("--reprefill", v),
+        default=64,
+        help="questions the reprefill method answers (evenly spread over the depths)",
+    )
+    p.add_argument(
+        "--rows",
+        type=lambda v: tokens_of("--rows", v),
+        default=8,
+        help="questions per call of replicated and reprefill",
+    )
     p.add_argument("--answer-tokens", type=lambda v: tokens_of("--answer-tokens", v), default=12)
-    p.add_argument("--policy", action="append", metavar="SPEC", help="NAME[:FIELD=VALUE,...], repeatable "
-                   "(default: full:stride=4096 and snapkv at a quarter of --context)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        metavar="SPEC",
+        help="NAME[:FIELD=VALUE,...], repeatable (default: full:stride=4096 and snapkv at a quarter of --context)",
+    )
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated among {', '.join(METHODS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON file of every answer and figure")
@@ -181,8 +215,12 @@ def main():
     for spec in policies:
         for method in methods:
             print(f"--- {method} under {spec}", file=sys.stderr, flush=True)
-            done = subprocess.run([sys.executable, __file__, *argv, "--worker-method", method, "--worker-policy", spec],
-                                  check=True, stdout=subprocess.PIPE, text=True)
+            done = subprocess.run(
+                [sys.executable, __file__, *argv, "--worker-method", method, "--worker-policy", spec],
+                check=True,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     rows = []
     for run in runs:
@@ -190,26 +228,51 @@ def main():
         same = [i for i in run["questions"] if i in base["questions"]]
         mine = [float(c) for i, c in zip(run["questions"], run["correct"]) if i in same]
         theirs = [float(c) for i, c in zip(base["questions"], base["correct"]) if i in same]
-        rows.append(dict(method=run["method"], policy=run["policy"], n=len(run["correct"]),
-                         accuracy=stats.mean([float(c) for c in run["correct"]], bounds=(0, 1)),
-                         versus_first=None if run is base else stats.paired_difference(mine, theirs, bounds=(0, 1)),
-                         questions_per_s=run["questions_per_s"], peak_gb=(run["peak_bytes"] or 0) / 1e9))
+        rows.append(
+            dict(
+                method=run["method"],
+                policy=run["policy"],
+                n=len(run["correct"]),
+                accuracy=stats.mean([float(c) for c in run["correct"]], bounds=(0, 1)),
+                versus_first=None if run is base else stats.paired_difference(mine, theirs, bounds=(0, 1)),
+                questions_per_s=run["questions_per_s"],
+                peak_gb=(run["peak_bytes"] or 0) / 1e9,
+            )
+        )
     if a.out:
         pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         table = [{k: v.as_dict() if isinstance(v, stats.Estimate) else v for k, v in r.items()} for r in rows]
-        pathlib.Path(a.out).write_text(json.dumps(dict(
-            benchmark="many_questions", date=time.strftime("%Y-%m-%d"), device=runs[0]["device"], model=runs[0]["model"],
-            document_tokens=runs[0]["document_tokens"], questions=a.questions, command=" ".join(sys.argv),
-            rows=table, runs=runs), indent=1, allow_nan=False))
+        pathlib.Path(a.out).write_text(
+            json.dumps(
+                dict(
+                    benchmark="many_questions",
+                    date=time.strftime("%Y-%m-%d"),
+                    device=runs[0]["device"],
+                    model=runs[0]["model"],
+                    document_tokens=runs[0]["document_tokens"],
+                    questions=a.questions,
+                    command=" ".join(sys.argv),
+                    rows=table,
+                    runs=runs,
+                ),
+                indent=1,
+                allow_nan=False,
+            )
+        )
     first = methods[0]
-    print(f"\n{runs[0]['model']} on {runs[0]['device']}: a {runs[0]['document_tokens']}-token document, "
-          f"{a.questions} questions")
-    print(f"{'policy':<28} {'method':<11} {'n':>4} {'accuracy':>20} {'- ' + first:>22} {'questions/s':>12} "
-          f"{'peak GB':>8}")
+    print(
+        f"\n{runs[0]['model']} on {runs[0]['device']}: a {runs[0]['document_tokens']}-token document, "
+        f"{a.questions} questions"
+    )
+    print(
+        f"{'policy':<28} {'method':<11} {'n':>4} {'accuracy':>20} {'- ' + first:>22} {'questions/s':>12} {'peak GB':>8}"
+    )
     for r in rows:
-        print(f"{r['policy']:<28} {r['method']:<11} {r['n']:4d} {r['accuracy'].format():>20} "
-              f"{r['versus_first'].format() if r['versus_first'] else '-':>22} {r['questions_per_s']:12.2f} "
-              f"{r['peak_gb']:8.2f}")
+        print(
+            f"{r['policy']:<28} {r['method']:<11} {r['n']:4d} {r['accuracy'].format():>20} "
+            f"{r['versus_first'].format() if r['versus_first'] else '-':>22} {r['questions_per_s']:12.2f} "
+            f"{r['peak_gb']:8.2f}"
+        )
 
 
 if __name__ == "__main__":

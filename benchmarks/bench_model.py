@@ -37,57 +37,131 @@ import tempfile
 import time
 import warnings
 
+import decode_breakdown
 import jax
 import jax.numpy as jnp
+from jcascade.models import CausalLM, ModelConfig, delta_net, sharding
+from jcascade.models.weights import weight_shapes
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
 from jcascade.eval import processes
-from jcascade.models import CausalLM, ModelConfig, delta_net, sharding
-from jcascade.models.weights import weight_shapes
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import decode_breakdown  # noqa: E402
 
 LLAMA31_8B = ModelConfig(
-    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=jc.Llama3Scaling(),
-    rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=False, o_bias=False, max_position_embeddings=131072,
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rope_scaling=jc.Llama3Scaling(),
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    o_bias=False,
+    max_position_embeddings=131072,
 )
-LLAMA3_70B = dataclasses.replace(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80,
-                                 num_heads=64, num_kv_heads=8)
+LLAMA3_70B = dataclasses.replace(
+    LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8
+)
 GEMMA3_270M = ModelConfig(
-    architecture="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
-    num_kv_heads=1, head_dim=256, rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    qkv_bias=False, o_bias=False, max_position_embeddings=32768, qk_norm=True, sliding_window=512,
-    layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(18)), rope_local_theta=1e4,
+    architecture="gemma3",
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_layers=18,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    rope_theta=1e6,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+    o_bias=False,
+    max_position_embeddings=32768,
+    qk_norm=True,
+    sliding_window=512,
+    layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(18)),
+    rope_local_theta=1e4,
     query_scale=256**-0.5,
 )
 # transformers' Qwen3_5TextConfig defaults: 24 Gated DeltaNet layers (16 key / 32 value heads of 128) and 8 gated
 # global ones (16 heads, 4 KV heads of 256, a quarter of each rotated), hidden 4096
 QWEN3_5 = ModelConfig(
-    architecture="qwen3_5", vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_layers=32, num_heads=16,
-    num_kv_heads=4, head_dim=256, rope_theta=1e7, rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    qkv_bias=False, o_bias=False, max_position_embeddings=262144, qk_norm=True,
-    layer_types=tuple("global" if (i + 1) % 4 == 0 else "linear" for i in range(32)), partial_rotary_factor=0.25,
-    attention_output_gate=True, linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128,
+    architecture="qwen3_5",
+    vocab_size=248320,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=32,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=256,
+    rope_theta=1e7,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    o_bias=False,
+    max_position_embeddings=262144,
+    qk_norm=True,
+    layer_types=tuple("global" if (i + 1) % 4 == 0 else "linear" for i in range(32)),
+    partial_rotary_factor=0.25,
+    attention_output_gate=True,
+    linear_key_heads=16,
+    linear_value_heads=32,
+    linear_key_dim=128,
+    linear_value_dim=128,
     linear_conv_kernel=4,
 )
 # transformers' Gemma4TextConfig defaults: 25 sliding layers (window 512, 4 KV heads of 256) and 5 global ones (4 KV
 # heads of 512, proportional RoPE), per-layer inputs of 256, hidden 2304
 GEMMA4 = ModelConfig(
-    architecture="gemma4", vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_layers=30, num_heads=8,
-    num_kv_heads=4, head_dim=256, rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    qkv_bias=False, o_bias=False, max_position_embeddings=131072, qk_norm=True, sliding_window=512,
-    layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(30)), rope_local_theta=1e4,
-    query_scale=1.0, partial_rotary_factor=0.25, global_head_dim=512, per_layer_input_size=256,
+    architecture="gemma4",
+    vocab_size=262144,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_layers=30,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=256,
+    rope_theta=1e6,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+    o_bias=False,
+    max_position_embeddings=131072,
+    qk_norm=True,
+    sliding_window=512,
+    layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(30)),
+    rope_local_theta=1e4,
+    query_scale=1.0,
+    partial_rotary_factor=0.25,
+    global_head_dim=512,
+    per_layer_input_size=256,
     per_layer_vocab_size=262144,
 )
 SHAPES = {"8b": LLAMA31_8B, "70b": LLAMA3_70B, "gemma-3-270m": GEMMA3_270M, "qwen3.5": QWEN3_5, "gemma-4": GEMMA4}
 TINY = ModelConfig(
-    architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
-    tie_word_embeddings=False, qkv_bias=False, o_bias=False, max_position_embeddings=4096,
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    o_bias=False,
+    max_position_embeddings=4096,
 )
 
 
@@ -131,14 +205,19 @@ def memory_bandwidth(devices, sizes: list[int], repeats: int = 10, passes_per_ca
     k = passes_per_call
     add = jax.jit(lambda x: jax.lax.fori_loop(0, k, lambda i, y: y + 1, x))
     # each pass's sum depends on the pass, so that XLA cannot hoist it out of the loop
-    total = jax.jit(lambda x: jax.lax.fori_loop(
-        0, k, lambda i, s: s + jnp.sum(x + i.astype(x.dtype), dtype=jnp.float32), jnp.float32(0)))
+    total = jax.jit(
+        lambda x: jax.lax.fori_loop(
+            0, k, lambda i, s: s + jnp.sum(x + i.astype(x.dtype), dtype=jnp.float32), jnp.float32(0)
+        )
+    )
     passes = ((add, 2 * k), (total, k))  # (loop, bytes moved / x's)
     for device in devices:
         best = 0.0
         for n in sizes:
-            x = jax.jit(lambda: jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16),  # noqa: B023
-                        out_shardings=jax.sharding.SingleDeviceSharding(device))()
+            x = jax.jit(
+                lambda: jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16),
+                out_shardings=jax.sharding.SingleDeviceSharding(device),
+            )()
             for f, times_x in passes:
                 for i in range(1 + repeats):
                     t0 = time.perf_counter()
@@ -159,8 +238,10 @@ def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
     6 * dk * dv); the LM head is not run during prefill."""
     dense = 2 * sum(math.prod(shape) for shape in weight_shapes(cfg).values() if len(shape) >= 3)  # layer matrices
     types = cfg.types
-    attention = cfg.num_heads * (cfg.head_size("global") * types.count("global") * keys_per_query * (4 + 2)
-                                 + cfg.head_dim * types.count("sliding") * (cfg.sliding_window or 0) * 4)
+    attention = cfg.num_heads * (
+        cfg.head_size("global") * types.count("global") * keys_per_query * (4 + 2)
+        + cfg.head_dim * types.count("sliding") * (cfg.sliding_window or 0) * 4
+    )
     dk, dv = cfg.linear_key_dim, cfg.linear_value_dim
     linear = types.count("linear") * cfg.linear_value_heads * (4 * 64 * dk + 2 * 64 * dv + 6 * dk * dv)
     return dense + attention + linear
@@ -170,8 +251,11 @@ def bench_prefill(a, model, policy, peak):
     segment = a.segment
     state = model.init_cache(policy, 1)
     lengths = jnp.array([segment], jnp.int32)
-    run = jax.jit(lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2],
-                  donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
+    run = jax.jit(
+        lambda model, state, tokens: jc.prefill(model, policy, state, tokens, lengths)[:2],
+        donate_argnums=1,
+        compiler_options=jc.COMPILER_OPTIONS,
+    )
     tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
     t0 = time.perf_counter()
     compiled = run.lower(model, state, tokens[0]).compile()
@@ -189,13 +273,24 @@ def bench_prefill(a, model, policy, peak):
             block(state)
             elapsed = time.perf_counter() - t0
             keys = min(done, policy.layout().capacity) + policy.stride / 2  # average keys per query
-            rows.append(dict(tokens=done, seconds=elapsed, tokens_per_s=done / elapsed,
-                             mfu=flops_per_token(model.config, keys) * done / elapsed / peak))
+            rows.append(
+                dict(
+                    tokens=done,
+                    seconds=elapsed,
+                    tokens_per_s=done / elapsed,
+                    mfu=flops_per_token(model.config, keys) * done / elapsed / peak,
+                )
+            )
             print(f"   prefill {done} tokens: {elapsed:.1f} s", flush=True)
     result = dict(compile_s=compile_s, segment=segment, rows=rows)
     if a.profile_step:  # one more segment, after the longest prefill: the cache as full as it gets
-        result.update(profiled(lambda: compiled(model, state, tokens[0]), model.config.num_layers,
-                               rows[-1]["seconds"] / (rows[-1]["tokens"] / segment) * 1e3))
+        result.update(
+            profiled(
+                lambda: compiled(model, state, tokens[0]),
+                model.config.num_layers,
+                rows[-1]["seconds"] / (rows[-1]["tokens"] / segment) * 1e3,
+            )
+        )
     return result
 
 
@@ -204,15 +299,27 @@ def delta_rule_ms(model, tokens: int) -> float:
     one row, with the first linear layer's weights: the median of 10 calls."""
     cfg = model.config
     first = cfg.types.index("linear")
-    w = {name: p[...][cfg.layers_with_state("linear").index(first)] for name, p in model.layers.items()
-         if name.startswith("lin_")}
+    w = {
+        name: p[...][cfg.layers_with_state("linear").index(first)]
+        for name, p in model.layers.items()
+        if name.startswith("lin_")
+    }
     states = model.init_cache(jc.Full(), 1, max_tokens=1)
     state = jax.tree.map(lambda a: a[0], states[cfg.state_types.index("linear")])  # the first linear layer's
     x = jax.random.normal(jax.random.key(3), (1, tokens, cfg.hidden_size), model.dtype)
-    run = jax.jit(lambda w, x, state: delta_net.gated_delta_net(
-        w, x, state, jnp.array([tokens], jnp.int32), num_key_heads=cfg.linear_key_heads,
-        num_value_heads=cfg.linear_value_heads, key_dim=cfg.linear_key_dim, value_dim=cfg.linear_value_dim,
-        eps=cfg.rms_norm_eps))
+    run = jax.jit(
+        lambda w, x, state: delta_net.gated_delta_net(
+            w,
+            x,
+            state,
+            jnp.array([tokens], jnp.int32),
+            num_key_heads=cfg.linear_key_heads,
+            num_value_heads=cfg.linear_value_heads,
+            key_dim=cfg.linear_key_dim,
+            value_dim=cfg.linear_value_dim,
+            eps=cfg.rms_norm_eps,
+        )
+    )
     block(run(w, x, state))
     times = []
     for _ in range(10):
@@ -233,8 +340,9 @@ def is_linear(x) -> bool:
 def state_memory(cfg: ModelConfig, policy, tokens: int) -> dict:
     """Bytes of a model's state per row (bf16 K/V; scores, positions and recurrent states as stored) holding
     `tokens` tokens under `policy` (Full: every token), by layer type, from shapes alone (nothing is allocated)."""
-    state = jax.eval_shape(lambda: CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16).init_cache(
-        policy, 1, max_tokens=tokens))
+    state = jax.eval_shape(
+        lambda: CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16).init_cache(policy, 1, max_tokens=tokens)
+    )
     states = dict(zip(cfg.state_types, state if isinstance(state, tuple) else (state,)))
     return {t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s)) for t, s in states.items()}
 
@@ -244,16 +352,32 @@ def decode_bytes(model, policy, batch: int) -> dict:
     but an untied embedding table, of which a step reads one row per token), and its share of the cache (every
     array of the state; a model with sliding layers has two caches), from shapes alone (nothing is allocated)."""
     devices = 1 if model.mesh is None else model.mesh.size
-    on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # noqa: E731 (the shards are equal)
+    on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # the shards are equal
     state = jax.eval_shape(lambda: model.init_cache(policy, batch))
     cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // devices
-    kv = sum(2 * c.k.size * c.k.dtype.itemsize + (0 if c.k_scale is None else 2 * c.k_scale.size * 4)
-             for c in jax.tree.leaves(state, is_leaf=is_cache) if is_cache(c)) // devices  # a quantized one's scales too
-    recurrent = sum(x.size * x.dtype.itemsize for s in jax.tree.leaves(state, is_leaf=is_linear) if is_linear(s)
-                    for x in jax.tree.leaves(s)) // devices  # read and written by each step
+    kv = (
+        sum(
+            2 * c.k.size * c.k.dtype.itemsize + (0 if c.k_scale is None else 2 * c.k_scale.size * 4)
+            for c in jax.tree.leaves(state, is_leaf=is_cache)
+            if is_cache(c)
+        )
+        // devices
+    )  # a quantized one's scales too
+    recurrent = (
+        sum(
+            x.size * x.dtype.itemsize
+            for s in jax.tree.leaves(state, is_leaf=is_linear)
+            if is_linear(s)
+            for x in jax.tree.leaves(s)
+        )
+        // devices
+    )  # read and written by each step
     weights = sum(on_one_device(x) for x in jax.tree.leaves(model))
-    unread = (on_one_device(model.embed[...]) if model.lm_head is not None else 0) + sum(  # tables a step reads a row of
-        on_one_device(p[...]) for name, p in model.per_layer_inputs.items() if name == "embed_per_layer")
+    unread = (
+        on_one_device(model.embed[...]) if model.lm_head is not None else 0
+    ) + sum(  # tables a step reads a row of
+        on_one_device(p[...]) for name, p in model.per_layer_inputs.items() if name == "embed_per_layer"
+    )
     return dict(weights=weights, weights_read=weights - unread, cache=cache, kv=kv + 2 * recurrent)
 
 
@@ -264,26 +388,38 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
     def full(state):  # a full cache, as after a long prompt, made in place on its devices
         cap, shape = state.k.shape[-2], state.k.shape
         k1, k2 = jax.random.split(jax.random.key(batch))
-        rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, shape[-1]), model.dtype), shape)  # noqa: E731
+        rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, shape[-1]), model.dtype), shape)
         state = dataclasses.replace(
-            state, score=jnp.full(state.score.shape, 1e-4, jnp.float32),
+            state,
+            score=jnp.full(state.score.shape, 1e-4, jnp.float32),
             pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
-            seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32))
+            seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32),
+        )
         if state.k_scale is None:
             state = dataclasses.replace(state, k=rows(k1), v=rows(k2))
         else:  # a quantized cache: codes and scales of random rows
-            (k, k_scale), (v, v_scale) = (pk.quantization.quantize(jax.random.normal(key, (cap, shape[-1])),
-                                                                   state.k.dtype) for key in (k1, k2))
-            state = dataclasses.replace(state, k=jnp.broadcast_to(k, shape), v=jnp.broadcast_to(v, shape),
-                                        k_scale=jnp.broadcast_to(k_scale, shape[:-1]),
-                                        v_scale=jnp.broadcast_to(v_scale, shape[:-1]))
+            (k, k_scale), (v, v_scale) = (
+                pk.quantization.quantize(jax.random.normal(key, (cap, shape[-1])), state.k.dtype) for key in (k1, k2)
+            )
+            state = dataclasses.replace(
+                state,
+                k=jnp.broadcast_to(k, shape),
+                v=jnp.broadcast_to(v, shape),
+                k_scale=jnp.broadcast_to(k_scale, shape[:-1]),
+                v_scale=jnp.broadcast_to(v_scale, shape[:-1]),
+            )
         if model.mesh is None:
             return state
         return sharding.place(state, sharding.cache_specs(state, model.mesh), model.mesh)
 
     # every KV cache full (a model with sliding or linear layers has a tuple of states; recurrent states stay zero)
-    state = jax.jit(lambda: jax.tree.map(lambda s: full(s) if is_cache(s) else s, model.init_cache(policy, batch),
-                                         is_leaf=lambda s: is_cache(s) or is_linear(s)))()
+    state = jax.jit(
+        lambda: jax.tree.map(
+            lambda s: full(s) if is_cache(s) else s,
+            model.init_cache(policy, batch),
+            is_leaf=lambda s: is_cache(s) or is_linear(s),
+        )
+    )()
 
     def placed(tokens):
         """The tokens a step feeds and returns, rows over "data" where they divide (as the cache's), placed alike so
@@ -311,12 +447,19 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
     block(last)
     per_step = (time.perf_counter() - t0) / a.decode_steps
     roofline = (held["weights_read"] + held["kv"]) / bandwidth
-    row = dict(ms_per_step=per_step * 1e3, tokens_per_s=batch / per_step, roofline_ms=roofline * 1e3,
-               fraction_of_roofline=roofline / per_step, compile_s=compile_s)
+    row = dict(
+        ms_per_step=per_step * 1e3,
+        tokens_per_s=batch / per_step,
+        roofline_ms=roofline * 1e3,
+        fraction_of_roofline=roofline / per_step,
+        compile_s=compile_s,
+    )
     if row["fraction_of_roofline"] > 1:  # a roofline no step can beat was beaten: the bandwidth was measured low
         row["fraction_of_roofline"] = None
-        row["roofline_error"] = (f"the step ({per_step * 1e3:.2f} ms) beat its roofline ({roofline * 1e3:.2f} ms): "
-                                 f"the bandwidth measured, {bandwidth / 1e12:.2f} TB/s, is below what the device moves")
+        row["roofline_error"] = (
+            f"the step ({per_step * 1e3:.2f} ms) beat its roofline ({roofline * 1e3:.2f} ms): "
+            f"the bandwidth measured, {bandwidth / 1e12:.2f} TB/s, is below what the device moves"
+        )
     if a.profile_step:
         row.update(profiled(lambda: compiled(model, state, last), model.config.num_layers, per_step * 1e3))
     return row
@@ -329,12 +472,15 @@ def profiled(call, layers: int, step_ms: float) -> dict:
         with jax.profiler.trace(trace_dir):
             block(call())
         try:
-            found = dict(breakdown=decode_breakdown.breakdown(decode_breakdown.kernels_of_trace(trace_dir), layers,
-                                                              step_ms))
+            found = dict(
+                breakdown=decode_breakdown.breakdown(decode_breakdown.kernels_of_trace(trace_dir), layers, step_ms)
+            )
         except ValueError as e:  # a profile without GPU kernels: say so, keep the timings
             found = dict(breakdown_error=str(e))
-    print("\n".join(decode_breakdown.table(found["breakdown"])) if "breakdown" in found else found["breakdown_error"],
-          flush=True)
+    print(
+        "\n".join(decode_breakdown.table(found["breakdown"])) if "breakdown" in found else found["breakdown_error"],
+        flush=True,
+    )
     return found
 
 
@@ -346,8 +492,14 @@ def bench_decode(a, model, policy, bandwidth) -> list[dict]:
     rows = []
     for batch in a.decode_batches:
         held = decode_bytes(model, policy, batch)
-        row = dict(batch=batch, weight_bytes=held["weights"], weight_bytes_read=held["weights_read"], kv_bytes=held["kv"],
-                   cache_bytes=held["cache"], device_bytes=limit)
+        row = dict(
+            batch=batch,
+            weight_bytes=held["weights"],
+            weight_bytes_read=held["weights_read"],
+            kv_bytes=held["kv"],
+            cache_bytes=held["cache"],
+            device_bytes=limit,
+        )
         needed = held["weights"] + held["cache"]
         if limit is not None and needed > limit:
             row["error"] = f"does not fit: weights + cache {needed / 1e9:.1f} GB > {limit / 1e9:.1f} GB on one device"
@@ -357,8 +509,10 @@ def bench_decode(a, model, policy, bandwidth) -> list[dict]:
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
-                row["error"] = (f"out of memory beside weights + cache {needed / 1e9:.1f} GB of "
-                                f"{(limit or 0) / 1e9:.1f} GB: {str(e).splitlines()[0][:300]}")
+                row["error"] = (
+                    f"out of memory beside weights + cache {needed / 1e9:.1f} GB of "
+                    f"{(limit or 0) / 1e9:.1f} GB: {str(e).splitlines()[0][:300]}"
+                )
         print(f"   decode batch {batch}: " + (row.get("error") or f"{row['ms_per_step']:.2f} ms/step"), flush=True)
         rows.append(row)
     return rows
@@ -370,37 +524,63 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--only", default="ab", help="a: prefill, b: decode (compile times come with each)")
     p.add_argument("--batches", default="1,16,32", help="decode batch sizes")
-    p.add_argument("--cache-size", type=int, default=16384, help="Cascade cache size (64: weights and fixed costs only)")
-    p.add_argument("--kv-dtype", default="model", choices=pk.quantization.KV_DTYPES,
-                   help="the cache's storage format (Cascade's kv_dtype)")
-    p.add_argument("--shape", choices=SHAPES, default="8b", help="Llama-3.1-8B, Llama-3-70B, Gemma 3 270M, Qwen3.5 or Gemma 4 shapes")
-    p.add_argument("--mesh", type=sharding.parse_mesh, default=(1, 1), metavar="data=D,model=M",
-                   help="devices (default: one)")
+    p.add_argument(
+        "--cache-size", type=int, default=16384, help="Cascade cache size (64: weights and fixed costs only)"
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="model",
+        choices=pk.quantization.KV_DTYPES,
+        help="the cache's storage format (Cascade's kv_dtype)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default="8b",
+        help="Llama-3.1-8B, Llama-3-70B, Gemma 3 270M, Qwen3.5 or Gemma 4 shapes",
+    )
+    p.add_argument(
+        "--mesh", type=sharding.parse_mesh, default=(1, 1), metavar="data=D,model=M", help="devices (default: one)"
+    )
     p.add_argument("--prefill-tokens", type=int, default=1 << 20, help="longest prefill (32K, 128K marks below it)")
-    p.add_argument("--profile-step", action="store_true",
-                   help="one more prefill segment (a) and decode step (b) under the JAX profiler, their GPU time "
-                        "by kind of kernel (benchmarks/decode_breakdown.py)")
-    p.add_argument("--backend", default=None, choices=pk.BACKENDS,
-                   help="attention kernels, jc.Kernels(backend) (default: jc.Kernels.default(), the platform's)")
-    p.add_argument("--processes", type=int, default=1,
-                   help="decode (--only b) as N processes of one device each on this host (jax.distributed on "
-                        "localhost), the --mesh (of N devices) over all of them: each process's host issues only its "
-                        "own device's kernels; the bandwidth and roofline are process 0's device's")
+    p.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="one more prefill segment (a) and decode step (b) under the JAX profiler, their GPU time "
+        "by kind of kernel (benchmarks/decode_breakdown.py)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=pk.BACKENDS,
+        help="attention kernels, jc.Kernels(backend) (default: jc.Kernels.default(), the platform's)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="decode (--only b) as N processes of one device each on this host (jax.distributed on "
+        "localhost), the --mesh (of N devices) over all of them: each process's host issues only its "
+        "own device's kernels; the bandwidth and roofline are process 0's device's",
+    )
     a = p.parse_args()
     if a.processes < 1:
         p.error(f"--processes must be >= 1, got {a.processes}")
     if a.processes > 1 and not processes.launched():
         if a.processes != a.mesh[0] * a.mesh[1]:
-            p.error(f"--processes {a.processes} needs a --mesh of as many devices, "
-                    f"got data={a.mesh[0]},model={a.mesh[1]}")
+            p.error(
+                f"--processes {a.processes} needs a --mesh of as many devices, got data={a.mesh[0]},model={a.mesh[1]}"
+            )
         if a.only != "b":
             p.error(f"--processes runs the decode alone: give --only b, got --only {a.only}")
         sys.exit(processes.launch([__file__, *sys.argv[1:]], a.processes))
     if processes.launched():
         processes.join()
         if jax.local_device_count() != 1:
-            sys.exit(f"--processes: each process must see one device, process {jax.process_index()} sees "
-                     f"{jax.local_device_count()}")
+            sys.exit(
+                f"--processes: each process must see one device, process {jax.process_index()} sees "
+                f"{jax.local_device_count()}"
+            )
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
     if a.tiny:  # the --shape's family at a tiny size (Llama for the Llama shapes)
@@ -408,11 +588,23 @@ def main():
         if SHAPES[a.shape].layer_types:
             big = SHAPES[a.shape]
             cfg = dataclasses.replace(
-                big, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
-                head_dim=16, layer_types=big.layer_types[-6:], global_head_dim=big.global_head_dim and 32,
-                per_layer_input_size=big.per_layer_input_size and 8, per_layer_vocab_size=big.per_layer_vocab_size and 256,
-                **{f"linear_{n}": min(getattr(big, f"linear_{n}"), 4 if "heads" in n else 8)
-                   for n in ("key_heads", "value_heads", "key_dim", "value_dim")})
+                big,
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_layers=6,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=16,
+                layer_types=big.layer_types[-6:],
+                global_head_dim=big.global_head_dim and 32,
+                per_layer_input_size=big.per_layer_input_size and 8,
+                per_layer_vocab_size=big.per_layer_vocab_size and 256,
+                **{
+                    f"linear_{n}": min(getattr(big, f"linear_{n}"), 4 if "heads" in n else 8)
+                    for n in ("key_heads", "value_heads", "key_dim", "value_dim")
+                },
+            )
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
         peak, sizes = matmul_peak(256), [1 << 20]
     else:
@@ -424,26 +616,48 @@ def main():
     device = jax.devices()[0]
     mesh = sharding.device_mesh(a.mesh, batched=True)
     # every device of this process (over --processes: the others measure their own)
-    measured = memory_bandwidth([d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-                                if mesh is not None else [device], sizes)
+    measured = memory_bandwidth(
+        [d for d in mesh.devices.flat if d.process_index == jax.process_index()] if mesh is not None else [device],
+        sizes,
+    )
     bandwidth, card = measured["rate"], measured["card_class"]
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16, mesh=mesh)
     model = model.with_kernels(jc.Kernels.default() if a.backend is None else jc.Kernels(a.backend))
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
-    result = dict(benchmark="model", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  shape=a.shape, backend=model.kernels.backend, mesh=dict(zip(("data", "model"), a.mesh)),
-                  processes=a.processes, policy=jc.policies.spec(policy),
-                  matmul_tflops=peak / 1e12, bandwidth=measured)
+    result = dict(
+        benchmark="model",
+        device=device.device_kind,
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        shape=a.shape,
+        backend=model.kernels.backend,
+        mesh=dict(zip(("data", "model"), a.mesh)),
+        processes=a.processes,
+        policy=jc.policies.spec(policy),
+        matmul_tflops=peak / 1e12,
+        bandwidth=measured,
+    )
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, memory {bandwidth / 1e12:.2f} TB/s (the "
-          f"slowest of {len(measured['per_device'])} device(s), best of copies and reads)", flush=True)
+    print(
+        f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, memory {bandwidth / 1e12:.2f} TB/s (the "
+        f"slowest of {len(measured['per_device'])} device(s), best of copies and reads)",
+        flush=True,
+    )
     if card is not None and not card[0] <= bandwidth <= card[1]:
-        print(f"   measurement error? {bandwidth / 1e12:.2f} TB/s lies outside the {device.device_kind}'s class, "
-              f"{card[0] / 1e12:.2f}-{card[1] / 1e12:.2f} TB/s", flush=True)
-    result["state_bytes_per_row"] = {f"{name} {tokens}": state_memory(cfg, p, tokens) for name, p, tokens in (
-        ("Full", jc.Full(stride=policy.stride), 1 << 17), ("Full", jc.Full(stride=policy.stride), 1 << 20),
-        (f"Cascade {policy.cache_size}", policy, 1 << 20))}
+        print(
+            f"   measurement error? {bandwidth / 1e12:.2f} TB/s lies outside the {device.device_kind}'s class, "
+            f"{card[0] / 1e12:.2f}-{card[1] / 1e12:.2f} TB/s",
+            flush=True,
+        )
+    result["state_bytes_per_row"] = {
+        f"{name} {tokens}": state_memory(cfg, p, tokens)
+        for name, p, tokens in (
+            ("Full", jc.Full(stride=policy.stride), 1 << 17),
+            ("Full", jc.Full(stride=policy.stride), 1 << 20),
+            (f"Cascade {policy.cache_size}", policy, 1 << 20),
+        )
+    }
     if "a" in a.only:
         result["prefill"] = bench_prefill(a, model, policy, peak)
         if "linear" in cfg.types:
@@ -453,27 +667,40 @@ def main():
     write(out, result)
     if "prefill" in result:
         pre = result["prefill"]
-        print(f"\nprefill ({policy.stride}-token chunks, compile {pre['compile_s']:.0f} s): tokens, seconds, tokens/s, MFU")
+        print(
+            f"\nprefill ({policy.stride}-token chunks, compile {pre['compile_s']:.0f} s): "
+            "tokens, seconds, tokens/s, MFU"
+        )
         for r in pre["rows"]:
             print(f"   {r['tokens']:>8} {r['seconds']:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.2f}")
         if "delta_rule_ms_per_chunk_and_layer" in pre:
             chunk_ms = pre["rows"][-1]["seconds"] / (pre["rows"][-1]["tokens"] / policy.stride) * 1e3
             share = pre["delta_rule_ms_per_chunk_and_layer"] * cfg.types.count("linear") / chunk_ms
-            print(f"   Gated DeltaNet mixer (XLA): {pre['delta_rule_ms_per_chunk_and_layer']:.2f} ms per "
-                  f"{policy.stride}-token chunk and layer, {share:.0%} of a chunk's {chunk_ms:.0f} ms")
-    print("state per row by layer type, MB: " + "; ".join(
-        f"{k}: " + ", ".join(f"{t} {b / 1e6:.1f}" for t, b in v.items()) + f" (all {sum(v.values()) / 1e6:.1f})"
-        for k, v in result["state_bytes_per_row"].items()))
+            print(
+                f"   Gated DeltaNet mixer (XLA): {pre['delta_rule_ms_per_chunk_and_layer']:.2f} ms per "
+                f"{policy.stride}-token chunk and layer, {share:.0%} of a chunk's {chunk_ms:.0f} ms"
+            )
+    print(
+        "state per row by layer type, MB: "
+        + "; ".join(
+            f"{k}: " + ", ".join(f"{t} {b / 1e6:.1f}" for t, b in v.items()) + f" (all {sum(v.values()) / 1e6:.1f})"
+            for k, v in result["state_bytes_per_row"].items()
+        )
+    )
     print("decode: batch, ms/step, tokens/s, roofline ms, fraction of roofline, compile s")
     for r in result["decode"]:
         if "error" in r:
             print(f"   {r['batch']:>3} {r['error']}")
         elif r["fraction_of_roofline"] is None:
-            print(f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} measurement error: "
-                  f"{r['roofline_error']}")
+            print(
+                f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} measurement error: "
+                f"{r['roofline_error']}"
+            )
         else:
-            print(f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} {r['roofline_ms']:8.2f} "
-                  f"{r['fraction_of_roofline']:6.2f} {r['compile_s']:6.0f}")
+            print(
+                f"   {r['batch']:>3} {r['ms_per_step']:8.2f} {r['tokens_per_s']:8.0f} {r['roofline_ms']:8.2f} "
+                f"{r['fraction_of_roofline']:6.2f} {r['compile_s']:6.0f}"
+            )
     print(f"wrote {out}")
 
 

@@ -13,12 +13,12 @@ import json
 import pathlib
 import tempfile
 
+import decode_breakdown
 import jax
 import jax.numpy as jnp
-
-import decode_breakdown
-import jcascade as jc
 from bench_model import LLAMA31_8B
+
+import jcascade as jc
 
 LAYERS = 32
 PRODUCTS = "matrix products (cuBLAS)"
@@ -29,8 +29,15 @@ def shapes(tp: int) -> dict[str, tuple[int, int]]:
     c = LLAMA31_8B
     q, kv, mlp = c.num_heads * c.head_dim // tp, c.num_kv_heads * c.head_dim // tp, c.intermediate_size // tp
     h = c.hidden_size
-    return {"q": (h, q), "k or v": (h, kv), "o": (q, h), "gate or up": (h, mlp), "down": (mlp, h),
-            "q, k, v joined": (h, q + 2 * kv), "gate, up joined": (h, 2 * mlp)}
+    return {
+        "q": (h, q),
+        "k or v": (h, kv),
+        "o": (q, h),
+        "gate or up": (h, mlp),
+        "down": (mlp, h),
+        "q, k, v joined": (h, q + 2 * kv),
+        "gate, up joined": (h, 2 * mlp),
+    }
 
 
 def kernel_us(k: int, n: int, rows: int, calls: int = 5) -> float:
@@ -59,14 +66,22 @@ def main():
             apart = us["q"] + 2 * us["k or v"] + us["o"] + 2 * us["gate or up"] + us["down"]
             joined = us["q, k, v joined"] + us["o"] + us["gate, up joined"] + us["down"]
             rows.append(dict(tp=tp, batch=batch, us_per_product=us, layer_us_apart=apart, layer_us_joined=joined))
-            print(f"TP {tp}, batch {batch:>2}: " + ", ".join(f"{name} {t:.1f}" for name, t in us.items())
-                  + f" us; a layer's products {apart:.1f} us apart, {joined:.1f} joined "
-                    f"({LAYERS} layers: {apart * LAYERS / 1e3:.2f} / {joined * LAYERS / 1e3:.2f} ms)", flush=True)
+            print(
+                f"TP {tp}, batch {batch:>2}: "
+                + ", ".join(f"{name} {t:.1f}" for name, t in us.items())
+                + f" us; a layer's products {apart:.1f} us apart, {joined:.1f} joined "
+                f"({LAYERS} layers: {apart * LAYERS / 1e3:.2f} / {joined * LAYERS / 1e3:.2f} ms)",
+                flush=True,
+            )
     if a.out:
         out = pathlib.Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(dict(benchmark="bench_products", device=jax.devices()[0].device_kind,
-                                       jax=jax.__version__, rows=rows), indent=1))
+        out.write_text(
+            json.dumps(
+                dict(benchmark="bench_products", device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows),
+                indent=1,
+            )
+        )
         print(f"wrote {out}")
 
 

@@ -26,11 +26,11 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from bench_model import LLAMA31_8B, TINY
+from jcascade.models import CausalLM
 
 import jcascade as jc
-from bench_model import LLAMA31_8B, TINY
 from jcascade import generation
-from jcascade.models import CausalLM
 
 
 def decode_block(policy, steps: int):
@@ -49,8 +49,10 @@ def decode_block(policy, steps: int):
 
 def prompt_cache(model, policy, prompt, room: int):
     """The cache after `prompt` [1, S] with room for `room` more tokens, and the first new token [1]."""
-    run = jax.jit(lambda model, tokens: generation.prompt_cache(model, policy, tokens, room=room),
-                  compiler_options=jc.COMPILER_OPTIONS)
+    run = jax.jit(
+        lambda model, tokens: generation.prompt_cache(model, policy, tokens, room=room),
+        compiler_options=jc.COMPILER_OPTIONS,
+    )
     state, hidden = run(model, prompt)
     return state, jnp.argmax(model.logits(hidden), axis=-1).astype(jnp.int32)
 
@@ -73,9 +75,16 @@ def bench_decode(model, policy, prompt_state, first, batch: int, steps: int, rep
     cache_bytes = 2 * state.k.nbytes
     del state
     first_steps, last_step = (statistics.median(t[i] for t in times[1:]) for i in (0, 1))
-    return dict(spec=jc.policies.spec(policy), batch=batch, compile_s=compile_s, period_s=times[1:],
-                ms_per_step=1e3 * first_steps / (steps - 1), last_step_ms=1e3 * last_step,
-                mean_ms_per_step=1e3 * (first_steps + last_step) / steps, cache_gb=cache_bytes / 1e9)
+    return dict(
+        spec=jc.policies.spec(policy),
+        batch=batch,
+        compile_s=compile_s,
+        period_s=times[1:],
+        ms_per_step=1e3 * first_steps / (steps - 1),
+        last_step_ms=1e3 * last_step,
+        mean_ms_per_step=1e3 * (first_steps + last_step) / steps,
+        cache_gb=cache_bytes / 1e9,
+    )
 
 
 def main():
@@ -98,8 +107,15 @@ def main():
     device = jax.devices()[0]
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16)
     prompt = jax.random.randint(jax.random.key(1), (1, prompt_len), 0, cfg.vocab_size)
-    result = dict(benchmark="recycled", device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  prompt_tokens=prompt_len, steps_per_block=steps, rows=[])
+    result = dict(
+        benchmark="recycled",
+        device=device.device_kind,
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        prompt_tokens=prompt_len,
+        steps_per_block=steps,
+        rows=[],
+    )
     out = pathlib.Path(a.out or f"benchmarks/results/recycled-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for name, policy in policies.items():
@@ -107,17 +123,24 @@ def main():
         for batch in map(int, a.batches.split(",")):
             row = dict(policy=name, **bench_decode(model, policy, prompt_state, first, batch, steps, a.repeats))
             result["rows"].append(row)
-            print(f"   batch {batch} {name}: {row['ms_per_step']:.2f} ms/step, step {steps} {row['last_step_ms']:.1f} ms "
-                  f"(compile {row['compile_s']:.0f} s)",
-                  flush=True)
+            print(
+                f"   batch {batch} {name}: {row['ms_per_step']:.2f} ms/step, step {steps} {row['last_step_ms']:.1f} ms "
+                f"(compile {row['compile_s']:.0f} s)",
+                flush=True,
+            )
             out.write_text(json.dumps(result, indent=2))
-    print(f"\n{device.device_kind}, prompt {prompt_len}: batch, policy, ms/step of steps 1-{steps - 1} and speed-up "
-          f"vs Full, ms of step {steps}, mean ms/step over the {steps} and speed-up, cache GB")
+    print(
+        f"\n{device.device_kind}, prompt {prompt_len}: batch, policy, ms/step of steps 1-{steps - 1} and speed-up "
+        f"vs Full, ms of step {steps}, mean ms/step over the {steps} and speed-up, cache GB"
+    )
     for r in sorted(result["rows"], key=lambda r: r["batch"]):
         full = next(f for f in result["rows"] if f["batch"] == r["batch"] and f["policy"] == "Full")
-        print(f"   {r['batch']:>3} {r['policy']:<9} {r['ms_per_step']:8.2f} {full['ms_per_step'] / r['ms_per_step']:6.2f} "
-              f"{r['last_step_ms']:8.2f} {r['mean_ms_per_step']:8.2f} "
-              f"{full['mean_ms_per_step'] / r['mean_ms_per_step']:6.2f} {r['cache_gb']:7.1f}")
+        print(
+            f"   {r['batch']:>3} {r['policy']:<9} {r['ms_per_step']:8.2f} "
+            f"{full['ms_per_step'] / r['ms_per_step']:6.2f} "
+            f"{r['last_step_ms']:8.2f} {r['mean_ms_per_step']:8.2f} "
+            f"{full['mean_ms_per_step'] / r['mean_ms_per_step']:6.2f} {r['cache_gb']:7.1f}"
+        )
     print(f"wrote {out}")
 
 

@@ -61,8 +61,12 @@ def main():
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--kv-dtypes", default="model", help="comma-separated storage formats of the shared prefix "
-                   f"(among {', '.join(jc.pallas_kernels.quantization.KV_DTYPES)})")
+    p.add_argument(
+        "--kv-dtypes",
+        default="model",
+        help="comma-separated storage formats of the shared prefix "
+        f"(among {', '.join(jc.pallas_kernels.quantization.KV_DTYPES)})",
+    )
     a = p.parse_args()
     formats = a.kv_dtypes.split(",")
     warnings.filterwarnings("ignore")
@@ -75,18 +79,42 @@ def main():
     prefixes = {}
     for fmt in formats:
         stored = jc.pallas_kernels.quantization.storage_dtype(fmt, dtype)  # a clear error for an unknown format
-        kv = dict(k=k, v=v) if stored == dtype else dict(zip(("k", "k_scale", "v", "v_scale"), (
-            *jc.pallas_kernels.quantization.quantize(k, stored), *jc.pallas_kernels.quantization.quantize(v, stored))))
-        prefix_state = jc.CacheState(score=jnp.zeros((1, H, S), jnp.float32),
-                                     pos=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, H, S)),
-                                     seen=jnp.full((1,), S, jnp.int32), kernels=jc.Kernels.default(), **kv)
+        kv = (
+            dict(k=k, v=v)
+            if stored == dtype
+            else dict(
+                zip(
+                    ("k", "k_scale", "v", "v_scale"),
+                    (
+                        *jc.pallas_kernels.quantization.quantize(k, stored),
+                        *jc.pallas_kernels.quantization.quantize(v, stored),
+                    ),
+                )
+            )
+        )
+        prefix_state = jc.CacheState(
+            score=jnp.zeros((1, H, S), jnp.float32),
+            pos=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, H, S)),
+            seen=jnp.full((1,), S, jnp.int32),
+            kernels=jc.Kernels.default(),
+            **kv,
+        )
         prefixes[fmt] = jc.share_prefix(policy, prefix_state)
-    shared_fn = jax.jit(lambda own_state, q, k1, v1, prefix: jc.attend_shared(policy, own_state, q, k1, v1, [prefix],
-                                                                             None, rope))
+    shared_fn = jax.jit(
+        lambda own_state, q, k1, v1, prefix: jc.attend_shared(policy, own_state, q, k1, v1, [prefix], None, rope)
+    )
     replicated_fn = jax.jit(lambda state, q, k1, v1: jc.attend(policy, state, q, k1, v1, None, rope)[0])
     device = jax.devices()[0]
-    result = dict(benchmark="shared_prefix", device=device.device_kind, jax=jax.__version__,
-                  date=time.strftime("%Y-%m-%d"), prefix_tokens=S, own_tokens=own, heads=[Hq, H, D], rows=[])
+    result = dict(
+        benchmark="shared_prefix",
+        device=device.device_kind,
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        prefix_tokens=S,
+        own_tokens=own,
+        heads=[Hq, H, D],
+        rows=[],
+    )
     out = pathlib.Path(a.out or f"benchmarks/results/shared-{device.device_kind.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for B in batches:
@@ -99,8 +127,10 @@ def main():
         own_state = full_cache(jnp.zeros((1, H, 0, D), dtype), jnp.zeros((1, H, 0, D), dtype), own_k, own_v)
         shared = {}
         for fmt, prefix in prefixes.items():
-            shared[fmt] = (median_ms(shared_fn, (own_state, q, k1, v1, prefix), a.iters),
-                           shared_fn(own_state, q, k1, v1, prefix))
+            shared[fmt] = (
+                median_ms(shared_fn, (own_state, q, k1, v1, prefix), a.iters),
+                shared_fn(own_state, q, k1, v1, prefix),
+            )
         del own_state
         flat = jax.jit(full_cache)(k, v, own_k, own_v)
         replicated_ms = median_ms(replicated_fn, (flat, q, k1, v1), a.iters)
@@ -108,17 +138,29 @@ def main():
         del flat
         for fmt, (shared_ms, got) in shared.items():
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-            row = dict(batch=B, kv_dtype=fmt, shared_ms=shared_ms, replicated_ms=replicated_ms,
-                       speedup=replicated_ms / shared_ms, max_abs_difference=err)
+            row = dict(
+                batch=B,
+                kv_dtype=fmt,
+                shared_ms=shared_ms,
+                replicated_ms=replicated_ms,
+                speedup=replicated_ms / shared_ms,
+                max_abs_difference=err,
+            )
             result["rows"].append(row)
-            print(f"   batch {B}, prefix {fmt}: shared {shared_ms:.3f} ms, replicated bf16 {replicated_ms:.3f} ms",
-                  flush=True)
+            print(
+                f"   batch {B}, prefix {fmt}: shared {shared_ms:.3f} ms, replicated bf16 {replicated_ms:.3f} ms",
+                flush=True,
+            )
         out.write_text(json.dumps(result, indent=2))
-    print(f"\n{device.device_kind}, {S}-token shared prefix + {own} own tokens, one decode step of one layer: "
-          "batch, prefix format, shared ms, replicated bf16 ms, speed-up, max |difference| from it")
+    print(
+        f"\n{device.device_kind}, {S}-token shared prefix + {own} own tokens, one decode step of one layer: "
+        "batch, prefix format, shared ms, replicated bf16 ms, speed-up, max |difference| from it"
+    )
     for r in result["rows"]:
-        print(f"   {r['batch']:>4} {r['kv_dtype']:>14} {r['shared_ms']:9.3f} {r['replicated_ms']:9.3f} "
-              f"{r['speedup']:7.1f} {r['max_abs_difference']:.1e}")
+        print(
+            f"   {r['batch']:>4} {r['kv_dtype']:>14} {r['shared_ms']:9.3f} {r['replicated_ms']:9.3f} "
+            f"{r['speedup']:7.1f} {r['max_abs_difference']:.1e}"
+        )
     print(f"wrote {out}")
 
 

@@ -29,7 +29,8 @@ def full_state(policy, batch, heads, head_dim, dtype, rng):
     state = jc.init_cache(policy, batch, heads, head_dim, dtype)
     cap = state.capacity
     return dataclasses.replace(
-        state, k=jnp.asarray(rng.normal(size=state.k.shape), dtype),
+        state,
+        k=jnp.asarray(rng.normal(size=state.k.shape), dtype),
         v=jnp.asarray(rng.normal(size=state.v.shape), dtype),
         score=jnp.asarray(rng.random(state.score.shape, np.float32)),
         pos=jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
@@ -60,7 +61,10 @@ def time_update(policy, args, rng) -> dict:
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times[args.warmup :]) * 1e3
     return dict(
-        policy=jc.policies.spec(policy), ms_per_call=ms, tokens_per_s=B * T / ms * 1e3, compile_s=compile_s,
+        policy=jc.policies.spec(policy),
+        ms_per_call=ms,
+        tokens_per_s=B * T / ms * 1e3,
+        compile_s=compile_s,
         kv_bytes=2 * state.k.nbytes,
     )
 
@@ -88,17 +92,27 @@ def main():
     device = jax.devices()[0]
     rows = [time_update(policy, args, rng) for policy in policies]
     result = dict(
-        benchmark="update", device=device.device_kind, platform=device.platform, jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d"), args=vars(args), rows=rows,
+        benchmark="update",
+        device=device.device_kind,
+        platform=device.platform,
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        args=vars(args),
+        rows=rows,
     )
     out = pathlib.Path(args.out or f"benchmarks/results/update-{device.platform}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"update: {args.chunk}-token chunk into a full {args.cache_size}+{args.sinks} cache, "
-          f"B={args.batch}, {args.kv_heads}x{args.head_dim} {args.dtype}, {device.device_kind}")
+    print(
+        f"update: {args.chunk}-token chunk into a full {args.cache_size}+{args.sinks} cache, "
+        f"B={args.batch}, {args.kv_heads}x{args.head_dim} {args.dtype}, {device.device_kind}"
+    )
     print(f"{'policy':<18}{'ms/call':>10}{'Mtok/s':>10}{'compile s':>11}")
     for r in rows:
-        print(f"{r['policy'].split('(')[0]:<18}{r['ms_per_call']:>10.3f}{r['tokens_per_s'] / 1e6:>10.3f}{r['compile_s']:>11.2f}")
+        print(
+            f"{r['policy'].split('(')[0]:<18}{r['ms_per_call']:>10.3f}"
+            f"{r['tokens_per_s'] / 1e6:>10.3f}{r['compile_s']:>11.2f}"
+        )
     print(f"wrote {out}")
 
 

@@ -15,6 +15,7 @@ import pathlib
 import sys
 import time
 
+import check_kernels_gpu as check
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,14 +23,15 @@ import numpy as np
 import jcascade as jc
 from jcascade import pallas_kernels as pk
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import check_kernels_gpu as check  # noqa: E402
-
 BASE = pk.TritonConfig()
 SMALL = dict(block_q=32, block_k=32, score_block_q=32, score_block_k=32, decode_block_k=32, decode_num_stages=2)
-CONFIGS = {"XLA reference": None, "default tiles": BASE, "32-key tiles, 2 stages": dataclasses.replace(BASE, **SMALL),
-           "32-key tiles, 8 warps": dataclasses.replace(BASE, **SMALL, num_warps=8, decode_num_warps=8),
-           "adopted (triton.WIDE)": pk.triton.WIDE}
+CONFIGS = {
+    "XLA reference": None,
+    "default tiles": BASE,
+    "32-key tiles, 2 stages": dataclasses.replace(BASE, **SMALL),
+    "32-key tiles, 8 warps": dataclasses.replace(BASE, **SMALL, num_warps=8, decode_num_warps=8),
+    "adopted (triton.WIDE)": pk.triton.WIDE,
+}
 CASES = (("decode", 1, 1, 16448), ("decode", 16, 1, 16448), ("chunk", 1, 4096, 4160))
 
 
@@ -56,12 +58,33 @@ def main():
         x = check.inputs(jax.random.key(B + T), B, T, S)
         want = None
         for name, config in CONFIGS.items():
+
             def run(x, config=config):
                 if config is None:
                     return jc.Kernels("xla").chunk_attention(**x, head_reduction="max", rope=rope, layer=layer)
-                return pk.triton.chunk_attention(*(x[k] for k in ("q", "k", "v", "k_cache", "v_cache", "cache_valid",
-                                                                  "cache_positions", "lengths", "query_weights")),
-                                                 "max", rope, layer, 0, config=config, interpret=False)
+                return pk.triton.chunk_attention(
+                    *(
+                        x[k]
+                        for k in (
+                            "q",
+                            "k",
+                            "v",
+                            "k_cache",
+                            "v_cache",
+                            "cache_valid",
+                            "cache_positions",
+                            "lengths",
+                            "query_weights",
+                        )
+                    ),
+                    "max",
+                    rope,
+                    layer,
+                    0,
+                    config=config,
+                    interpret=False,
+                )
+
             row = dict(case=case, batch=B, T=T, S=S, config=name)
             try:
                 out, row["ms"] = median_ms(jax.jit(run), x)
@@ -69,16 +92,24 @@ def main():
                 row["error"] = str(e).splitlines()[0][:200]
             else:
                 want = out if want is None else want
-                row["relative_error"] = max(check.relative_error(np.where(np.isfinite(w), g, 0),
-                                                                 np.where(np.isfinite(w), w, 0))[0]
-                                            for g, w in zip(out[:2], want[:2]))
+                row["relative_error"] = max(
+                    check.relative_error(np.where(np.isfinite(w), g, 0), np.where(np.isfinite(w), w, 0))[0]
+                    for g, w in zip(out[:2], want[:2])
+                )
             rows.append(row)
-            print(f"{case:6} B={B:<3} {name:24} " + (row.get("error") or f"{row['ms']:7.2f} ms, error "
-                                                     f"{row['relative_error']:.1e}"), flush=True)
+            print(
+                f"{case:6} B={B:<3} {name:24} "
+                + (row.get("error") or f"{row['ms']:7.2f} ms, error {row['relative_error']:.1e}"),
+                flush=True,
+            )
     device = jax.devices()[0].device_kind
     out = pathlib.Path(a.out or f"benchmarks/results/triton-wide-heads-{device.replace(' ', '_')}.json")
-    out.write_text(json.dumps(dict(benchmark="wide_heads", device=device, jax=jax.__version__,
-                                   date=time.strftime("%Y-%m-%d"), rows=rows), indent=1))
+    out.write_text(
+        json.dumps(
+            dict(benchmark="wide_heads", device=device, jax=jax.__version__, date=time.strftime("%Y-%m-%d"), rows=rows),
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

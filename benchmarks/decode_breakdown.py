@@ -17,8 +17,10 @@ KINDS = (
     ("attention: merge + scores (finish kernel)", ("jcascade_decode_finish",)),
     ("cache: one-token insertion kernel", ("jcascade_insert_one",)),
     ("matrix products (cuBLAS)", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas")),
-    ("collectives (NCCL, XLA's all-reduce)", ("nccl", "all_reduce", "allreduce", "all-reduce", "all_gather",
-                                              "allgather", "reduce_scatter", "reducescatter")),
+    (
+        "collectives (NCCL, XLA's all-reduce)",
+        ("nccl", "all_reduce", "allreduce", "all-reduce", "all_gather", "allgather", "reduce_scatter", "reducescatter"),
+    ),
 )
 OTHER = "XLA fusions (norms, residuals, score decay, the layer's slots and positions, sampling)"
 
@@ -74,8 +76,13 @@ def device_activity(trace_dir: str | pathlib.Path) -> dict[str, dict]:
                 run_end = max(run_end, end)
         busy += run_end - run_start
         span = run_end - intervals[0][0]  # the last run of overlapping kernels ends last
-        activity[device] = dict(kernels=len(kernels), kernel_ms=sum(d for _, _, d in kernels) / 1e6,
-                                busy_ms=busy / 1e6, span_ms=span / 1e6, idle_ms=(span - busy) / 1e6)
+        activity[device] = dict(
+            kernels=len(kernels),
+            kernel_ms=sum(d for _, _, d in kernels) / 1e6,
+            busy_ms=busy / 1e6,
+            span_ms=span / 1e6,
+            idle_ms=(span - busy) / 1e6,
+        )
     return activity
 
 
@@ -88,14 +95,19 @@ def breakdown(kernels: list[tuple[str, float]], layers: int, step_ms: float | No
         k[0] += 1
         k[1] += us
     total = sum(us for _, us in kinds.values())
-    rows = [dict(kind=kind, launches=n, us_per_step=us) for kind, (n, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])]
+    rows = [
+        dict(kind=kind, launches=n, us_per_step=us) for kind, (n, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])
+    ]
     fusions: dict[str, list] = {}
     for name, us in kernels:
         if kind_of(name) == OTHER:
             f = fusions.setdefault(name, [0, 0.0])
             f[0] += 1
             f[1] += us
-    top = [dict(name=name, launches=n, us_per_step=us) for name, (n, us) in sorted(fusions.items(), key=lambda kv: -kv[1][1])]
+    top = [
+        dict(name=name, launches=n, us_per_step=us)
+        for name, (n, us) in sorted(fusions.items(), key=lambda kv: -kv[1][1])
+    ]
     whole = total if step_ms is None else step_ms * 1e3
     if step_ms is not None:
         rows.append(dict(kind="between kernels (step - sum of kernels)", launches=0, us_per_step=whole - total))
@@ -105,11 +117,14 @@ def breakdown(kernels: list[tuple[str, float]], layers: int, step_ms: float | No
 
 
 def table(result: dict) -> list[str]:
-    lines = [f"{result['kernels']} kernels, {result['kernel_us']:.0f} us of kernels in a {result['step_us']:.0f} us step",
-             f"   {'kind':<72} {'launches':>8} {'us/step':>8} {'us/layer':>8} {'share':>6}"]
-    lines += [f"   {r['kind']:<72} {r['launches']:>8} {r['us_per_step']:8.0f} {r['us_per_layer']:8.1f} {r['share']:6.1%}"
-              for r in result["rows"]]
+    lines = [
+        f"{result['kernels']} kernels, {result['kernel_us']:.0f} us of kernels in a {result['step_us']:.0f} us step",
+        f"   {'kind':<72} {'launches':>8} {'us/step':>8} {'us/layer':>8} {'share':>6}",
+    ]
+    lines += [
+        f"   {r['kind']:<72} {r['launches']:>8} {r['us_per_step']:8.0f} {r['us_per_layer']:8.1f} {r['share']:6.1%}"
+        for r in result["rows"]
+    ]
     lines.append("   the XLA fusions taking the most time: launches, us/step, name")
     lines += [f"      {f['launches']:>5} {f['us_per_step']:8.0f}  {f['name']}" for f in result["top_fusions"]]
     return lines
-

@@ -24,7 +24,7 @@ import jcascade as jc
 from jcascade.eval import perplexity
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-import tiny  # noqa: E402  the tests' tiny random Llama
+import tiny  # noqa: E402  (the tests' tiny random Llama, importable once tests/ is on the path)
 
 
 def rss_mib() -> float:
@@ -54,11 +54,18 @@ def run(num_tokens: int, policy, samples: int = 20, warmup: float = 0.1, seed: i
     start = time.perf_counter()
     logps = perplexity.stream(model, policy, tokens, progress=progress)
     seconds = time.perf_counter() - start
-    return {"tokens": num_tokens, "policy": jc.policies.spec(policy), "seconds": seconds,
-            "tokens_per_s": num_tokens / seconds,
-            "compilations": perplexity.step_compilations() - compiled, "non_finite": int((~np.isfinite(logps)).sum()),
-            "rss_mib": rss, "rss_growth": float(np.median(rss[-len(rss) // 3:]) / np.median(rss[: len(rss) // 3]) - 1),
-            "live_arrays": live, "jax": jax.__version__}
+    return {
+        "tokens": num_tokens,
+        "policy": jc.policies.spec(policy),
+        "seconds": seconds,
+        "tokens_per_s": num_tokens / seconds,
+        "compilations": perplexity.step_compilations() - compiled,
+        "non_finite": int((~np.isfinite(logps)).sum()),
+        "rss_mib": rss,
+        "rss_growth": float(np.median(rss[-len(rss) // 3 :]) / np.median(rss[: len(rss) // 3]) - 1),
+        "live_arrays": live,
+        "jax": jax.__version__,
+    }
 
 
 def main() -> None:
@@ -68,14 +75,20 @@ def main() -> None:
     args = parser.parse_args()
     scale = {"K": 1_000, "M": 1_000_000}.get(args.tokens[-1:].upper(), 1)
     num_tokens = int(args.tokens.rstrip("kKmM")) * scale
-    rows = [run(num_tokens, policy) for policy in (jc.Cascade(cache_size=256, sinks=4, stride=512),
-                                                    jc.Sink(window=256, sinks=4, stride=512))]
-    print(f"{'policy':<10}{'tokens':>9}{'tok/s':>8}{'compiles':>9}{'non-finite':>11}{'RSS MiB':>13}{'growth':>8}"
-          f"{'live arrays':>12}")
+    rows = [
+        run(num_tokens, policy)
+        for policy in (jc.Cascade(cache_size=256, sinks=4, stride=512), jc.Sink(window=256, sinks=4, stride=512))
+    ]
+    print(
+        f"{'policy':<10}{'tokens':>9}{'tok/s':>8}{'compiles':>9}{'non-finite':>11}{'RSS MiB':>13}{'growth':>8}"
+        f"{'live arrays':>12}"
+    )
     for r in rows:
-        print(f"{r['policy'].split('(')[0]:<10}{r['tokens']:>9}{r['tokens_per_s']:>8.0f}{r['compilations']:>9}"
-              f"{r['non_finite']:>11}{min(r['rss_mib']):>7.0f}-{max(r['rss_mib']):<5.0f}{100 * r['rss_growth']:>7.1f}%"
-              f"{min(r['live_arrays']):>6}-{max(r['live_arrays'])}")
+        print(
+            f"{r['policy'].split('(')[0]:<10}{r['tokens']:>9}{r['tokens_per_s']:>8.0f}{r['compilations']:>9}"
+            f"{r['non_finite']:>11}{min(r['rss_mib']):>7.0f}-{max(r['rss_mib']):<5.0f}{100 * r['rss_growth']:>7.1f}%"
+            f"{min(r['live_arrays']):>6}-{max(r['live_arrays'])}"
+        )
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -69,16 +69,34 @@ def passkey_table(run: pathlib.Path, full: pathlib.Path | None) -> str:
     labels = list(accuracy)
     diffs = passkey.paired_differences(results, labels[0])
     head = labels + (["Full"] if full_cells else [])
-    lines = ["| context | n | " + " | ".join(head) + " | " + " | ".join(f"{k} - {labels[0]}" for k in diffs)
-             + " | held: " + " / ".join(labels) + " |", "|---" * (3 + len(head) + len(diffs)) + "|"]
+    lines = [
+        "| context | n | "
+        + " | ".join(head)
+        + " | "
+        + " | ".join(f"{k} - {labels[0]}" for k in diffs)
+        + " | held: "
+        + " / ".join(labels)
+        + " |",
+        "|---" * (3 + len(head) + len(diffs)) + "|",
+    ]
     for n in sorted(accuracy[labels[0]]):
         row = [cell(accuracy[k].get(n)) for k in labels] + ([cell(full_cells.get(n))] if full_cells else [])
         row += [cell(diffs[k].get(n)) for k in diffs]
-        lines.append(f"| {n:,} | {accuracy[labels[0]][n].n} | " + " | ".join(row)
-                     + " | " + " / ".join(f"{held[k][n].value:.2f}" for k in labels) + " |")
+        lines.append(
+            f"| {n:,} | {accuracy[labels[0]][n].n} | "
+            + " | ".join(row)
+            + " | "
+            + " / ".join(f"{held[k][n].value:.2f}" for k in labels)
+            + " |"
+        )
     pooled = diffs[next(iter(diffs))]["all"].n
-    lines.append(f"| all lengths | {pooled} | " + " | ".join([""] * len(head)) + " | "
-                 + " | ".join(cell(diffs[k]["all"]) for k in diffs) + " | |")
+    lines.append(
+        f"| all lengths | {pooled} | "
+        + " | ".join([""] * len(head))
+        + " | "
+        + " | ".join(cell(diffs[k]["all"]) for k in diffs)
+        + " | |"
+    )
     return "\n".join(lines)
 
 
@@ -87,20 +105,30 @@ def perplexity_table(runs: list[pathlib.Path]) -> str:
     fields = {f.name for f in dataclasses.fields(perplexity.BookPerplexity)}
     for run in runs:
         books = load(run, "perplexity")["books"]
-        results = [perplexity.BookPerplexity(**({k: v for k, v in b.items() if k in fields} | {"policy": short(b["policy"])}))
-                   for b in books]
+        results = [
+            perplexity.BookPerplexity(**({k: v for k, v in b.items() if k in fields} | {"policy": short(b["policy"])}))
+            for b in books
+        ]
         summary = perplexity.summary(results)
         labels = list(summary)
         diffs = perplexity.paired_differences(results, labels[0])
         interval = {k: summary[k]["interval"] for k in labels}
         ppl = [f"{summary[k]['perplexity']:.2f} [{interval[k]['low']:.2f}, {interval[k]['high']:.2f}]" for k in labels]
-        lines.append(f"| {run.name.split('-')[-1]} | {summary[labels[0]]['tokens']:,} | {interval[labels[0]]['n']} | "
-                     + " | ".join(ppl + [cell(diffs[k]["all"]) for k in labels[1:]]) + " |")
+        lines.append(
+            f"| {run.name.split('-')[-1]} | {summary[labels[0]]['tokens']:,} | {interval[labels[0]]['n']} | "
+            + " | ".join(ppl + [cell(diffs[k]["all"]) for k in labels[1:]])
+            + " |"
+        )
     return "\n".join(lines)
 
 
-RULER_PAIRS = {"Cascade": "Sink", "AdaKV-SnapKV": "SnapKV", "ExpectedAttention": "SnapKV", "KVzip": "SnapKV",
-               "KVzip-head": "SnapKV"}  # also compared at a budget
+RULER_PAIRS = {
+    "Cascade": "Sink",
+    "AdaKV-SnapKV": "SnapKV",
+    "ExpectedAttention": "SnapKV",
+    "KVzip": "SnapKV",
+    "KVzip-head": "SnapKV",
+}  # also compared at a budget
 
 
 def ruler_tables(runs: list[pathlib.Path]) -> str:
@@ -118,23 +146,47 @@ def ruler_tables(runs: list[pathlib.Path]) -> str:
         found = table.get(label, {}).get(str(n))
         return cell(found and stats.Estimate(**found))
 
-    lines = ["**Average over the tasks** (n prompts per policy and length)", "",
-             "| context | n | " + " | ".join(labels) + " |", "|---" * (2 + len(labels)) + "|"]
-    lines += [f"| {n:,} | {merged['prompts'][str(n)]} | " + " | ".join(est(average, k, n) for k in labels) + " |"
-              for n in lengths]
+    lines = [
+        "**Average over the tasks** (n prompts per policy and length)",
+        "",
+        "| context | n | " + " | ".join(labels) + " |",
+        "|---" * (2 + len(labels)) + "|",
+    ]
+    lines += [
+        f"| {n:,} | {merged['prompts'][str(n)]} | " + " | ".join(est(average, k, n) for k in labels) + " |"
+        for n in lengths
+    ]
     pairs = [(k, "Full") for k in labels if k != "Full"]
-    pairs += [(k, k.replace(mine, base, 1)) for mine, base in RULER_PAIRS.items() for k in labels
-              if k.startswith(mine + " ") and k.replace(mine, base, 1) in labels]
-    lines += ["", "**Paired differences** on the same prompts, per length and over the lengths each pair ran", "",
-              "| difference | " + " | ".join(f"{n // 1024}K" for n in lengths) + " | all |",
-              "|---" * (2 + len(lengths)) + "|"]
+    pairs += [
+        (k, k.replace(mine, base, 1))
+        for mine, base in RULER_PAIRS.items()
+        for k in labels
+        if k.startswith(mine + " ") and k.replace(mine, base, 1) in labels
+    ]
+    lines += [
+        "",
+        "**Paired differences** on the same prompts, per length and over the lengths each pair ran",
+        "",
+        "| difference | " + " | ".join(f"{n // 1024}K" for n in lengths) + " | all |",
+        "|---" * (2 + len(lengths)) + "|",
+    ]
     for mine, base in pairs:
-        table = differences if base == "Full" else report.ruler(
-            [r for r in results if r.policy in (mine, base)], {base: "", mine: ""}, baseline=base)["differences"]
+        table = (
+            differences
+            if base == "Full"
+            else report.ruler([r for r in results if r.policy in (mine, base)], {base: "", mine: ""}, baseline=base)[
+                "differences"
+            ]
+        )
         lines.append(f"| {mine} - {base} | " + " | ".join(est(table, mine, n) for n in [*lengths, "all"]) + " |")
     tasks = list(ruler.TASKS)
-    lines += ["", "**Each task** (score per length, n = 50 prompts each; - not run)", "",
-              "| task | " + " | ".join(labels) + " |", "|---" * (1 + len(labels)) + "|"]
+    lines += [
+        "",
+        "**Each task** (score per length, n = 50 prompts each; - not run)",
+        "",
+        "| task | " + " | ".join(labels) + " |",
+        "|---" * (1 + len(labels)) + "|",
+    ]
     for task in tasks:
         scores = [merged["scores"][k].get(task, {}) for k in labels]
         row = [" / ".join(f"{s[str(n)]['value']:.2f}" if str(n) in s else "-" for n in lengths) for s in scores]
@@ -158,28 +210,37 @@ def protocol_table(runs: list[pathlib.Path]) -> str:
     aware, agnostic = by_protocol.get("query-aware", {}), by_protocol.get("query-agnostic", {})
     labels = list(dict.fromkeys(key[0] for key in [*aware, *agnostic]))
     names = list(dict.fromkeys(label.split()[0] for label in labels))
-    labels.sort(key=lambda label: (float(label.split()[-1].rstrip("%")) if "%" in label else 0.0,
-                                   names.index(label.split()[0])))  # Full, then by budget
+    labels.sort(
+        key=lambda label: (float(label.split()[-1].rstrip("%")) if "%" in label else 0.0, names.index(label.split()[0]))
+    )  # Full, then by budget
 
     def scores(results, label):  # {(task, length, index): score} of one policy
         return {key[1:]: r.score for key, r in results.items() if key[0] == label}
 
     def difference(a: dict, b: dict):  # a - b on the prompts both hold, None where they share none
         same = sorted(a.keys() & b.keys())
-        return same and stats.paired_difference([a[k] for k in same], [b[k] for k in same],
-                                                strata=[k[0] for k in same], bounds=(0, 1))
+        return same and stats.paired_difference(
+            [a[k] for k in same], [b[k] for k in same], strata=[k[0] for k in same], bounds=(0, 1)
+        )
 
     def mean(a: dict):
         return a and stats.mean(list(a.values()), strata=[k[0] for k in a], bounds=(0, 1))
 
-    lines = ["| policy | n | query-aware | query-agnostic | agnostic - aware | aware - Full | agnostic - Full |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | n | query-aware | query-agnostic | agnostic - aware | aware - Full | agnostic - Full |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label in labels:
         mine, theirs = scores(aware, label), scores(agnostic, label)
         cells = [mean(mine), mean(theirs), difference(theirs, mine)]
-        cells += [None, None] if label == "Full" else [difference(mine, scores(aware, "Full")),
-                                                      difference(theirs, scores(agnostic, "Full"))]
-        lines.append(f"| {label} | {max(len(mine), len(theirs))} | " + " | ".join(cell(c or None) for c in cells) + " |")
+        cells += (
+            [None, None]
+            if label == "Full"
+            else [difference(mine, scores(aware, "Full")), difference(theirs, scores(agnostic, "Full"))]
+        )
+        lines.append(
+            f"| {label} | {max(len(mine), len(theirs))} | " + " | ".join(cell(c or None) for c in cells) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -196,8 +257,10 @@ def formats_table(runs: list[pathlib.Path]) -> str:
     """Each policy in the model's dtype beside its int8 and float8 storage, and the paired differences format -
     model on the same prompts (RULER per protocol, passkey) or blocks (perplexity), from whichever of ruler.json,
     passkey.json and perplexity.json each run folder holds."""
-    lines = ["| metric | policy | n | model dtype | int8 | float8_e4m3fn | int8 - model | float8 - model |",
-             "|---" * 8 + "|"]
+    lines = [
+        "| metric | policy | n | model dtype | int8 | float8_e4m3fn | int8 - model | float8 - model |",
+        "|---" * 8 + "|",
+    ]
 
     def add(metric, labels, n, value, difference):
         for base in dict.fromkeys(base_label(k)[0] for k in labels):
@@ -206,32 +269,48 @@ def formats_table(runs: list[pathlib.Path]) -> str:
                 continue
             cells = [value(mine.get(f)) for f in ("model", *FORMATS)]
             cells += [difference(mine[f], mine["model"]) if f in mine else None for f in FORMATS]
-            lines.append(f"| {metric} | {base} | {n(mine['model'])} | " + " | ".join(
-                c if isinstance(c, str) else cell(c) for c in cells) + " |")
+            lines.append(
+                f"| {metric} | {base} | {n(mine['model'])} | "
+                + " | ".join(c if isinstance(c, str) else cell(c) for c in cells)
+                + " |"
+            )
 
     for run in runs:
         if record(run, "ruler"):
             rep = load(run, "ruler")
             results = [ruler.RulerResult(**r) for r in rep["results"]]
-            by = {k: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == k}
-                  for k in dict.fromkeys(r.policy for r in results)}
-            mean = lambda k: k and stats.mean(list(by[k].values()), strata=[t[0] for t in by[k]], bounds=(0, 1))  # noqa: E731
+            by = {
+                k: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == k}
+                for k in dict.fromkeys(r.policy for r in results)
+            }
+            mean = lambda k: k and stats.mean(list(by[k].values()), strata=[t[0] for t in by[k]], bounds=(0, 1))
 
             def paired(k, base):
                 same = sorted(by[k].keys() & by[base].keys())
-                return stats.paired_difference([by[k][t] for t in same], [by[base][t] for t in same],
-                                               strata=[t[0] for t in same], bounds=(0, 1))
+                return stats.paired_difference(
+                    [by[k][t] for t in same], [by[base][t] for t in same], strata=[t[0] for t in same], bounds=(0, 1)
+                )
+
             add(f"RULER {rep.get('protocol', 'query-aware')}", list(by), lambda k: len(by[k]), mean, paired)
         if record(run, "passkey"):
             results = [passkey.PasskeyResult(**r) for r in load(run, "passkey")["results"]]
             labels = list(dict.fromkeys(r.policy for r in results))
-            pooled = lambda k: k and stats.mean([r.accuracy for r in results if r.policy == k], bounds=(0, 1))  # noqa: E731
-            add("passkey", labels, lambda k: sum(r.policy == k for r in results), pooled,
-                lambda k, base: passkey.paired_differences([r for r in results if r.policy in (k, base)], base)[k]["all"])
+            pooled = lambda k: k and stats.mean([r.accuracy for r in results if r.policy == k], bounds=(0, 1))
+            add(
+                "passkey",
+                labels,
+                lambda k: sum(r.policy == k for r in results),
+                pooled,
+                lambda k, base: passkey.paired_differences([r for r in results if r.policy in (k, base)], base)[k][
+                    "all"
+                ],
+            )
         if record(run, "perplexity"):
             fields = {f.name for f in dataclasses.fields(perplexity.BookPerplexity)}
-            results = [perplexity.BookPerplexity(**{k: v for k, v in b.items() if k in fields})
-                       for b in load(run, "perplexity")["books"]]
+            results = [
+                perplexity.BookPerplexity(**{k: v for k, v in b.items() if k in fields})
+                for b in load(run, "perplexity")["books"]
+            ]
             summary = perplexity.summary(results)
 
             def ppl(k):
@@ -243,6 +322,7 @@ def formats_table(runs: list[pathlib.Path]) -> str:
             def relative(k, base):
                 d = perplexity.paired_differences([r for r in results if r.policy in (k, base)], base)[k]["all"]
                 return f"{cell(d)} ({d.value / summary[base]['perplexity']:+.2%})"
+
             add("perplexity", list(summary), lambda k: f"{summary[k]['tokens']:,} tokens", ppl, relative)
     return "\n".join(lines)
 

@@ -41,7 +41,7 @@ KVPRESS = "kvpress==0.5.5"
 METHODS = ("streamingllm", "snapkv", "pyramidkv", "knorm", "tova", "expectedattention", "adakv", "kvzip")
 
 # The kvpress side, run by the venv's python: argv = model.gguf prompts.json ratio out.json
-KVPRESS_SIDE = r'''
+KVPRESS_SIDE = r"""
 import json, pathlib, sys
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -95,7 +95,7 @@ for name, make in presses.items():
             model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
         result[name].append([kept[layer] for layer in sorted(kept)])
 json.dump(result, open(out, "w"))
-'''
+"""
 
 
 def kvpress_python(venv: pathlib.Path, wheels: pathlib.Path | None = None) -> pathlib.Path:
@@ -112,8 +112,11 @@ def kvpress_python(venv: pathlib.Path, wheels: pathlib.Path | None = None) -> pa
     site = next(venv.glob("lib/python*/site-packages"))
     shared = {pathlib.Path(torch.__file__).parents[1], pathlib.Path(gguf.__file__).parents[1]}
     (site / "jcascade-shared.pth").write_text("".join(f"{p}\n" for p in shared))  # after the venv's own
-    install = ["--no-index", "--no-deps", *map(str, sorted(wheels.glob("*.whl")))] if wheels else \
-        [KVPRESS, "transformers>=4.56,<5.3"]
+    install = (
+        ["--no-index", "--no-deps", *map(str, sorted(wheels.glob("*.whl")))]
+        if wheels
+        else [KVPRESS, "transformers>=4.56,<5.3"]
+    )
     subprocess.run([str(python), "-m", "pip", "install", "-q", *install], check=True)
     return python
 
@@ -135,13 +138,16 @@ def policies_for(n_kept: int, length: int, tokenizer) -> dict:
     import jcascade as jc
 
     snap = jc.SnapKV(budget=n_kept, window=64, kernel=5, pooling="avg", head_reduction="mean", stride=length)
-    return {"streamingllm": jc.Sink(sinks=4, window=n_kept - 4, positions="original", stride=length),
-            "snapkv": snap, "knorm": jc.KNorm(budget=n_kept, stride=length),
-            "pyramidkv": jc.PyramidKV(budget=n_kept, window=64, kernel=5, pooling="avg", stride=length),
-            "kvzip": jc.KVzip.for_tokenizer(tokenizer, n_kept, stride=length),
-            "tova": jc.TOVA(cache_size=n_kept, stride=length),
-            "expectedattention": jc.ExpectedAttention(budget=n_kept, window=length - 4, stride=length),
-            "adakv": jc.AdaKV(snap)}
+    return {
+        "streamingllm": jc.Sink(sinks=4, window=n_kept - 4, positions="original", stride=length),
+        "snapkv": snap,
+        "knorm": jc.KNorm(budget=n_kept, stride=length),
+        "pyramidkv": jc.PyramidKV(budget=n_kept, window=64, kernel=5, pooling="avg", stride=length),
+        "kvzip": jc.KVzip.for_tokenizer(tokenizer, n_kept, stride=length),
+        "tova": jc.TOVA(cache_size=n_kept, stride=length),
+        "expectedattention": jc.ExpectedAttention(budget=n_kept, window=length - 4, stride=length),
+        "adakv": jc.AdaKV(snap),
+    }
 
 
 def main():
@@ -154,10 +160,10 @@ def main():
     p.add_argument("--out", default="benchmarks/results/parity-kvpress.json")
     a = p.parse_args()
     import numpy as np
+    from jcascade.models import packaged
 
     import jcascade as jc
     from jcascade.eval import ruler, texts
-    from jcascade.models import packaged
 
     python = kvpress_python(pathlib.Path(a.venv))
     spec = jc.models.SMOLLM2_135M_INSTRUCT
@@ -170,8 +176,18 @@ def main():
         prompts = [generator.sample(task, a.length, 0).prompt.tolist() for task in a.tasks.split(",")]
         (pathlib.Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
         start = time.perf_counter()
-        subprocess.run([str(python), "-c", KVPRESS_SIDE, str(gguf), str(pathlib.Path(tmp) / "prompts.json"),
-                        str(a.compression), str(pathlib.Path(tmp) / "kvpress.json")], check=True)
+        subprocess.run(
+            [
+                str(python),
+                "-c",
+                KVPRESS_SIDE,
+                str(gguf),
+                str(pathlib.Path(tmp) / "prompts.json"),
+                str(a.compression),
+                str(pathlib.Path(tmp) / "kvpress.json"),
+            ],
+            check=True,
+        )
         theirs = json.loads((pathlib.Path(tmp) / "kvpress.json").read_text())
         print(f"kvpress side: {time.perf_counter() - start:.0f} s")
     rows, detail = [], {}
@@ -188,11 +204,23 @@ def main():
         rows.append((method, float(np.mean(overlaps)), float(np.mean(identical)), len(overlaps)))
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "parity_kvpress", "kvpress": KVPRESS, "date": time.strftime("%Y-%m-%d"),
-                               "model": spec.name, "length": a.length, "tasks": a.tasks, "compression": a.compression,
-                               "prompt_tokens": [len(ids) for ids in prompts],
-                               "rows": [dict(zip(("method", "overlap", "identical", "sets"), r)) for r in rows],
-                               "overlaps": detail}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "parity_kvpress",
+                "kvpress": KVPRESS,
+                "date": time.strftime("%Y-%m-%d"),
+                "model": spec.name,
+                "length": a.length,
+                "tasks": a.tasks,
+                "compression": a.compression,
+                "prompt_tokens": [len(ids) for ids in prompts],
+                "rows": [dict(zip(("method", "overlap", "identical", "sets"), r)) for r in rows],
+                "overlaps": detail,
+            },
+            indent=1,
+        )
+    )
     print(f"\n{'method':<18} {'overlap':>8} {'identical':>10} {'sets':>6}")
     for method, overlap, same, n in rows:
         print(f"{method:<18} {overlap:8.3f} {same:10.3f} {n:6d}")

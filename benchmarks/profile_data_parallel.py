@@ -19,20 +19,17 @@ import json
 import os
 import pathlib
 import statistics
-import sys
 import tempfile
 import time
 
+import decode_breakdown
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jcascade.models import sharding
 
 import jcascade as jc
 from jcascade.cli import count
-from jcascade.models import sharding
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import decode_breakdown  # noqa: E402
 
 
 def sizes(text: str) -> list[int]:
@@ -65,8 +62,10 @@ def table_row(name: str, data: int, run: dict) -> str:
     if "devices" not in run:
         return head + run.get("profile_error", "(not profiled)")[:80]
     first = next(iter(run["devices"].values()))
-    return head + (f"{first['kernels']:8d} {first['kernel_ms']:9.1f} {first['busy_ms']:8.1f} {first['idle_ms']:8.1f}  "
-                   + " ".join(f"{d['idle_ms']:.0f}" for d in run["devices"].values()))
+    return head + (
+        f"{first['kernels']:8d} {first['kernel_ms']:9.1f} {first['busy_ms']:8.1f} {first['idle_ms']:8.1f}  "
+        + " ".join(f"{d['idle_ms']:.0f}" for d in run["devices"].values())
+    )
 
 
 def main():
@@ -75,15 +74,23 @@ def main():
     p.add_argument("--length", type=count, default=4096, help="prompt length (e.g. 4K; rows are 0-199 tokens shorter)")
     p.add_argument("--rows", type=count, default=8, help="rows per device per call")
     p.add_argument("--new-tokens", type=count, default=48)
-    p.add_argument("--eos-id", type=int, help="stop rows at this token id, as evaluations do: the decode loop's "
-                   "condition then reduces over the devices at every step, and calls may decode fewer steps "
-                   "(default: none, every call decodes --new-tokens)")
+    p.add_argument(
+        "--eos-id",
+        type=int,
+        help="stop rows at this token id, as evaluations do: the decode loop's "
+        "condition then reduces over the devices at every step, and calls may decode fewer steps "
+        "(default: none, every call decodes --new-tokens)",
+    )
     p.add_argument("--policies", default="full,cascade", help="full and/or cascade (a quarter of --length)")
     p.add_argument("--data", type=sizes, default="1,2,4", help="comma-separated data-axis sizes")
     p.add_argument("--calls", type=count, default=5, help="timed calls per policy and mesh")
     p.add_argument("--no-profile", action="store_true", help="time only")
-    p.add_argument("--barrier", type=barrier_spec, metavar="DIR:N",
-                   help="time together with N processes (see above); DIR new or empty for each run")
+    p.add_argument(
+        "--barrier",
+        type=barrier_spec,
+        metavar="DIR:N",
+        help="time together with N processes (see above); DIR new or empty for each run",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args()
     policies = dict(full=jc.Full(), cascade=jc.Cascade(cache_size=a.length // 4, sinks=64, num_cascades=4))
@@ -97,9 +104,19 @@ def main():
     vocab = min(40000, jc.models.read_config(path).vocab_size)  # ordinary ids (the runs in RESULTS.md drew these)
     prompts = rng.integers(100, vocab, size=(a.rows, a.length)).astype(np.int32)
     lengths = a.length - rng.integers(0, 200, size=a.rows).astype(np.int32)
-    result = dict(benchmark="profile_data_parallel", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                  date=time.strftime("%Y-%m-%d"), model=path.name, length=a.length, rows_per_device=a.rows,
-                  new_tokens=a.new_tokens, eos_id=a.eos_id, calls=a.calls, runs={})
+    result = dict(
+        benchmark="profile_data_parallel",
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        model=path.name,
+        length=a.length,
+        rows_per_device=a.rows,
+        new_tokens=a.new_tokens,
+        eos_id=a.eos_id,
+        calls=a.calls,
+        runs={},
+    )
     rows = []
     for name in names:
         for data in a.data:
@@ -107,8 +124,7 @@ def main():
             tokens, lens = jnp.asarray(np.tile(prompts, (data, 1))), jnp.asarray(np.tile(lengths, data))
 
             def call(model=model, tokens=tokens, lens=lens, policy=policies[name]):
-                return jc.generate(model, tokens, policy, max_new_tokens=a.new_tokens, lengths=lens,
-                                   eos_id=a.eos_id)
+                return jc.generate(model, tokens, policy, max_new_tokens=a.new_tokens, lengths=lens, eos_id=a.eos_id)
 
             first = np.asarray(call())  # compiles
             if a.barrier:
@@ -119,8 +135,10 @@ def main():
                 np.asarray(call())
                 times.append(time.perf_counter() - t0)
             run = result["runs"][f"{name} data={data}"] = dict(
-                call_ms=statistics.median(times) * 1e3, times_ms=[t * 1e3 for t in times],
-                outputs_equal_across_devices=bool((first.reshape(data, a.rows, -1) == first[: a.rows]).all()))
+                call_ms=statistics.median(times) * 1e3,
+                times_ms=[t * 1e3 for t in times],
+                outputs_equal_across_devices=bool((first.reshape(data, a.rows, -1) == first[: a.rows]).all()),
+            )
             if not a.no_profile:
                 with tempfile.TemporaryDirectory() as trace_dir:
                     with jax.profiler.trace(trace_dir):
@@ -135,9 +153,11 @@ def main():
             if a.out:  # after each run: a run stopped later keeps what it measured
                 pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
                 pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"\npolicy, data, call ms (median of {a.calls}), first device under the profiler: kernels, kernel ms, "
-          f"busy ms, idle ms; every device's idle ms ({path.name}, {a.rows} rows x {a.length} per device, "
-          f"{a.new_tokens} new tokens)")
+    print(
+        f"\npolicy, data, call ms (median of {a.calls}), first device under the profiler: kernels, kernel ms, "
+        f"busy ms, idle ms; every device's idle ms ({path.name}, {a.rows} rows x {a.length} per device, "
+        f"{a.new_tokens} new tokens)"
+    )
     print("\n".join(rows))
 
 

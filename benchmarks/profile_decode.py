@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import pathlib
 import statistics
 import sys
 import time
 
+import bench_kernels
 import jax
 
 import jcascade as jc
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_kernels  # noqa: E402 (the same cache and inputs as section d)
 
 LAYERS = 8
 
@@ -38,7 +35,7 @@ def main():
     policy = jc.Cascade(cache_size=16384, sinks=64, num_cascades=4)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
     x = bench_kernels.decode_inputs(policy, a.batch, LAYERS)
-    loop = lambda weights, r: bench_kernels.decode_loop(x, weights, r, LAYERS, calls, "pallas")  # noqa: E731
+    loop = lambda weights, r: bench_kernels.decode_loop(x, weights, r, LAYERS, calls, "pallas")
     variants = dict(full=loop(x["weights"], rope), no_scores=loop(None, rope), no_rope=loop(x["weights"], None))
     for f in variants.values():
         jax.block_until_ready(f(x["stack_k"], x["stack_v"]))

@@ -12,20 +12,37 @@ A new policy subclasses `jc.Policy` (see `jcascade.policies.base` and "Writing a
 import importlib.util
 
 if importlib.util.find_spec("jcascade.pallas_kernels") is None:  # a source tree on sys.path, not installed
-    raise ImportError("jcascade is not installed: its models/ and pallas_kernels/ folders join the jcascade "
-                      "package at install time; run `pip install -e .` in the repository root")
+    raise ImportError(
+        "jcascade is not installed: its models/ and pallas_kernels/ folders join the jcascade "
+        "package at install time; run `pip install -e .` in the repository root"
+    )
 
-from jcascade.generation import generate, prefill, score
 from jcascade.cache_api import attend, cache_occupancy, compress, init_cache, update
-from jcascade.compilation import COMPILER_OPTIONS
 from jcascade.cache_state import CacheState, Scores, cached_kv, cached_positions, cached_scores, write_kv
-from jcascade.policies import (H2O, TOVA, AdaKV, Cascade, ExpectedAttention, Full, KNorm, KVzip, Policy, PyramidKV, Recycled,
-                               RingPolicy, Sink, SlidingWindow, SnapKV)
 from jcascade.checkpoint import load_stream, save_stream
-from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
+from jcascade.compilation import COMPILER_OPTIONS
+from jcascade.generation import generate, prefill, score
 from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, read_config, save_converted
-from jcascade.rope import Llama3Scaling, RoPE
 from jcascade.pallas_kernels import Kernels
+from jcascade.policies import (
+    H2O,
+    TOVA,
+    AdaKV,
+    Cascade,
+    ExpectedAttention,
+    Full,
+    KNorm,
+    KVzip,
+    Policy,
+    PyramidKV,
+    Recycled,
+    RingPolicy,
+    Sink,
+    SlidingWindow,
+    SnapKV,
+)
+from jcascade.rope import Llama3Scaling, RoPE
+from jcascade.shared import SharedPrefix, attend_shared, merge_attention, share_prefix
 
 __all__ = [
     "AdaKV",

@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import cache_state, checks
-from jcascade.pallas_kernels import quantization
 from jcascade.cache_state import CacheState, Scores
-from jcascade.pallas_kernels import Kernels
+from jcascade.pallas_kernels import Kernels, quantization
 from jcascade.policies import Policy, check_policy
 
 
@@ -29,8 +28,8 @@ def init_cache(
     kernels: Kernels | None = None,
 ) -> CacheState:
     """An empty cache. `kernels`: the `jc.Kernels` its attention and insertion run (None: `Kernels.default()`, the
-    platform's), carried by the state as static data. `max_tokens` is the number of tokens a cache of a policy that is not `bounded`
-    (not `bounded`) can receive (required there, unused by the bounded policies); a policy that compresses
+    platform's), carried by the state as static data. `max_tokens` is the number of tokens a cache of a policy that is
+    not `bounded` (not `bounded`) can receive (required there, unused by the bounded policies); a policy that compresses
     after its prompt (an `observation_window`) needs only the prompt's (`jcascade.compress` makes room for decoding).
 
     With `num_layers`, every array gets a leading layer axis (scan over it to run a model). `dtype` is the model's
@@ -38,8 +37,13 @@ def init_cache(
     policy's `kv_dtype` says so (`jcascade.pallas_kernels.quantization`: codes plus a float32 scale per slot).
     """
     check_policy(policy)
-    sizes = (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("max_tokens", max_tokens),
-             ("num_layers", num_layers))
+    sizes = (
+        ("batch", batch),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("max_tokens", max_tokens),
+        ("num_layers", num_layers),
+    )
     for name, value in sizes:
         if value is None and name in ("max_tokens", "num_layers"):
             continue
@@ -57,14 +61,19 @@ def init_cache(
         raise TypeError(f"init_cache: dtype must be a floating-point dtype (e.g. jnp.bfloat16), got {dtype!r}")
     capacity = policy.cache_slots(max_tokens)
     if capacity > checks.CLOCK_LIMIT:
-        raise ValueError(f"init_cache: {policy} with max_tokens={max_tokens} needs {capacity} slots, more than the "
-                         f"{checks.CLOCK_LIMIT} that int32 slot indices address")
+        raise ValueError(
+            f"init_cache: {policy} with max_tokens={max_tokens} needs {capacity} slots, more than the "
+            f"{checks.CLOCK_LIMIT} that int32 slot indices address"
+        )
     lead = () if num_layers is None else (num_layers,)
     shape = (*lead, batch, num_kv_heads, capacity)
     stored = quantization.storage_dtype(policy.kv_dtype, dtype)
     # two buffers (a cache is donated, and one buffer cannot be donated twice)
-    scales = dict(k_scale=jnp.zeros(shape, jnp.float32), v_scale=jnp.zeros(shape, jnp.float32)) \
-        if quantization.is_quantized(stored) else {}
+    scales = (
+        dict(k_scale=jnp.zeros(shape, jnp.float32), v_scale=jnp.zeros(shape, jnp.float32))
+        if quantization.is_quantized(stored)
+        else {}
+    )
     return CacheState(
         k=jnp.zeros((*shape, head_dim), stored),
         v=jnp.zeros((*shape, head_dim), stored),
@@ -146,8 +155,10 @@ def compress(policy: Policy, state: CacheState, room: int) -> CacheState:
     check_policy(policy)
     cache_state.check_state(state, stacked_ok=True)
     if not policy.observation_window:
-        raise TypeError("compress applies to policies with an observation window (those that compress after their "
-                        f"prompt), got {type(policy).__name__}")
+        raise TypeError(
+            "compress applies to policies with an observation window (those that compress after their "
+            f"prompt), got {type(policy).__name__}"
+        )
     if isinstance(room, bool) or not isinstance(room, int) or room < 0:
         raise ValueError(f"room must be an int >= 0, got {room!r}")
     return policy.compress(state, room)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jcascade.pallas_kernels import Kernels, quantization
 
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheState:
@@ -107,19 +108,28 @@ def write_kv(state: CacheState, index: tuple, k: jax.Array, v: jax.Array) -> Cac
     quantized, their scales at the same slots. state: one layer (`check_state`)."""
     check_state(state)
     if not isinstance(index, tuple):
-        raise TypeError(f"index must be a tuple of indices into [batch, num_kv_heads, capacity, head_dim] (() for "
-                        f"all of it), got {type(index).__name__}")
+        raise TypeError(
+            f"index must be a tuple of indices into [batch, num_kv_heads, capacity, head_dim] (() for "
+            f"all of it), got {type(index).__name__}"
+        )
     if state.k_scale is not None and len(index) > 3:
-        raise ValueError(f"index must address whole slots of a quantized cache (at most 3 indices into [batch, "
-                         f"num_kv_heads, capacity, head_dim]: a slot's scale covers its head_dim), got {len(index)}")
+        raise ValueError(
+            f"index must address whole slots of a quantized cache (at most 3 indices into [batch, "
+            f"num_kv_heads, capacity, head_dim]: a slot's scale covers its head_dim), got {len(index)}"
+        )
     slot_index = index
     index = index if state.layer is None else (state.layer, *index)
-    put = lambda x, val, at=index: x.at[at].set(val.astype(x.dtype), mode="drop")  # noqa: E731
+    put = lambda x, val, at=index: x.at[at].set(val.astype(x.dtype), mode="drop")
     if state.k_scale is None:
         return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v))
     k, v, k_scale, v_scale = quantize_kv(state, k, v)
-    return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v), k_scale=put(state.k_scale, k_scale,
-                               slot_index), v_scale=put(state.v_scale, v_scale, slot_index))
+    return dataclasses.replace(
+        state,
+        k=put(state.k, k),
+        v=put(state.v, v),
+        k_scale=put(state.k_scale, k_scale, slot_index),
+        v_scale=put(state.v_scale, v_scale, slot_index),
+    )
 
 
 def check_state(state, name: str = "state", *, stacked_ok: bool = False) -> None:
@@ -132,28 +142,42 @@ def check_state(state, name: str = "state", *, stacked_ok: bool = False) -> None
         raise TypeError(f"{name}.kernels must be a jc.Kernels (init_cache sets it), got {type(state.kernels).__name__}")
     pos = state.pos.shape
     if len(pos) not in (3, 4) or state.layer is not None and len(pos) != 3:
-        raise ValueError(f"{name}.pos must have shape [batch, num_kv_heads, capacity] (or a leading layer axis), got "
-                         f"{list(pos)}")
+        raise ValueError(
+            f"{name}.pos must have shape [batch, num_kv_heads, capacity] (or a leading layer axis), got {list(pos)}"
+        )
     if len(pos) == 4 and not stacked_ok:
-        raise ValueError(f"{name} is a stacked cache of {pos[0]} layers (pos {list(pos)}), this function takes one "
-                         f"layer, pos [batch, num_kv_heads, capacity]: pass one layer "
-                         "(jax.tree.map(lambda x: x[i], state)) or jax.vmap over the layers")
+        raise ValueError(
+            f"{name} is a stacked cache of {pos[0]} layers (pos {list(pos)}), this function takes one "
+            f"layer, pos [batch, num_kv_heads, capacity]: pass one layer "
+            "(jax.tree.map(lambda x: x[i], state)) or jax.vmap over the layers"
+        )
     lead = pos[:-3] if state.layer is None else state.k.shape[:1]  # () or (L,)
-    expected = {"k": (*lead, *pos[-3:], state.k.shape[-1]), "v": (*lead, *pos[-3:], state.k.shape[-1]),
-                "score": pos, "seen": pos[:-2]}
+    expected = {
+        "k": (*lead, *pos[-3:], state.k.shape[-1]),
+        "v": (*lead, *pos[-3:], state.k.shape[-1]),
+        "score": pos,
+        "seen": pos[:-2],
+    }
     quantized = quantization.is_quantized(state.k.dtype)
-    if state.v.dtype != state.k.dtype or quantized != (state.k_scale is not None) or (state.k_scale is None) != (
-            state.v_scale is None):
-        raise ValueError(f"{name} must hold k and v of one dtype, with k_scale and v_scale exactly when that is a "
-                         f"quantized format (int8, float8_e4m3fn); got k {state.k.dtype}, v {state.v.dtype}, "
-                         f"k_scale {'None' if state.k_scale is None else 'set'}, v_scale "
-                         f"{'None' if state.v_scale is None else 'set'}")
+    if (
+        state.v.dtype != state.k.dtype
+        or quantized != (state.k_scale is not None)
+        or (state.k_scale is None) != (state.v_scale is None)
+    ):
+        raise ValueError(
+            f"{name} must hold k and v of one dtype, with k_scale and v_scale exactly when that is a "
+            f"quantized format (int8, float8_e4m3fn); got k {state.k.dtype}, v {state.v.dtype}, "
+            f"k_scale {'None' if state.k_scale is None else 'set'}, v_scale "
+            f"{'None' if state.v_scale is None else 'set'}"
+        )
     if quantized:
         expected |= {"k_scale": pos, "v_scale": pos}
     for field, shape in expected.items():
         if getattr(state, field).shape != shape:
-            raise ValueError(f"{name}.{field} must have shape {list(shape)} (pos {list(pos)}), got "
-                             f"{list(getattr(state, field).shape)}")
+            raise ValueError(
+                f"{name}.{field} must have shape {list(shape)} (pos {list(pos)}), got "
+                f"{list(getattr(state, field).shape)}"
+            )
     for field in ("pos", "seen"):
         if getattr(state, field).dtype != jnp.int32:
             raise TypeError(f"{name}.{field} must be int32, got {getattr(state, field).dtype}")
@@ -172,12 +196,15 @@ def check_chunk(state: CacheState, q, k, v) -> tuple[int, int]:
             got = f"{x.dtype}{list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
             raise TypeError(f"{name} must be a floating-point array [batch, T, heads, head_dim], got {got}")
     if k.ndim != 4 or k.shape[0] != B or k.shape[2:] != (H, D):
-        raise ValueError(f"k must have shape [batch={B}, T, num_kv_heads={H}, head_dim={D}] (the state's), got "
-                         f"{list(k.shape)}")
+        raise ValueError(
+            f"k must have shape [batch={B}, T, num_kv_heads={H}, head_dim={D}] (the state's), got {list(k.shape)}"
+        )
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k, {list(k.shape)}, got {list(v.shape)}")
     T = k.shape[1]
     if q is not None and (q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != D or q.shape[2] % H):
-        raise ValueError(f"q must have shape [batch={B}, T={T}, Hq, head_dim={D}] with Hq a multiple of "
-                         f"num_kv_heads={H}, got {list(q.shape)}")
+        raise ValueError(
+            f"q must have shape [batch={B}, T={T}, Hq, head_dim={D}] with Hq a multiple of "
+            f"num_kv_heads={H}, got {list(q.shape)}"
+        )
     return B, T

@@ -32,8 +32,9 @@ class Progress(dict):
         self.file = file
 
     def __missing__(self, key):
-        raise ValueError(f"{self.file}: damaged: it has no {key!r} (it holds {', '.join(map(repr, self)) or 'nothing'})"
-                         f"; {REMEDY}")
+        raise ValueError(
+            f"{self.file}: damaged: it has no {key!r} (it holds {', '.join(map(repr, self)) or 'nothing'}); {REMEDY}"
+        )
 
 
 def _generations(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -75,8 +76,10 @@ def _latest(directory: pathlib.Path) -> pathlib.Path | None:
     if name is None or not _GENERATION.fullmatch(name) or not (directory / name).is_dir():
         found = ", ".join(p.name for p in _generations(directory)) or "none"
         shown = "bytes that are not text" if name is None else repr(name)
-        raise ValueError(f"{latest}: damaged: it names {shown}, which is not a generation folder of {directory} "
-                         f"(found: {found}); {REMEDY}")
+        raise ValueError(
+            f"{latest}: damaged: it names {shown}, which is not a generation folder of {directory} "
+            f"(found: {found}); {REMEDY}"
+        )
     return directory / name
 
 
@@ -90,8 +93,9 @@ def _progress(target: pathlib.Path) -> Progress:
     except UnicodeDecodeError as e:
         raise ValueError(f"{file}: damaged: not UTF-8 text (byte {e.start}); {REMEDY}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: damaged or truncated: not valid JSON ({e.msg} at line {e.lineno}, column "
-                         f"{e.colno}); {REMEDY}") from None
+        raise ValueError(
+            f"{file}: damaged or truncated: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {REMEDY}"
+        ) from None
     if not isinstance(progress, dict):
         raise ValueError(f"{file}: damaged: a JSON {type(progress).__name__}, not an object; {REMEDY}")
     return Progress(progress, file)

@@ -18,10 +18,10 @@ def concrete(*arrays) -> bool:
 
 def int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: str, where=None, host: bool = False):
     """`x` as int32, once checked: an integer array of any width (not float or bool) of `shape` whose entries
-    (where `where` is true, if given) lie in [low, high), `rule` in words; a jax Array, or with `host` a NumPy
-    array when x has a value (for a caller that computes on the host, even under an outer trace). The values are compared in x's own
-    dtype, before any narrowing (jnp.asarray would turn an int64 2**32 + 5 into 5 without a word). Traced
-    values (inside a user's jit) cannot be checked here: there the check is a `checkify.debug_check`, an error
+    (where `where` is true, if given) lie in [low, high), `rule` in words; a jax Array, or with `host` a NumPy array
+    when x has a value (for a caller that computes on the host, even under an outer trace). The values are compared in
+    x's own dtype, before any narrowing (jnp.asarray would turn an int64 2**32 + 5 into 5 without a word). Traced values
+    (inside a user's jit) cannot be checked here: there the check is a `checkify.debug_check`, an error
     only under `jax.experimental.checkify.checkify` (docs/reliability.md)."""
     if not isinstance(x, jax.Array):
         x = np.asarray(x)
@@ -41,8 +41,12 @@ def int_array(x, name: str, shape: tuple[int, ...], low: int, high: int, rule: s
             raise ValueError(f"{name}: {rule}, got {values[bad][:5].tolist()} at {at}")
     else:
         first = jnp.argmax(bad.ravel())
-        checkify.debug_check(~bad.any(), f"{name}: {rule}, got {{value}} at {{at}}", value=jnp.ravel(values)[first],
-                             at=jnp.stack(jnp.unravel_index(first, shape)) if shape else first)
+        checkify.debug_check(
+            ~bad.any(),
+            f"{name}: {rule}, got {{value}} at {{at}}",
+            value=jnp.ravel(values)[first],
+            at=jnp.stack(jnp.unravel_index(first, shape)) if shape else first,
+        )
         return jnp.asarray(x, jnp.int32)
     values = values.astype(np.int32)  # narrowed on the host: no program compiled for it
     return values if host else jnp.asarray(values)
@@ -54,8 +58,10 @@ def check_clock(seen: jax.Array, n: jax.Array) -> None:
         after = np.asarray(seen, np.int64) + np.asarray(n, np.int64)
         if after.max() > CLOCK_LIMIT:
             rows = np.flatnonzero(after > CLOCK_LIMIT).tolist()
-            raise ValueError(f"rows {rows} would receive more than {CLOCK_LIMIT} tokens, the limit of the int32 token "
-                             "clock: start a new cache (init_cache) for a longer stream")
+            raise ValueError(
+                f"rows {rows} would receive more than {CLOCK_LIMIT} tokens, the limit of the int32 token "
+                "clock: start a new cache (init_cache) for a longer stream"
+            )
 
 
 def check_overflow(policy, placed: jax.Array, n: jax.Array, capacity: int) -> None:
@@ -72,9 +78,13 @@ def check_overflow(policy, placed: jax.Array, n: jax.Array, capacity: int) -> No
             )
         return
     total = placed + n
-    checkify.debug_check(jnp.all(total <= capacity), f"{type(policy).__name__} cache of {capacity} slots overflows: "
-                         "row {row} would hold {tokens} tokens (give init_cache a larger max_tokens)",
-                         row=jnp.argmax(total), tokens=jnp.max(total))
+    checkify.debug_check(
+        jnp.all(total <= capacity),
+        f"{type(policy).__name__} cache of {capacity} slots overflows: "
+        "row {row} would hold {tokens} tokens (give init_cache a larger max_tokens)",
+        row=jnp.argmax(total),
+        tokens=jnp.max(total),
+    )
 
 
 def check_lengths(lengths, batch: int, chunk_len: int) -> jax.Array:
@@ -82,12 +92,15 @@ def check_lengths(lengths, batch: int, chunk_len: int) -> jax.Array:
     chunk."""
     if lengths is None:
         return jnp.full((batch,), chunk_len, jnp.int32)
-    return int_array(lengths, "lengths", (batch,), 0, chunk_len + 1, f"each must lie in [0, {chunk_len}] (the "
-                     "chunk's length)")
+    return int_array(
+        lengths, "lengths", (batch,), 0, chunk_len + 1, f"each must lie in [0, {chunk_len}] (the chunk's length)"
+    )
 
 
 def check_rope(rope) -> None:
     """Raises TypeError unless rope is None or a callable (x, positions) -> rotated x."""
     if rope is not None and not callable(rope):
-        raise TypeError(f"rope must be None or a callable (x, positions) -> rotated x, such as jc.RoPE(theta), got "
-                        f"{type(rope).__name__}")
+        raise TypeError(
+            f"rope must be None or a callable (x, positions) -> rotated x, such as jc.RoPE(theta), got "
+            f"{type(rope).__name__}"
+        )

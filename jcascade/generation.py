@@ -26,10 +26,10 @@ import numpy as np
 
 from jcascade import cache_state, checks, compilation
 from jcascade.checks import int_array
-from jcascade.policies import Full, check_policy
-from jcascade.shared import share_prefix
 from jcascade.models.config import ModelConfig
 from jcascade.models.decoder import CausalLM
+from jcascade.policies import Full, check_policy
+from jcascade.shared import share_prefix
 
 
 def as_model(model, config: ModelConfig | None = None) -> CausalLM:
@@ -46,15 +46,24 @@ def as_model(model, config: ModelConfig | None = None) -> CausalLM:
             return merged
     if isinstance(model, dict) and isinstance(config, ModelConfig):
         return CausalLM(config, model)
-    hint = " (a dict of weights also needs config=, its ModelConfig)" if isinstance(model, dict) else \
-        " (an nnx.State alone lacks its graph: pass the pair nnx.split returns)" if isinstance(model, nnx.State) else \
-        " (config= goes only with a dict of weights)" if config is not None else ""
-    raise TypeError("model must be a jcascade CausalLM, the (graphdef, state) pair of flax.nnx.split(model), or a "
-                    f"dict of weights by name with config=ModelConfig(...); got {type(model).__name__}{hint}")
+    hint = (
+        " (a dict of weights also needs config=, its ModelConfig)"
+        if isinstance(model, dict)
+        else " (an nnx.State alone lacks its graph: pass the pair nnx.split returns)"
+        if isinstance(model, nnx.State)
+        else " (config= goes only with a dict of weights)"
+        if config is not None
+        else ""
+    )
+    raise TypeError(
+        "model must be a jcascade CausalLM, the (graphdef, state) pair of flax.nnx.split(model), or a "
+        f"dict of weights by name with config=ModelConfig(...); got {type(model).__name__}{hint}"
+    )
 
 
-def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None,
-                  names: tuple[str, str] = ("tokens", "lengths")):
+def _check_tokens(
+    model: CausalLM, tokens, lengths, least: int = 1, targets=None, names: tuple[str, str] = ("tokens", "lengths")
+):
     """tokens [B, S], lengths [B] and targets [B, S] (if given) as int32, checked by `int_array`: lengths in
     [least, S], ids in [0, vocab_size) at each row's valid positions. Padding ids become 0: the embedding of
     an id outside the vocabulary is NaN, and a chunk's masked positions still multiply by it. `names`: the
@@ -75,10 +84,14 @@ def _check_tokens(model: CausalLM, tokens, lengths, least: int = 1, targets=None
         lengths = int_array(lengths, names[1], (B,), least, S + 1, rule, host=host)
     valid = xp.arange(S)[None, :] < lengths[:, None]
     rule = f"token ids must lie in [0, vocab_size={model.config.vocab_size})"
-    tokens, targets = (None if ids is None else
-                       jnp.asarray(xp.where(valid, int_array(ids, name, (B, S), 0, model.config.vocab_size, rule,
-                                                             valid, host=host), 0))
-                       for name, ids in ((names[0], tokens), ("targets", targets)))
+    tokens, targets = (
+        None
+        if ids is None
+        else jnp.asarray(
+            xp.where(valid, int_array(ids, name, (B, S), 0, model.config.vocab_size, rule, valid, host=host), 0)
+        )
+        for name, ids in ((names[0], tokens), ("targets", targets))
+    )
     return tokens, jnp.asarray(lengths), targets
 
 
@@ -88,11 +101,15 @@ def check_sharing(argument: str, policy=None, config: ModelConfig | None = None)
     or linear layers (Gemma 3 and 4, Qwen3.5). Either may be None (not checked), so that a command checks them
     before loading a model."""
     if policy is not None and not policy.shareable:
-        raise ValueError(f"{argument} does not support {type(policy).__name__} (its cache is chosen per request: it "
-                         "cannot be one frozen prefix shared by the rows)")
+        raise ValueError(
+            f"{argument} does not support {type(policy).__name__} (its cache is chosen per request: it "
+            "cannot be one frozen prefix shared by the rows)"
+        )
     if config is not None and (config.state_types != ("global",) or config.kv_shared_layers):
-        raise ValueError(f"{argument} is not supported yet for models with sliding or linear layers (Gemma 3 and 4, "
-                         "Qwen3.5): it holds the prompt's cache as a shared prefix")
+        raise ValueError(
+            f"{argument} is not supported yet for models with sliding or linear layers (Gemma 3 and 4, "
+            "Qwen3.5): it holds the prompt's cache as a shared prefix"
+        )
 
 
 def _check_context(model: CausalLM, policy, context, context_lengths, batch: int):
@@ -104,8 +121,10 @@ def _check_context(model: CausalLM, policy, context, context_lengths, batch: int
         return None, None
     shape = np.shape(context)
     if len(shape) != 2 or shape[0] not in (1, batch):
-        raise ValueError(f"context must be an integer array of shape [1, length] (one context for every row) or "
-                         f"[{batch}, length] (one per row of tokens), got shape {list(shape)}")
+        raise ValueError(
+            f"context must be an integer array of shape [1, length] (one context for every row) or "
+            f"[{batch}, length] (one per row of tokens), got shape {list(shape)}"
+        )
     check_sharing("context=", policy, model.config)
     context, context_lengths, _ = _check_tokens(model, context, context_lengths, names=("context", "context_lengths"))
     return context, context_lengths
@@ -128,8 +147,15 @@ def _number(name: str, x, kind, rule: str, ok) -> int | float:
 
 def _check_key(rng) -> None:
     """A TypeError unless rng is one jax.random key (typed, or a legacy uint32[2] PRNGKey)."""
-    if not (isinstance(rng, jax.Array) and (jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ()
-                                            or rng.dtype == jnp.uint32 and rng.shape == (2,))):
+    if not (
+        isinstance(rng, jax.Array)
+        and (
+            jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+            and rng.shape == ()
+            or rng.dtype == jnp.uint32
+            and rng.shape == (2,)
+        )
+    ):
         got = f"{rng.dtype}{list(rng.shape)}" if isinstance(rng, jax.Array) else type(rng).__name__
         raise TypeError(f"rng must be one key from jax.random.key (or jax.random.PRNGKey), got {got}")
 
@@ -139,9 +165,12 @@ def _check_positions(model: CausalLM, policy, total: int) -> None:
     model's trained ones (allowed: showing what happens there is part of evaluating context extension)."""
     limit = model.config.max_position_embeddings
     if not policy.bounded and total > limit:
-        warnings.warn(f"{total} tokens exceed the model's {limit} trained positions; {type(policy).__name__} keeps "
-                      "every prompt token at its position, so expect degraded output (a bounded policy such as "
-                      "Cascade stays within them)", stacklevel=3)
+        warnings.warn(
+            f"{total} tokens exceed the model's {limit} trained positions; {type(policy).__name__} keeps "
+            "every prompt token at its position, so expect degraded output (a bounded policy such as "
+            "Cascade stays within them)",
+            stacklevel=3,
+        )
 
 
 SMALLEST_CHUNK = 16
@@ -177,8 +206,16 @@ def _last_valid(hidden: jax.Array, n: jax.Array, fallback: jax.Array) -> jax.Arr
     return jnp.where((n > 0)[:, None], here, fallback)
 
 
-def prefill(model: CausalLM, policy, state: cache_state.CacheState, tokens: jax.Array, lengths: jax.Array,
-            targets: jax.Array | None = None, *, config: ModelConfig | None = None):
+def prefill(
+    model: CausalLM,
+    policy,
+    state: cache_state.CacheState,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    targets: jax.Array | None = None,
+    *,
+    config: ModelConfig | None = None,
+):
     """Feeds right-padded tokens [B, S] in stride chunks (model: as `as_model` takes it, with `config`).
     Returns the cache, the final hidden state at each row's last valid token [B, hidden] (zeros for rows with
     length 0) and, when `targets` [B, S] is given, the log-probabilities f32 [B, S] of targets[:, t] after
@@ -188,8 +225,15 @@ def prefill(model: CausalLM, policy, state: cache_state.CacheState, tokens: jax.
     return _prefill(model, policy, state, tokens, lengths, targets)
 
 
-def prompt_cache(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array | None = None, room: int = 0, *,
-                 config: ModelConfig | None = None):
+def prompt_cache(
+    model: CausalLM,
+    policy,
+    tokens: jax.Array,
+    lengths: jax.Array | None = None,
+    room: int = 0,
+    *,
+    config: ModelConfig | None = None,
+):
     """The cache `generate` decodes from: a fresh cache through right-padded prompts tokens [B, S] (`lengths` [B]
     valid tokens per row, default all S), compressed as `policy` does after a prompt (SnapKV's observation
     window, KVzip's pass, ...), with room for `room` more tokens. Returns (state, the final hidden state at each
@@ -201,8 +245,15 @@ def prompt_cache(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array 
     return _prompt(model, policy, tokens, lengths, room)[:2]
 
 
-def _prefill(model: CausalLM, policy, state: cache_state.CacheState, tokens: jax.Array, lengths: jax.Array,
-             targets: jax.Array | None = None, prefixes: tuple = ()):
+def _prefill(
+    model: CausalLM,
+    policy,
+    state: cache_state.CacheState,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    targets: jax.Array | None = None,
+    prefixes: tuple = (),
+):
     """`prefill` once checked; prefixes: shared-prefix levels that every row's history begins with (the rows'
     own tokens then go to `state`, which must keep no scores: `jcascade.attend_shared`)."""
     B, S = tokens.shape
@@ -224,8 +275,9 @@ def _prefill(model: CausalLM, policy, state: cache_state.CacheState, tokens: jax
     return state, last, logps
 
 
-def _prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room: int,
-            targets: jax.Array | None = None):
+def _prompt(
+    model: CausalLM, policy, tokens: jax.Array, lengths: jax.Array, room: int, targets: jax.Array | None = None
+):
     """A fresh cache through the prompt, ready for `room` more tokens: `prefill`'s (state, last, logps).
 
     Policies with an observation window (e.g. SnapKV) feed each row's last `observation_window`
@@ -257,8 +309,16 @@ def _shared_prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Arra
     return jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope))(state), last
 
 
-def _after_context(model: CausalLM, policy, context: jax.Array, context_lengths: jax.Array, tokens: jax.Array,
-                   lengths: jax.Array, room: int, targets: jax.Array | None = None):
+def _after_context(
+    model: CausalLM,
+    policy,
+    context: jax.Array,
+    context_lengths: jax.Array,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    room: int,
+    targets: jax.Array | None = None,
+):
     """The context compressed and shared (`_shared_prompt`), then each row's tokens [B, T] prefilled on top of it
     into a Full cache of its own with `room` more slots: (prefixes, that cache, the last hidden state [B, hidden]
     of each row's tokens, `prefill`'s log-probs of targets or None, the context's last hidden states [B, hidden])."""
@@ -270,9 +330,17 @@ def _after_context(model: CausalLM, policy, context: jax.Array, context_lengths:
     return (prefix,), state, last, logps, jnp.broadcast_to(context_last, (B, context_last.shape[-1]))
 
 
-def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | None = None,
-          prefix: int | None = None, context: jax.Array | None = None, context_lengths: jax.Array | None = None,
-          config: ModelConfig | None = None) -> jax.Array:
+def score(
+    model: CausalLM,
+    tokens: jax.Array,
+    policy,
+    *,
+    lengths: jax.Array | None = None,
+    prefix: int | None = None,
+    context: jax.Array | None = None,
+    context_lengths: jax.Array | None = None,
+    config: ModelConfig | None = None,
+) -> jax.Array:
     """Per-token log-likelihoods log p(x_t | x_<t) under `policy`, streamed at constant memory. model: a
     CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 
@@ -299,8 +367,9 @@ def score(model: CausalLM, tokens: jax.Array, policy, *, lengths: jax.Array | No
     if context is not None and prefix is not None:
         raise ValueError("prefix= and context= do not combine: the context is the prompt that policy compresses")
     if prefix is None and context is None and policy.needs_prompt:
-        raise ValueError(f"{type(policy).__name__} acts after a prompt: pass prefix=<prompt length> (or context=) "
-                         "to score")
+        raise ValueError(
+            f"{type(policy).__name__} acts after a prompt: pass prefix=<prompt length> (or context=) to score"
+        )
     if prefix is not None:
         prefix = _number("prefix", prefix, numbers.Integral, f"None or an int in [1, {S}]", lambda p: 1 <= p <= S)
     context, context_lengths = _check_context(model, policy, context, context_lengths, tokens.shape[0])
@@ -321,10 +390,13 @@ def warn_nonfinite(logps: np.ndarray, valid: np.ndarray) -> None:
     bad = ~np.isfinite(logps) & (np.arange(logps.shape[1])[None, :] < valid[:, None])
     rows = [(b, np.flatnonzero(bad[b])) for b in np.flatnonzero(bad.any(axis=1))]
     if rows:
-        shown = "; ".join(f"row {b}: {len(at)} from position {at[0]} ({', '.join(map(str, at[:5]))}"
-                          f"{', ...' if len(at) > 5 else ''})" for b, at in rows)
-        warnings.warn(f"non-finite log-probabilities (NaN or Inf in the inputs or weights): {shown}", RuntimeWarning,
-                      stacklevel=3)
+        shown = "; ".join(
+            f"row {b}: {len(at)} from position {at[0]} ({', '.join(map(str, at[:5]))}{', ...' if len(at) > 5 else ''})"
+            for b, at in rows
+        )
+        warnings.warn(
+            f"non-finite log-probabilities (NaN or Inf in the inputs or weights): {shown}", RuntimeWarning, stacklevel=3
+        )
 
 
 @compilation.jit(static_argnames=("policy", "prefix"))
@@ -332,14 +404,17 @@ def _score(model, tokens, policy, lengths, prefix, context, context_lengths):
     B, S = tokens.shape
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     if context is not None:  # the first token after the context's last hidden state, the others after their own rows
-        _, _, _, logps, context_last = _after_context(model, policy, context, context_lengths, tokens, lengths, 0,
-                                                      targets)
+        _, _, _, logps, context_last = _after_context(
+            model, policy, context, context_lengths, tokens, lengths, 0, targets
+        )
         logps = jnp.concatenate([token_log_probs(model, context_last[:, None], tokens[:, :1]), logps[:, :-1]], axis=1)
         return jnp.where(jnp.arange(S)[None, :] < lengths[:, None], logps, 0.0)
     prompt_len = S if prefix is None else prefix
-    state, _, logps = _prompt(model, policy, tokens[:, :prompt_len], jnp.minimum(lengths, prompt_len), S - prompt_len,
-                              targets[:, :prompt_len])
+    state, _, logps = _prompt(
+        model, policy, tokens[:, :prompt_len], jnp.minimum(lengths, prompt_len), S - prompt_len, targets[:, :prompt_len]
+    )
     if prompt_len < S:
+
         def step(state, inputs):
             tok, tgt, t = inputs
             hidden, state = model(policy, state, tok[:, None], (t < lengths).astype(jnp.int32))
@@ -377,10 +452,22 @@ def _sample(logits: jax.Array, rng, temperature: float, top_p: float) -> jax.Arr
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, eos_id: int | None = None, rng: jax.Array | None = None,
-             lengths: jax.Array | None = None, num_samples: int | None = None, context: jax.Array | None = None,
-             context_lengths: jax.Array | None = None, config: ModelConfig | None = None) -> jax.Array:
+def generate(
+    model: CausalLM,
+    tokens: jax.Array,
+    policy,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    rng: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+    num_samples: int | None = None,
+    context: jax.Array | None = None,
+    context_lengths: jax.Array | None = None,
+    config: ModelConfig | None = None,
+) -> jax.Array:
     """Continues right-padded prompts tokens [B, S] (valid prefix `lengths`) by max_new_tokens tokens. model: a
     CausalLM, the pair `nnx.split(model)` returns, or a weights dict with `config` (`as_model`).
 
@@ -409,14 +496,16 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     without sliding layers (not Gemma 3), and no num_samples.
     """
     max_new_tokens = _number("max_new_tokens", max_new_tokens, numbers.Integral, "a positive int", lambda n: n >= 1)
-    temperature = _number("temperature", temperature, numbers.Real, "a finite float >= 0 (0 is greedy)",
-                          lambda t: 0 <= t < math.inf)
+    temperature = _number(
+        "temperature", temperature, numbers.Real, "a finite float >= 0 (0 is greedy)", lambda t: 0 <= t < math.inf
+    )
     top_p = _number("top_p", top_p, numbers.Real, "a float in (0, 1]", lambda p: 0 < p <= 1)
     model = as_model(model, config)
     vocab = model.config.vocab_size
     if eos_id is not None:  # an id the model cannot produce would never stop a row
-        eos_id = _number("eos_id", eos_id, numbers.Integral, f"None or an int in [0, vocab_size={vocab})",
-                         lambda e: 0 <= e < vocab)
+        eos_id = _number(
+            "eos_id", eos_id, numbers.Integral, f"None or an int in [0, vocab_size={vocab})", lambda e: 0 <= e < vocab
+        )
     if rng is not None:
         _check_key(rng)
     elif temperature > 0:
@@ -426,8 +515,10 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     if num_samples is not None:
         num_samples = _number("num_samples", num_samples, numbers.Integral, "a positive int or None", lambda n: n >= 1)
         if context is not None:
-            raise ValueError("num_samples and context= do not combine: for several samples of one question, repeat "
-                             "the question over the rows of tokens with a [1, length] context")
+            raise ValueError(
+                "num_samples and context= do not combine: for several samples of one question, repeat "
+                "the question over the rows of tokens with a [1, length] context"
+            )
         if tokens.shape[0] != 1:
             raise ValueError(f"num_samples continues one prompt: tokens must have batch 1, got {tokens.shape[0]}")
         check_sharing("num_samples", policy, model.config)
@@ -435,17 +526,43 @@ def generate(model: CausalLM, tokens: jax.Array, policy, *, max_new_tokens: int,
     before = 0 if context is None else _longest(context, context_lengths)
     _check_positions(model, policy, before + _longest(tokens, lengths) + max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(model, tokens, policy, lengths, rng, context, context_lengths, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_p=top_p, eos_id=eos_id, num_samples=num_samples)
+    return _generate(
+        model,
+        tokens,
+        policy,
+        lengths,
+        rng,
+        context,
+        context_lengths,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_id=eos_id,
+        num_samples=num_samples,
+    )
 
 
 @compilation.jit(static_argnames=("policy", "max_new_tokens", "temperature", "top_p", "eos_id", "num_samples"))
-def _generate(model, tokens, policy, lengths, rng, context, context_lengths, *, max_new_tokens, temperature, top_p,
-              eos_id, num_samples):
+def _generate(
+    model,
+    tokens,
+    policy,
+    lengths,
+    rng,
+    context,
+    context_lengths,
+    *,
+    max_new_tokens,
+    temperature,
+    top_p,
+    eos_id,
+    num_samples,
+):
     decode_policy = Full(stride=policy.stride)  # the rows' own cache under a shared prefix
     if context is not None:  # the context's cache, shared; each row's question and new tokens in a cache of its own
-        prefixes, state, last_hidden, _, _ = _after_context(model, policy, context, context_lengths, tokens, lengths,
-                                                            max_new_tokens)
+        prefixes, state, last_hidden, _, _ = _after_context(
+            model, policy, context, context_lengths, tokens, lengths, max_new_tokens
+        )
     elif num_samples is not None:  # the prompt's cache, shared; each sample's tokens in a Full cache of its own
         prefix, last_hidden = _shared_prompt(model, policy, tokens, lengths)
         prefixes = (prefix,)
@@ -454,12 +571,33 @@ def _generate(model, tokens, policy, lengths, rng, context, context_lengths, *, 
     else:
         state, last_hidden, _ = _prompt(model, policy, tokens, lengths, max_new_tokens)
         decode_policy, prefixes = policy, ()
-    return decode(model, decode_policy, state, last_hidden, rng, max_new_tokens=max_new_tokens,
-                  temperature=temperature, top_p=top_p, eos_id=eos_id, prefixes=prefixes)
+    return decode(
+        model,
+        decode_policy,
+        state,
+        last_hidden,
+        rng,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_id=eos_id,
+        prefixes=prefixes,
+    )
 
 
-def decode(model: CausalLM, policy, state: cache_state.CacheState, last_hidden: jax.Array, rng: jax.Array, *,
-           max_new_tokens: int, temperature: float, top_p: float, eos_id: int | None, prefixes=()) -> jax.Array:
+def decode(
+    model: CausalLM,
+    policy,
+    state: cache_state.CacheState,
+    last_hidden: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_id: int | None,
+    prefixes=(),
+) -> jax.Array:
     """The decode loop after a prefilled cache: samples the first token from last_hidden [B, hidden] (the
     prompt's last hidden state), then feeds one token per step. Returns int32 [B, max_new_tokens] as
     `generate` does. Traceable; `generate` is the checked entry point."""
@@ -467,9 +605,14 @@ def decode(model: CausalLM, policy, state: cache_state.CacheState, last_hidden: 
     rng, first_rng = jax.random.split(rng)
     first = _sample(model.logits(last_hidden), first_rng, temperature, top_p)
     pad = -1 if eos_id is None else eos_id
-    init = _DecodeState(cache=state, last=first, out=jnp.full((B, max_new_tokens), pad, jnp.int32).at[:, 0].set(first),
-                        done=(first == eos_id) if eos_id is not None else jnp.zeros((B,), bool),
-                        step=jnp.int32(1), rng=rng)
+    init = _DecodeState(
+        cache=state,
+        last=first,
+        out=jnp.full((B, max_new_tokens), pad, jnp.int32).at[:, 0].set(first),
+        done=(first == eos_id) if eos_id is not None else jnp.zeros((B,), bool),
+        step=jnp.int32(1),
+        rng=rng,
+    )
 
     def cond(s: _DecodeState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
@@ -480,7 +623,8 @@ def decode(model: CausalLM, policy, state: cache_state.CacheState, last_hidden: 
         rng, key = jax.random.split(s.rng)
         nxt = jnp.where(s.done, pad, _sample(model.logits(hidden[:, 0]), key, temperature, top_p))
         done = s.done | (nxt == eos_id) if eos_id is not None else s.done
-        return _DecodeState(cache=new_cache, last=nxt, out=s.out.at[:, s.step].set(nxt), done=done,
-                            step=s.step + 1, rng=rng)
+        return _DecodeState(
+            cache=new_cache, last=nxt, out=s.out.at[:, s.step].set(nxt), done=done, step=s.step + 1, rng=rng
+        )
 
     return jax.lax.while_loop(cond, body, init).out

@@ -50,8 +50,9 @@ class SharedPrefix:
     rope: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Array | int = 0, rope=None,
-                 dtype=None) -> SharedPrefix:
+def share_prefix(
+    policy: Policy, state: cache_state.CacheState, offset: jax.Array | int = 0, rope=None, dtype=None
+) -> SharedPrefix:
     """The cache `state` (one layer; its batch rows become the prefix rows), as `policy` positions it,
     shifted by `offset` (an int, or an integer array [P]: positions of the levels before it, >= 0). rope: the
     RoPE the requests decode with, or None; when given, the keys are stored rotated at their positions (which a
@@ -66,8 +67,14 @@ def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Arra
     cache_state.check_state(state)
     checks.check_rope(rope)
     shape = () if np.ndim(offset) == 0 else state.seen.shape  # an int, or one per prefix row
-    offset = checks.int_array(offset, "offset", shape, 0, checks.CLOCK_LIMIT + 1,
-                             f"each must lie in [0, {checks.CLOCK_LIMIT}] (the positions of the levels before it)")
+    offset = checks.int_array(
+        offset,
+        "offset",
+        shape,
+        0,
+        checks.CLOCK_LIMIT + 1,
+        f"each must lie in [0, {checks.CLOCK_LIMIT}] (the positions of the levels before it)",
+    )
     key_pos, start = policy.key_positions(state)
     offset = jnp.broadcast_to(offset, start.shape)
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
@@ -77,8 +84,9 @@ def share_prefix(policy: Policy, state: cache_state.CacheState, offset: jax.Arra
     if state.k_scale is not None and dtype is None:  # codes and scales as they are, zero in empty slots
         k, v = (jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)) for x in cache_state.stored_kv(state))
         k_scale, v_scale = (jnp.where(valid, x, 0.0) for x in (state.k_scale, state.v_scale))
-        return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, k_scale=k_scale,
-                            v_scale=v_scale)
+        return SharedPrefix(
+            k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, k_scale=k_scale, v_scale=v_scale
+        )
     held_k, held_v = cache_state.cached_kv(state)
     k = held_k if rope is None else rope(held_k, key_pos)
     k, v = (jnp.where(valid[..., None], x, 0).astype(dtype or x.dtype) for x in (k, held_v))
@@ -92,8 +100,10 @@ def merge_attention(v_a: jax.Array, lse_a: jax.Array, v_b: jax.Array, lse_b: jax
     shape = np.shape(v_a)
     for name, x, want in (("v_b", v_b, shape), ("lse_a", lse_a, shape[:-1]), ("lse_b", lse_b, shape[:-1])):
         if np.shape(x) != want:
-            raise ValueError(f"{name} must have shape {list(want)} (v_a {list(shape)}: v [..., D], lse [...]), got "
-                             f"{list(np.shape(x))}")
+            raise ValueError(
+                f"{name} must have shape {list(want)} (v_a {list(shape)}: v [..., D], lse [...]), got "
+                f"{list(np.shape(x))}"
+            )
     return merge(v_a, lse_a, v_b, lse_b)
 
 
@@ -103,39 +113,52 @@ def _check_prefixes(prefixes, batch: int, num_kv_heads: int, head_dim: int, rope
     requests each level's row serves."""
     if isinstance(prefixes, SharedPrefix) or not isinstance(prefixes, Sequence):
         hint = ": wrap it, [prefix]" if isinstance(prefixes, SharedPrefix) else ""
-        raise TypeError(f"prefixes must be a list of SharedPrefix levels (outermost first), got "
-                        f"{type(prefixes).__name__}{hint}")
+        raise TypeError(
+            f"prefixes must be a list of SharedPrefix levels (outermost first), got {type(prefixes).__name__}{hint}"
+        )
     fan_out = []
     for i, prefix in enumerate(prefixes):
         name = f"prefixes[{i}]"
         if not isinstance(prefix, SharedPrefix):
             raise TypeError(f"{name} must be a SharedPrefix (from jc.share_prefix), got {type(prefix).__name__}")
         if prefix.k.ndim != 4:
-            raise ValueError(f"{name}.k must have shape [P, num_kv_heads, S, head_dim], got {list(prefix.k.shape)}"
-                             + (" (a stacked prefix of several layers: pass one layer's levels)" if prefix.k.ndim == 5
-                                else ""))
+            raise ValueError(
+                f"{name}.k must have shape [P, num_kv_heads, S, head_dim], got {list(prefix.k.shape)}"
+                + (" (a stacked prefix of several layers: pass one layer's levels)" if prefix.k.ndim == 5 else "")
+            )
         P, H, S, D = prefix.k.shape
         if (H, D) != (num_kv_heads, head_dim):
-            raise ValueError(f"{name} has num_kv_heads={H}, head_dim={D} (k {list(prefix.k.shape)}), the requests' "
-                             f"state and k have num_kv_heads={num_kv_heads}, head_dim={head_dim}")
-        for field, want in (("v", [(P, H, S, D)]), ("valid", [(P, H, S)]), ("key_pos", [(P, 1, S), (P, H, S)]),
-                            ("length", [(P,)])):
+            raise ValueError(
+                f"{name} has num_kv_heads={H}, head_dim={D} (k {list(prefix.k.shape)}), the requests' "
+                f"state and k have num_kv_heads={num_kv_heads}, head_dim={head_dim}"
+            )
+        for field, want in (
+            ("v", [(P, H, S, D)]),
+            ("valid", [(P, H, S)]),
+            ("key_pos", [(P, 1, S), (P, H, S)]),
+            ("length", [(P,)]),
+        ):
             if getattr(prefix, field).shape not in want:
-                raise ValueError(f"{name}.{field} must have shape {' or '.join(str(list(w)) for w in want)} "
-                                 f"(k {list(prefix.k.shape)}), got {list(getattr(prefix, field).shape)}")
+                raise ValueError(
+                    f"{name}.{field} must have shape {' or '.join(str(list(w)) for w in want)} "
+                    f"(k {list(prefix.k.shape)}), got {list(getattr(prefix, field).shape)}"
+                )
         quantized = quantization.is_quantized(prefix.k.dtype)
         for field in ("k_scale", "v_scale"):
             scale = getattr(prefix, field)
             if (scale is not None) != quantized or (scale is not None and scale.shape != (P, H, S)):
                 want = f"shape {[P, H, S]} (codes k {prefix.k.dtype})" if quantized else f"None (k {prefix.k.dtype})"
-                raise ValueError(f"{name}.{field} must be {want}, got "
-                                 f"{None if scale is None else list(scale.shape)}")
+                raise ValueError(f"{name}.{field} must be {want}, got {None if scale is None else list(scale.shape)}")
         if batch % P:
-            raise ValueError(f"{name}: a shared-prefix level with {P} rows cannot serve a batch of {batch} requests "
-                             "(each row serves batch / rows consecutive requests)")
+            raise ValueError(
+                f"{name}: a shared-prefix level with {P} rows cannot serve a batch of {batch} requests "
+                "(each row serves batch / rows consecutive requests)"
+            )
         if prefix.rope is not None and prefix.rope != rope:
-            raise ValueError(f"{name} holds keys rotated by {prefix.rope!r} (share_prefix's rope); "
-                             f"attend_shared must be given the same rope, got {rope!r}")
+            raise ValueError(
+                f"{name} holds keys rotated by {prefix.rope!r} (share_prefix's rope); "
+                f"attend_shared must be given the same rope, got {rope!r}"
+            )
         fan_out.append(batch // P)
     return fan_out
 
@@ -160,8 +183,10 @@ def attend_shared(
     """
     check_policy(policy)
     if policy.keeps_scores:
-        raise ValueError(f"the per-request cache under a shared prefix must keep no scores "
-                         f"({', '.join(policy_names(keeps_scores=False))}), got {type(policy).__name__}")
+        raise ValueError(
+            f"the per-request cache under a shared prefix must keep no scores "
+            f"({', '.join(policy_names(keeps_scores=False))}), got {type(policy).__name__}"
+        )
     B, T = cache_state.check_chunk(state, q, k, v)
     checks.check_rope(rope)
     D = k.shape[3]
@@ -173,16 +198,36 @@ def attend_shared(
     key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
     start = start + offset
     q, k = rotate_chunk(rope, q, k, start)
-    out, lse, _, _ = state.kernels.chunk_attention(q, k, v, state.k, state.v, state.pos >= 0, key_pos, n, None,
-                                                   "max", rope, layer=state.layer, k_scale=state.k_scale,
-                                                   v_scale=state.v_scale)
+    out, lse, _, _ = state.kernels.chunk_attention(
+        q,
+        k,
+        v,
+        state.k,
+        state.v,
+        state.pos >= 0,
+        key_pos,
+        n,
+        None,
+        "max",
+        rope,
+        layer=state.layer,
+        k_scale=state.k_scale,
+        v_scale=state.v_scale,
+    )
     out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)  # lse [B, T, Hq]
     Hq = q.shape[2]
     for prefix, per_row in zip(prefixes, fan_out):
         grouped = q.reshape(B // per_row, per_row * T, Hq, D)
-        p_out, p_lse = state.kernels.prefix_attention(grouped, prefix.k, prefix.v, prefix.valid, prefix.key_pos,
-                                                      rope if prefix.rope is None else None, k_scale=prefix.k_scale,
-                                                      v_scale=prefix.v_scale)
+        p_out, p_lse = state.kernels.prefix_attention(
+            grouped,
+            prefix.k,
+            prefix.v,
+            prefix.valid,
+            prefix.key_pos,
+            rope if prefix.rope is None else None,
+            k_scale=prefix.k_scale,
+            v_scale=prefix.v_scale,
+        )
         out, lse = merge(out, lse, p_out.reshape(B, T, Hq, D), p_lse.reshape(B, T, Hq))
     valid = (jnp.arange(T)[None, :] < n[:, None])[:, :, None, None]
     return jnp.where(valid, out, 0.0).astype(q.dtype)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jcascade.cache_state import CacheState
 from jcascade.pallas_kernels.schedule import RingLayout, ring_schedules
 
+
 def rank_by_position(pos: jax.Array) -> jax.Array:
     """int32 [..., S]: rank of each held slot (pos >= 0) among its row's held slots by position, -1 if empty."""
     held = pos >= 0

@@ -10,10 +10,17 @@ from typing import Any
 
 from jcascade.rope import Llama3Scaling, RoPE
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3_5ForCausalLM": "qwen3_5",
-                 "Qwen3_5ForConditionalGeneration": "qwen3_5", "Gemma4ForCausalLM": "gemma4",
-                 "Gemma4ForConditionalGeneration": "gemma4"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
+}
 # Layer types: GLOBAL layers hold the user's policy's KV cache, SLIDING ones a window cache of their own (Gemma 3
 # and 4), LINEAR ones (Qwen3.5's Gated DeltaNet) a fixed-size recurrent state.
 GLOBAL, SLIDING, LINEAR = "global", "sliding", "linear"
@@ -46,8 +53,9 @@ def optional(fields: dict[str, Any], name: str, source, default, kind: type = in
     value = fields.get(name)
     if value is None:
         return default
-    if kind is int and not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                            and least <= value <= INT32_MAX):
+    if kind is int and not (
+        isinstance(value, numbers.Integral) and not isinstance(value, bool) and least <= value <= INT32_MAX
+    ):
         raise ValueError(f"{source}: field {name!r} must be an int in [{least}, {INT32_MAX}], got {value!r}")
     return required(fields, name, source, kind) if kind is not int else int(value)
 
@@ -106,40 +114,72 @@ class ModelConfig:
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES.values():
             raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES.values())}, got {self.architecture!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.layer_types and (len(self.layer_types) != self.num_layers
-                                 or set(self.layer_types) - {SLIDING, GLOBAL, LINEAR}):
-            raise ValueError(f"ModelConfig.layer_types must name {GLOBAL!r}, {SLIDING!r} or {LINEAR!r} for each of the "
-                             f"{self.num_layers} layers, got {self.layer_types!r}")
+        if self.layer_types and (
+            len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, GLOBAL, LINEAR}
+        ):
+            raise ValueError(
+                f"ModelConfig.layer_types must name {GLOBAL!r}, {SLIDING!r} or {LINEAR!r} for each of the "
+                f"{self.num_layers} layers, got {self.layer_types!r}"
+            )
         if self.layer_types and GLOBAL not in self.layer_types:
-            raise ValueError(f"ModelConfig.layer_types must name at least one {GLOBAL!r} layer (the layers the cache "
-                             f"policy serves), got {self.layer_types!r}")
-        if LINEAR in self.layer_types and min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
-                                              self.linear_value_dim, self.linear_conv_kernel) < 1:
-            raise ValueError("linear layers need positive ModelConfig.linear_key_heads, linear_value_heads, "
-                             "linear_key_dim, linear_value_dim and linear_conv_kernel")
+            raise ValueError(
+                f"ModelConfig.layer_types must name at least one {GLOBAL!r} layer (the layers the cache "
+                f"policy serves), got {self.layer_types!r}"
+            )
+        if (
+            LINEAR in self.layer_types
+            and min(
+                self.linear_key_heads,
+                self.linear_value_heads,
+                self.linear_key_dim,
+                self.linear_value_dim,
+                self.linear_conv_kernel,
+            )
+            < 1
+        ):
+            raise ValueError(
+                "linear layers need positive ModelConfig.linear_key_heads, linear_value_heads, "
+                "linear_key_dim, linear_value_dim and linear_conv_kernel"
+            )
         if LINEAR in self.layer_types and self.linear_value_heads % self.linear_key_heads:
-            raise ValueError(f"linear_value_heads ({self.linear_value_heads}) must be a multiple of linear_key_heads "
-                             f"({self.linear_key_heads})")
+            raise ValueError(
+                f"linear_value_heads ({self.linear_value_heads}) must be a multiple of linear_key_heads "
+                f"({self.linear_key_heads})"
+            )
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"ModelConfig.partial_rotary_factor must lie in (0, 1], got {self.partial_rotary_factor}")
         if not 0 <= self.kv_shared_layers < self.num_layers:
-            raise ValueError(f"ModelConfig.kv_shared_layers must lie in [0, {self.num_layers}), got "
-                             f"{self.kv_shared_layers}")
+            raise ValueError(
+                f"ModelConfig.kv_shared_layers must lie in [0, {self.num_layers}), got {self.kv_shared_layers}"
+            )
         owners = set(self.layer_types[: self.num_layers - self.kv_shared_layers] or [GLOBAL])
-        if self.kv_shared_layers and set(self.layer_types[-self.kv_shared_layers:] or [GLOBAL]) - owners:
-            raise ValueError("every layer type among the last kv_shared_layers needs an earlier layer of its type "
-                             "whose cache it reads")
-        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window >= 2
-                                                  and self.rope_local_theta):
-            raise ValueError("sliding layers need ModelConfig.sliding_window (an int >= 2) and rope_local_theta, got "
-                             f"{self.sliding_window!r} and {self.rope_local_theta!r}")
+        if self.kv_shared_layers and set(self.layer_types[-self.kv_shared_layers :] or [GLOBAL]) - owners:
+            raise ValueError(
+                "every layer type among the last kv_shared_layers needs an earlier layer of its type "
+                "whose cache it reads"
+            )
+        if SLIDING in self.layer_types and not (
+            isinstance(self.sliding_window, int) and self.sliding_window >= 2 and self.rope_local_theta
+        ):
+            raise ValueError(
+                "sliding layers need ModelConfig.sliding_window (an int >= 2) and rope_local_theta, got "
+                f"{self.sliding_window!r} and {self.rope_local_theta!r}"
+            )
 
     # Features of a family's layer, from the translated architecture (the decoder tests these, never a name).
     @property
@@ -213,8 +253,12 @@ class ModelConfig:
             return RoPE(self.rope_theta, self.rope_scaling)
         head_dim = self.head_size(GLOBAL)
         if self.architecture == "gemma4":
-            return RoPE(self.rope_theta, self.rope_scaling, rotary_dim=2 * int(self.partial_rotary_factor * head_dim // 2),
-                        proportional=True)
+            return RoPE(
+                self.rope_theta,
+                self.rope_scaling,
+                rotary_dim=2 * int(self.partial_rotary_factor * head_dim // 2),
+                proportional=True,
+            )
         return RoPE(self.rope_theta, self.rope_scaling, rotary_dim=int(head_dim * self.partial_rotary_factor))
 
     @classmethod
@@ -244,7 +288,7 @@ class ModelConfig:
             if not isinstance(config.get("text_config"), dict):
                 raise ValueError(f"{source}: the required field 'text_config' is missing")
             config, source = config["text_config"], f"{source} (text_config)"
-        field = lambda name, kind=int: required(config, name, source, kind)  # noqa: E731
+        field = lambda name, kind=int: required(config, name, source, kind)
         if arch == "gemma3":
             return cls._gemma3(config, field, source)
         if arch == "gemma4":
@@ -257,9 +301,17 @@ class ModelConfig:
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
             where = f"{source} ({'rope_scaling' if config.get('rope_scaling') else 'rope_parameters'})"
-            scaling = Llama3Scaling(**{name: required(scaling, name, where, kind) for name, kind in (
-                ("factor", float), ("low_freq_factor", float), ("high_freq_factor", float),
-                ("original_max_position_embeddings", int))})
+            scaling = Llama3Scaling(
+                **{
+                    name: required(scaling, name, where, kind)
+                    for name, kind in (
+                        ("factor", float),
+                        ("low_freq_factor", float),
+                        ("high_freq_factor", float),
+                        ("original_max_position_embeddings", int),
+                    )
+                }
+            )
         elif rope_type == "default":
             scaling = None
         else:
@@ -270,9 +322,11 @@ class ModelConfig:
             raise ValueError("unsupported config.json: use_sliding_window=true")
         window, positions = config.get("sliding_window"), config.get("max_position_embeddings", 2048)
         if arch == "mistral" and window is not None and window < positions:
-            raise ValueError(f"unsupported config.json: sliding_window={window} < max_position_embeddings={positions} "
-                             "(Mistral's sliding-window attention is not implemented; models with "
-                             "sliding_window null, such as Mistral-7B v0.2 and later, load)")
+            raise ValueError(
+                f"unsupported config.json: sliding_window={window} < max_position_embeddings={positions} "
+                "(Mistral's sliding-window attention is not implemented; models with "
+                "sliding_window null, such as Mistral-7B v0.2 and later, load)"
+            )
         heads = field("num_attention_heads")
         attention_bias = bool(config.get("attention_bias", False))
         eos = config.get("eos_token_id")
@@ -301,40 +355,55 @@ class ModelConfig:
     def _gemma3(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
         """Gemma 3's text config (model_type gemma3_text): sliding and global layers by `layer_types`."""
         per_type = config.get("rope_parameters") or {}  # transformers 5: one entry per layer type
-        full = per_type.get("full_attention") or {"rope_theta": config.get("rope_theta", 1e6),
-                                                  **(config.get("rope_scaling") or {})}
+        full = per_type.get("full_attention") or {
+            "rope_theta": config.get("rope_theta", 1e6),
+            **(config.get("rope_scaling") or {}),
+        }
         local = per_type.get("sliding_attention") or {"rope_theta": config.get("rope_local_base_freq", 1e4)}
         for kind, params in (("full_attention", full), ("sliding_attention", local)):
             if params.get("rope_type", params.get("type", "default")) != "default":
-                raise ValueError(f"unsupported rope scaling {params.get('rope_type', params.get('type'))!r} of the "
-                                 f"{kind} layers in config.json (supported for Gemma 3: default)")
+                raise ValueError(
+                    f"unsupported rope scaling {params.get('rope_type', params.get('type'))!r} of the "
+                    f"{kind} layers in config.json (supported for Gemma 3: default)"
+                )
         for name in ("final_logit_softcapping", "attn_logit_softcapping"):
             if config.get(name) is not None:
                 raise ValueError(f"unsupported config.json: {name}={config[name]} (Gemma 3 has none)")
         if config.get("use_bidirectional_attention"):
             raise ValueError("unsupported config.json: use_bidirectional_attention=true")
         if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            raise ValueError(f"unsupported config.json: hidden_activation={config['hidden_activation']!r} "
-                             "(supported: gelu_pytorch_tanh)")
+            raise ValueError(
+                f"unsupported config.json: hidden_activation={config['hidden_activation']!r} "
+                "(supported: gelu_pytorch_tanh)"
+            )
         layers, heads = field("num_hidden_layers"), field("num_attention_heads")
         pattern = config.get("sliding_window_pattern", 6)
-        names = config.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                              for i in range(layers)]
+        names = config.get("layer_types") or [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+        ]
         unknown = sorted(set(names) - {"sliding_attention", "full_attention"})
         if unknown:
-            raise ValueError(f"unsupported layer types {unknown} in config.json (supported: sliding_attention, "
-                             "full_attention)")
+            raise ValueError(
+                f"unsupported layer types {unknown} in config.json (supported: sliding_attention, full_attention)"
+            )
         eos = config.get("eos_token_id")
         return cls(
-            architecture="gemma3", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,
+            architecture="gemma3",
+            vocab_size=field("vocab_size"),
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or field("hidden_size") // heads,
             rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
-            rope_scaling=None, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_scaling=None,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            qkv_bias=bool(config.get("attention_bias", False)), o_bias=bool(config.get("attention_bias", False)),
-            max_position_embeddings=config.get("max_position_embeddings", 131072), qk_norm=True,
+            qkv_bias=bool(config.get("attention_bias", False)),
+            o_bias=bool(config.get("attention_bias", False)),
+            max_position_embeddings=config.get("max_position_embeddings", 131072),
+            qk_norm=True,
             layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
             sliding_window=config.get("sliding_window", 4096),
             rope_local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
@@ -347,34 +416,53 @@ class ModelConfig:
     def _qwen3_5(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
         """Qwen3.5's text config (model_type qwen3_5_text): Gated DeltaNet layers and gated full-attention ones by
         `layer_types` (default: every `full_attention_interval`-th layer full)."""
-        rope = {"rope_theta": config.get("rope_theta", 1e7), "partial_rotary_factor":
-                config.get("partial_rotary_factor", 0.25), **(config.get("rope_parameters") or {})}
+        rope = {
+            "rope_theta": config.get("rope_theta", 1e7),
+            "partial_rotary_factor": config.get("partial_rotary_factor", 0.25),
+            **(config.get("rope_parameters") or {}),
+        }
         if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"unsupported rope scaling {rope.get('rope_type', rope.get('type'))!r} in {source} "
-                             "(supported for Qwen3.5: default)")
+            raise ValueError(
+                f"unsupported rope scaling {rope.get('rope_type', rope.get('type'))!r} in {source} "
+                "(supported for Qwen3.5: default)"
+            )
         for name, supported in (("attention_bias", False), ("hidden_act", "silu")):
             if config.get(name, supported) != supported:
                 raise ValueError(f"unsupported {source}: {name}={config[name]!r} (supported: {supported!r})")
         layers, heads = field("num_hidden_layers"), field("num_attention_heads")
-        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)  # noqa: E731
+        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)
         interval = get("full_attention_interval", 4)
-        names = _layer_names(config, source, ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                              for i in range(layers)])
+        names = _layer_names(
+            config, source, ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        )
         _check_layer_types(names, {"full_attention": GLOBAL, "linear_attention": LINEAR}, source)
         return cls(
-            architecture="qwen3_5", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,
-            num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", 256),
-            rope_theta=required(rope, "rope_theta", f"{source} (rope_parameters)", float), rope_scaling=None,
+            architecture="qwen3_5",
+            vocab_size=field("vocab_size"),
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads", heads),
+            head_dim=get("head_dim", 256),
+            rope_theta=required(rope, "rope_theta", f"{source} (rope_parameters)", float),
+            rope_scaling=None,
             partial_rotary_factor=required(rope, "partial_rotary_factor", f"{source} (rope_parameters)", float),
             rms_norm_eps=get("rms_norm_eps", 1e-6, float),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=False, o_bias=False,
-            max_position_embeddings=get("max_position_embeddings", 32768), qk_norm=True,
-            layer_types=tuple(GLOBAL if n == "full_attention" else LINEAR for n in names), attention_output_gate=True,
-            linear_key_heads=get("linear_num_key_heads", 16), linear_value_heads=get("linear_num_value_heads", 32),
-            linear_key_dim=get("linear_key_head_dim", 128), linear_value_dim=get("linear_value_head_dim", 128),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=False,
+            o_bias=False,
+            max_position_embeddings=get("max_position_embeddings", 32768),
+            qk_norm=True,
+            layer_types=tuple(GLOBAL if n == "full_attention" else LINEAR for n in names),
+            attention_output_gate=True,
+            linear_key_heads=get("linear_num_key_heads", 16),
+            linear_value_heads=get("linear_num_value_heads", 32),
+            linear_key_dim=get("linear_key_head_dim", 128),
+            linear_value_dim=get("linear_value_head_dim", 128),
             linear_conv_kernel=get("linear_conv_kernel_dim", 4),
-            bos_token_id=config.get("bos_token_id"), eos_token_ids=_eos(config),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_eos(config),
         )
 
     @classmethod
@@ -383,49 +471,78 @@ class ModelConfig:
         last always full), the full layers' own head_dim and KV heads, k = v, KV sharing, per-layer inputs."""
         for name in ("enable_moe_block", "use_double_wide_mlp", "use_bidirectional_attention", "attention_bias"):
             if config.get(name):
-                raise ValueError(f"unsupported {source}: {name}={config[name]!r} (jcascade runs Gemma 4's dense text "
-                                 "model: no MoE block, no double-wide MLP, causal attention, no attention bias)")
+                raise ValueError(
+                    f"unsupported {source}: {name}={config[name]!r} (jcascade runs Gemma 4's dense text "
+                    "model: no MoE block, no double-wide MLP, causal attention, no attention bias)"
+                )
         if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            raise ValueError(f"unsupported {source}: hidden_activation={config['hidden_activation']!r} "
-                             "(supported: gelu_pytorch_tanh)")
+            raise ValueError(
+                f"unsupported {source}: hidden_activation={config['hidden_activation']!r} "
+                "(supported: gelu_pytorch_tanh)"
+            )
         layers, heads = field("num_hidden_layers"), field("num_attention_heads")
-        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)  # noqa: E731
-        names = list(_layer_names(config, source, ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                                   for i in range(layers)]))
+        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)
+        names = list(
+            _layer_names(
+                config, source, ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+            )
+        )
         names[-1] = "full_attention"  # as transformers forces it
         _check_layer_types(names, {"full_attention": GLOBAL, "sliding_attention": SLIDING}, source)
         per_type = config.get("rope_parameters") or {}
-        full = per_type.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                                  "rope_theta": 1e6}
+        full = per_type.get("full_attention") or {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1e6,
+        }
         local = per_type.get("sliding_attention") or {"rope_type": "default", "rope_theta": 1e4}
-        for kind, params, supported in (("full_attention", full, ("proportional", "default")),
-                                        ("sliding_attention", local, ("default",))):
+        for kind, params, supported in (
+            ("full_attention", full, ("proportional", "default")),
+            ("sliding_attention", local, ("default",)),
+        ):
             if params.get("rope_type", "default") not in supported or params.get("factor", 1.0) != 1.0:
                 raise ValueError(f"unsupported rope parameters {params!r} of the {kind} layers in {source}")
-        full_overrides = [o for i, o in (config.get("per_layer_config") or {}).items() if names[int(i)] == "full_attention"]
+        full_overrides = [
+            o for i, o in (config.get("per_layer_config") or {}).items() if names[int(i)] == "full_attention"
+        ]
         global_head_dim = (full_overrides[0] if full_overrides else {}).get("head_dim", get("global_head_dim", 512))
         global_kv = (full_overrides[0] if full_overrides else {}).get(
-            "num_key_value_heads", get("num_global_key_value_heads", None) if config.get("attention_k_eq_v") else None)
+            "num_key_value_heads", get("num_global_key_value_heads", None) if config.get("attention_k_eq_v") else None
+        )
         per_layer = get("hidden_size_per_layer_input", 0, least=0)
         return cls(
-            architecture="gemma4", vocab_size=field("vocab_size"), hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"), num_layers=layers, num_heads=heads,
-            num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", 256),
+            architecture="gemma4",
+            vocab_size=field("vocab_size"),
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads", heads),
+            head_dim=get("head_dim", 256),
             rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
             rope_scaling=None,
-            partial_rotary_factor=float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0,
+            partial_rotary_factor=float(full.get("partial_rotary_factor", 1.0))
+            if full.get("rope_type") == "proportional"
+            else 1.0,
             rms_norm_eps=get("rms_norm_eps", 1e-6, float),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)), qkv_bias=False, o_bias=False,
-            max_position_embeddings=get("max_position_embeddings", 131072), qk_norm=True,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            qkv_bias=False,
+            o_bias=False,
+            max_position_embeddings=get("max_position_embeddings", 131072),
+            qk_norm=True,
             layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
             sliding_window=get("sliding_window", 512),
             rope_local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
-            query_scale=1.0, global_head_dim=global_head_dim, global_kv_heads=global_kv,
-            k_eq_v=bool(config.get("attention_k_eq_v", False)), kv_shared_layers=get("num_kv_shared_layers", 0, least=0),
+            query_scale=1.0,
+            global_head_dim=global_head_dim,
+            global_kv_heads=global_kv,
+            k_eq_v=bool(config.get("attention_k_eq_v", False)),
+            kv_shared_layers=get("num_kv_shared_layers", 0, least=0),
             per_layer_input_size=per_layer,
             per_layer_vocab_size=get("vocab_size_per_layer_input", field("vocab_size")) if per_layer else 0,
             final_logit_softcapping=get("final_logit_softcapping", None, float),
-            bos_token_id=config.get("bos_token_id"), eos_token_ids=_eos(config),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_eos(config),
         )
 
 

@@ -25,18 +25,18 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from jcascade import cache_api, cache_state, shared
-from jcascade.pallas_kernels import Kernels
-from jcascade.policies import SlidingWindow, check_policy, policy_names
-from jcascade.models import sharding
-from jcascade.models import delta_net
+from jcascade.models import delta_net, sharding
 from jcascade.models.config import GLOBAL, LINEAR, SLIDING, ModelConfig
 from jcascade.models.weights import declarations, weight_shapes
+from jcascade.pallas_kernels import Kernels
+
+from jcascade import cache_api, cache_state, shared
+from jcascade.policies import SlidingWindow, check_policy, policy_names
 
 
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, plus_one: bool = False,
-             scale_f32: bool = False) -> jax.Array:
+def rms_norm(
+    x: jax.Array, weight: jax.Array | None, eps: float, plus_one: bool = False, scale_f32: bool = False
+) -> jax.Array:
     """As Hugging Face: normalise in float32, cast back, then scale by weight (Llama); with `plus_one` (Gemma 3,
     Qwen3.5), scale by (1 + weight) in float32, with `scale_f32` (Gemma 4) by weight in float32, then cast back;
     weight None: no scale (Gemma 4's value norm)."""
@@ -49,8 +49,16 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, plus_one: bool 
     return weight * xf.astype(x.dtype)
 
 
-def window_attention(policy, state: cache_state.CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-                     rope, window: int) -> tuple[jax.Array, cache_state.Scores | None]:
+def window_attention(
+    policy,
+    state: cache_state.CacheState,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    rope,
+    window: int,
+) -> tuple[jax.Array, cache_state.Scores | None]:
     """Sliding-window attention (Gemma 3's sliding layers, masked as Hugging Face masks them): the query at
     position p sees the keys at positions p - window + 1 .. p that the layer's cache (`state`, under `policy`)
     holds, and the chunk's. Exact when the cache holds the window - 1 tokens before the chunk (the default
@@ -64,16 +72,22 @@ def window_attention(policy, state: cache_state.CacheState, q: jax.Array, k: jax
     key_pos, start = policy.key_positions(state)
     rot_pos = start[:, None] + jnp.arange(T)  # [B, T] the chunk's RoPE positions
     q_pos = state.seen[:, None] + jnp.arange(T)  # [B, T] its original positions
-    chunk = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
+    chunk = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, H, D] -> [B, H, T, D]
     keys = jnp.concatenate([rope(cached_k, key_pos), chunk(rope(k, rot_pos[:, :, None]))], axis=2)
     values = jnp.concatenate([cached_v, chunk(v)], axis=2)
     k_pos = jnp.concatenate([state.pos, jnp.broadcast_to(q_pos[:, None, :], (B, Hkv, T))], axis=2)  # [B, Hkv, S]
-    k_valid = jnp.concatenate([state.pos >= 0, jnp.broadcast_to((jnp.arange(T) < lengths[:, None])[:, None, :],
-                                                                (B, Hkv, T))], axis=2)
+    k_valid = jnp.concatenate(
+        [state.pos >= 0, jnp.broadcast_to((jnp.arange(T) < lengths[:, None])[:, None, :], (B, Hkv, T))], axis=2
+    )
     qg = rope(q, rot_pos[:, :, None]).reshape(B, T, Hkv, Hq // Hkv, D).astype(f32) * D**-0.5
     scores = jnp.einsum("bthgd,bhsd->bhgts", qg, keys.astype(f32), precision=highest)
     behind = q_pos[:, None, :, None] - k_pos[:, :, None, :]  # [B, Hkv, T, S]
-    seen = k_valid[:, :, None, :] & (behind >= 0) & (behind < window) & (jnp.arange(T) < lengths[:, None])[:, None, :, None]
+    seen = (
+        k_valid[:, :, None, :]
+        & (behind >= 0)
+        & (behind < window)
+        & (jnp.arange(T) < lengths[:, None])[:, None, :, None]
+    )
     scores = jnp.where(seen[:, :, None], scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     e = jnp.exp(scores - jnp.where(jnp.isneginf(top), 0.0, top))
@@ -92,8 +106,16 @@ def window_attention(policy, state: cache_state.CacheState, q: jax.Array, k: jax
 class CausalLM(nnx.Module):
     """A causal language model of one of the families above. `config` is static; weights are `nnx.Param`s."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, jax.Array], *, mesh: jax.sharding.Mesh | None = None,
-                 embed_spec=None, sliding_policy=None, kernels: Kernels | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, jax.Array],
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        embed_spec=None,
+        sliding_policy=None,
+        kernels: Kernels | None = None,
+    ):
         """weights by name (`models.weights`); mesh (with the embedding table's PartitionSpec `embed_spec`): the
         mesh the weights are placed on (`on_mesh` builds such models), which caches are then made on;
         sliding_policy: see `with_sliding_policy` (None: the trained window); kernels: see `with_kernels` (None:
@@ -111,14 +133,20 @@ class CausalLM(nnx.Module):
         if sliding_policy is not None:
             check_policy(sliding_policy)
             if not config.sliding_layers:
-                raise ValueError("sliding_policy is for models with sliding-window layers (Gemma 3); this "
-                                 f"{config.architecture} model has none")
+                raise ValueError(
+                    "sliding_policy is for models with sliding-window layers (Gemma 3); this "
+                    f"{config.architecture} model has none"
+                )
             if sliding_policy.needs_prompt:
-                raise ValueError(f"sliding_policy must act while tokens stream ({', '.join(policy_names(needs_prompt=False))}"
-                                 f"), not after a prompt: got {type(sliding_policy).__name__}")
+                raise ValueError(
+                    f"sliding_policy must act while tokens stream ({', '.join(policy_names(needs_prompt=False))}"
+                    f"), not after a prompt: got {type(sliding_policy).__name__}"
+                )
             if sliding_policy.kv_dtype != "model":
-                raise ValueError(f"sliding_policy's kv_dtype must be 'model', got {sliding_policy.kv_dtype!r}: the "
-                                 "sliding layers store the format of the policy the model runs under (its kv_dtype)")
+                raise ValueError(
+                    f"sliding_policy's kv_dtype must be 'model', got {sliding_policy.kv_dtype!r}: the "
+                    "sliding layers store the format of the policy the model runs under (its kv_dtype)"
+                )
         self.config, self.sliding_policy = config, sliding_policy
         self.kernels = Kernels.default() if kernels is None else kernels
         self.mesh, self.embed_spec = mesh, embed_spec  # (`sharding.embed` looks tokens up by the spec)
@@ -127,12 +155,24 @@ class CausalLM(nnx.Module):
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
         self.layers = nnx.Dict({name: nnx.Param(weights[name]) for name, w in declarations(config).items() if w.layer})
         # Gemma 4's per-layer input table, projection and norm
-        self.per_layer_inputs = nnx.Dict({name: nnx.Param(weights[name]) for name, w in declarations(config).items()
-                                          if not w.layer and name not in ("embed", "final_norm", "lm_head")})
+        self.per_layer_inputs = nnx.Dict(
+            {
+                name: nnx.Param(weights[name])
+                for name, w in declarations(config).items()
+                if not w.layer and name not in ("embed", "final_norm", "lm_head")
+            }
+        )
 
     @classmethod
-    def random(cls, config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02,
-               mesh: jax.sharding.Mesh | None = None, rules: dict[str, tuple] | None = None) -> CausalLM:
+    def random(
+        cls,
+        config: ModelConfig,
+        key: jax.Array,
+        dtype=jnp.float32,
+        scale: float = 0.02,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: dict[str, tuple] | None = None,
+    ) -> CausalLM:
         """Random weights of the config's shapes (norms at 1), e.g. for speed measurements. With `mesh`,
         each device makes only its own shards (as `shard(..., rules)` places them): a model larger than one
         device."""
@@ -155,8 +195,14 @@ class CausalLM(nnx.Module):
 
         if mesh is None:
             return cls(config, {name: make(name) for name in shapes})
-        return on_mesh(config, lambda shardings: {name: jax.jit(make, static_argnums=0, out_shardings=shardings[name])(name)
-                                                  for name in shapes}, mesh, rules)
+        return on_mesh(
+            config,
+            lambda shardings: {
+                name: jax.jit(make, static_argnums=0, out_shardings=shardings[name])(name) for name in shapes
+            },
+            mesh,
+            rules,
+        )
 
     @property
     def dtype(self):
@@ -164,9 +210,12 @@ class CausalLM(nnx.Module):
 
     def weights(self) -> dict[str, jax.Array]:
         """Every weight by name (the names and shapes of `weight_shapes`)."""
-        weights = {"embed": self.embed[...], "final_norm": self.final_norm[...],
-                   **{name: p[...] for name, p in self.layers.items()},
-                   **{name: p[...] for name, p in self.per_layer_inputs.items()}}
+        weights = {
+            "embed": self.embed[...],
+            "final_norm": self.final_norm[...],
+            **{name: p[...] for name, p in self.layers.items()},
+            **{name: p[...] for name, p in self.per_layer_inputs.items()},
+        }
         if self.lm_head is not None:
             weights["lm_head"] = self.lm_head[...]
         return weights
@@ -188,7 +237,9 @@ class CausalLM(nnx.Module):
 
     def _with(self, **changes) -> CausalLM:
         """This model with some of its construction arguments (mesh, embed_spec, sliding_policy, kernels) changed."""
-        kept = dict(mesh=self.mesh, embed_spec=self.embed_spec, sliding_policy=self.sliding_policy, kernels=self.kernels)
+        kept = dict(
+            mesh=self.mesh, embed_spec=self.embed_spec, sliding_policy=self.sliding_policy, kernels=self.kernels
+        )
         return CausalLM(self.config, self.weights(), **(kept | changes))
 
     def window_policy(self, policy):
@@ -212,15 +263,28 @@ class CausalLM(nnx.Module):
             layers = len(cfg.layers_with_state(layer_type))
             if layer_type == LINEAR:
                 state = delta_net.init_linear_state(
-                    batch, num_value_heads=cfg.linear_value_heads, key_dim=cfg.linear_key_dim,
-                    value_dim=cfg.linear_value_dim, conv_channels=2 * cfg.linear_key_heads * cfg.linear_key_dim
-                    + cfg.linear_value_heads * cfg.linear_value_dim, kernel=cfg.linear_conv_kernel, dtype=self.dtype,
-                    num_layers=layers)
+                    batch,
+                    num_value_heads=cfg.linear_value_heads,
+                    key_dim=cfg.linear_key_dim,
+                    value_dim=cfg.linear_value_dim,
+                    conv_channels=2 * cfg.linear_key_heads * cfg.linear_key_dim
+                    + cfg.linear_value_heads * cfg.linear_value_dim,
+                    kernel=cfg.linear_conv_kernel,
+                    dtype=self.dtype,
+                    num_layers=layers,
+                )
                 specs = None if self.mesh is None else sharding.linear_state_specs(state, self.mesh)
             else:
-                state = cache_api.init_cache(policy if layer_type == GLOBAL else self.window_policy(policy), batch,
-                                             cfg.kv_heads(layer_type), cfg.head_size(layer_type), self.dtype,
-                                             max_tokens=max_tokens, num_layers=layers, kernels=self.kernels)
+                state = cache_api.init_cache(
+                    policy if layer_type == GLOBAL else self.window_policy(policy),
+                    batch,
+                    cfg.kv_heads(layer_type),
+                    cfg.head_size(layer_type),
+                    self.dtype,
+                    max_tokens=max_tokens,
+                    num_layers=layers,
+                    kernels=self.kernels,
+                )
                 specs = None if self.mesh is None else sharding.cache_specs(state, self.mesh)
             return state if specs is None else sharding.place(state, specs, self.mesh)
 
@@ -249,23 +313,27 @@ class CausalLM(nnx.Module):
         cfg = self.config
         return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, scale_f32=cfg.norm_scale_f32)
 
-    def __call__(self, policy, state, tokens: jax.Array, lengths: jax.Array,
-                 prefixes: tuple = ()) -> tuple[jax.Array, cache_state.CacheState]:
+    def __call__(
+        self, policy, state, tokens: jax.Array, lengths: jax.Array, prefixes: tuple = ()
+    ) -> tuple[jax.Array, cache_state.CacheState]:
         """One chunk through all layers. tokens int32 [B, T]; lengths int32 [B] valid prefix per row;
         prefixes: `jcascade.SharedPrefix` levels (layers stacked) that the rows' histories begin with.
         Returns the final-norm hidden states [B, T, hidden] and the updated state (`init_cache`'s). The attention
         runs on the cache's kernels (`CacheState.kernels`)."""
         cfg = self.config
         if prefixes and (cfg.state_types != (GLOBAL,) or cfg.kv_shared_layers):
-            raise ValueError("shared prefixes (num_samples, context=) are not supported for models with sliding or "
-                             "linear layers or shared caches (Gemma 3 and 4, Qwen3.5)")
+            raise ValueError(
+                "shared prefixes (num_samples, context=) are not supported for models with sliding or "
+                "linear layers or shared caches (Gemma 3 and 4, Qwen3.5)"
+            )
         x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
         if cfg.embed_scaled:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
         per_layer = self._per_layer_inputs(tokens, x) if cfg.per_layer_input_size else None
         layers = functools.partial(self._layers, lengths=lengths, prefixes=tuple(prefixes), per_layer=per_layer)
-        branch = policy.step_branch(_layer_view(state[0] if isinstance(state, tuple) else state, jnp.int32(0)),
-                                    tokens.shape[1], lengths)
+        branch = policy.step_branch(
+            _layer_view(state[0] if isinstance(state, tuple) else state, jnp.int32(0)), tokens.shape[1], lengths
+        )
         if branch is None:
             x, state = layers(policy, x, state)
         else:
@@ -282,13 +350,16 @@ class CausalLM(nnx.Module):
         L, P = cfg.num_layers, cfg.per_layer_input_size
         table = self.per_layer_inputs["embed_per_layer"][...]
         looked_up = jnp.take(table, tokens, axis=0) * jnp.asarray(P**0.5, table.dtype)
-        projected = (x @ self.per_layer_inputs["per_layer_projection"][...]) * jnp.asarray(cfg.hidden_size**-0.5, x.dtype)
+        projected = (x @ self.per_layer_inputs["per_layer_projection"][...]) * jnp.asarray(
+            cfg.hidden_size**-0.5, x.dtype
+        )
         projected = self._norm(projected.reshape(B, T, L, P), self.per_layer_inputs["per_layer_projection_norm"][...])
         combined = (projected + looked_up.reshape(B, T, L, P)) * jnp.asarray(2**-0.5, x.dtype)
         return combined.transpose(2, 0, 1, 3)
 
-    def _layers(self, policy, x: jax.Array, state, *, lengths: jax.Array, prefixes: tuple,
-                per_layer: jax.Array | None) -> tuple[jax.Array, cache_state.CacheState]:
+    def _layers(
+        self, policy, x: jax.Array, state, *, lengths: jax.Array, prefixes: tuple, per_layer: jax.Array | None
+    ) -> tuple[jax.Array, cache_state.CacheState]:
         """x [B, T, hidden] (embedded) through every layer under `lax.scan`; returns it and the cache. Each layer
         runs the mixer of its type and role (`_mixers`) under `lax.switch`, so each compiles once; the states of
         all types ride in the scan's carry. per_layer: Gemma 4's per-layer inputs [L, B, T, P] (or None)."""
@@ -300,24 +371,32 @@ class CausalLM(nnx.Module):
         ranks = {}  # each layer's place in the stack of each layer set (0 where it has none)
         for name in stacks:
             held = decl[name].layer_indices(cfg)
-            ranks[decl[name].layers] = jnp.asarray([held.index(i) if i in held else 0 for i in range(cfg.num_layers)],
-                                                   jnp.int32)
+            ranks[decl[name].layers] = jnp.asarray(
+                [held.index(i) if i in held else 0 for i in range(cfg.num_layers)], jnp.int32
+            )
         norm = self._norm
         states = dict(zip(cfg.state_types, state if isinstance(state, tuple) else (state,)))
         mixers, pending = self._mixers(policy, states, x, lengths, prefixes)
         roles = [_role(cfg, i) for i in range(cfg.num_layers)]
         branch = jnp.asarray([list(mixers).index(r) for r in roles], jnp.int32)
-        slot = jnp.asarray([cfg.layers_with_state(t).index(cfg.reads_from(i)) for i, (t, _) in enumerate(roles)],
-                           jnp.int32)  # the state a layer reads, in its type's stack
+        slot = jnp.asarray(
+            [cfg.layers_with_state(t).index(cfg.reads_from(i)) for i, (t, _) in enumerate(roles)], jnp.int32
+        )  # the state a layer reads, in its type's stack
 
         def layer(carry, inputs):
             x, states, pending = carry
             w, rank, branch_index, index, layer_prefixes, extra = inputs
-            fetch = lambda name: w[name] if name in w else stacks[name][rank[decl[name].layers]]  # noqa: E731
+            fetch = lambda name: w[name] if name in w else stacks[name][rank[decl[name].layers]]
             h = norm(x, w["attn_norm"])
             o, states, pending = jax.lax.switch(
-                branch_index, [functools.partial(m, fetch) for m in mixers.values()], h, states, pending, index,
-                layer_prefixes)
+                branch_index,
+                [functools.partial(m, fetch) for m in mixers.values()],
+                h,
+                states,
+                pending,
+                index,
+                layer_prefixes,
+            )
             x = x + (norm(o, w["post_attn_norm"]) if cfg.post_norms else o)
             h = norm(x, w["mlp_norm"])
             gate_up = jnp.einsum("btd,dci->btci", h, w["w_gate_up"])  # [in, 2, intermediate] (models.weights.FUSED)
@@ -332,14 +411,16 @@ class CausalLM(nnx.Module):
                 x = x * w["layer_scalar"].astype(x.dtype)
             return (x, states, pending), None
 
-        (x, states, pending), _ = jax.lax.scan(layer, (x, states, pending),
-                                               (scanned, ranks, branch, slot, prefixes, per_layer))
+        (x, states, pending), _ = jax.lax.scan(
+            layer, (x, states, pending), (scanned, ranks, branch, slot, prefixes, per_layer)
+        )
         for layer_type, (k, v, scores) in pending.items():  # the cache that later layers read, updated last
             index = cfg.layers_with_state(layer_type).index(roles.index((layer_type, "store")))
             layer_policy = policy if layer_type == GLOBAL else self.window_policy(policy)
             view = _layer_view(states[layer_type], jnp.int32(index))
-            states[layer_type] = _written_back(states[layer_type], cache_api.update(layer_policy, view, k, v, scores,
-                                                                                     lengths), jnp.int32(index))
+            states[layer_type] = _written_back(
+                states[layer_type], cache_api.update(layer_policy, view, k, v, scores, lengths), jnp.int32(index)
+            )
         out = tuple(states[t] for t in cfg.state_types)
         return x, out if len(out) > 1 else out[0]
 
@@ -367,18 +448,28 @@ class CausalLM(nnx.Module):
 
         def attend_and_update(layer_type, view, q, k, v, lengths, layer_prefixes):
             out, view = _ordered(attend(layer_type, view, q, k, v, lengths, layer_prefixes), view)
-            return out[0], cache_api.update(policy if layer_type == GLOBAL else window_policy, view, k, v, out[1],
-                                            lengths)
+            return out[0], cache_api.update(
+                policy if layer_type == GLOBAL else window_policy, view, k, v, out[1], lengths
+            )
 
         global_attend_and_update = functools.partial(attend_and_update, GLOBAL)
         if specs is not None:
             # every cache decision is per (row, KV head): each device runs attend and update (and so the
             # Pallas kernels) on its own rows and heads (all of an axis that does not divide), with no communication
             global_attend_and_update = jax.shard_map(
-                global_attend_and_update, mesh=self.mesh, check_vma=False,
-                in_specs=(specs["state"], specs["chunk"], specs["chunk"], specs["chunk"], specs["lengths"],
-                          specs["prefixes"]),
-                out_specs=(specs["chunk"], specs["state"]))
+                global_attend_and_update,
+                mesh=self.mesh,
+                check_vma=False,
+                in_specs=(
+                    specs["state"],
+                    specs["chunk"],
+                    specs["chunk"],
+                    specs["chunk"],
+                    specs["lengths"],
+                    specs["prefixes"],
+                ),
+                out_specs=(specs["chunk"], specs["state"]),
+            )
 
         def weight_suffix(layer_type):  # Gemma 4's global layers have attention weights of their own
             return "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
@@ -436,16 +527,22 @@ class CausalLM(nnx.Module):
                     out, view = global_attend_and_update(view, q, k, v, lengths, layer_prefixes)
                 else:
                     out, view = attend_and_update(layer_type, view, q, k, v, lengths, layer_prefixes)
-                return output(fetch, layer_type, out, gate), {**states, layer_type: _written_back(states[layer_type],
-                                                                                                  view, index)}, pending
+                return (
+                    output(fetch, layer_type, out, gate),
+                    {**states, layer_type: _written_back(states[layer_type], view, index)},
+                    pending,
+                )
+
             return mixer
 
         def store(layer_type):
             def mixer(fetch, h, states, pending, index, layer_prefixes):
                 q, gate, k, v = projections(layer_type, fetch, h, with_kv=True)
-                out, scores = attend(layer_type, _layer_view(states[layer_type], index), q, k, v, lengths,
-                                     layer_prefixes)
+                out, scores = attend(
+                    layer_type, _layer_view(states[layer_type], index), q, k, v, lengths, layer_prefixes
+                )
                 return output(fetch, layer_type, out, gate), states, {**pending, layer_type: (k, v, scores)}
+
             return mixer
 
         def read(layer_type):
@@ -454,15 +551,36 @@ class CausalLM(nnx.Module):
                 k, v, _ = pending[layer_type]
                 out, _ = attend(layer_type, _layer_view(states[layer_type], index), q, k, v, lengths, layer_prefixes)
                 return output(fetch, layer_type, out, gate), states, pending
+
             return mixer
 
         def linear(fetch, h, states, pending, index, layer_prefixes):
-            w = {name: fetch(name) for name in ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt_bias",
-                                                "lin_a_log", "lin_norm", "lin_out")}
+            w = {
+                name: fetch(name)
+                for name in (
+                    "lin_qkv",
+                    "lin_z",
+                    "lin_b",
+                    "lin_a",
+                    "lin_conv",
+                    "lin_dt_bias",
+                    "lin_a_log",
+                    "lin_norm",
+                    "lin_out",
+                )
+            }
             view = jax.tree.map(lambda a: a[index], states[LINEAR])
             out, view = delta_net.gated_delta_net(
-                w, h, view, lengths, num_key_heads=cfg.linear_key_heads, num_value_heads=cfg.linear_value_heads,
-                key_dim=cfg.linear_key_dim, value_dim=cfg.linear_value_dim, eps=cfg.rms_norm_eps)
+                w,
+                h,
+                view,
+                lengths,
+                num_key_heads=cfg.linear_key_heads,
+                num_value_heads=cfg.linear_value_heads,
+                key_dim=cfg.linear_key_dim,
+                value_dim=cfg.linear_value_dim,
+                eps=cfg.rms_norm_eps,
+            )
             written = jax.tree.map(lambda a, b: a.at[index].set(b), states[LINEAR], view)
             return out, {**states, LINEAR: written}, pending
 
@@ -475,8 +593,9 @@ class CausalLM(nnx.Module):
                 D, Hkv = cfg.head_size(t), cfg.kv_heads(t)
                 q = jax.ShapeDtypeStruct((B, T, cfg.num_heads, D), x.dtype)
                 kv = jax.ShapeDtypeStruct((B, T, Hkv, D), x.dtype)
-                scores = jax.eval_shape(lambda q, k, v: attend(t, _layer_view(states[t], jnp.int32(0)), q, k, v,
-                                                               lengths, ())[1], q, kv, kv)
+                scores = jax.eval_shape(
+                    lambda q, k, v: attend(t, _layer_view(states[t], jnp.int32(0)), q, k, v, lengths, ())[1], q, kv, kv
+                )
                 pending[t] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (kv, kv, scores))
         return mixers, pending
 
@@ -526,15 +645,24 @@ def _float32_product(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _layer_view(state: cache_state.CacheState, index: jax.Array) -> cache_state.CacheState:
     """Layer `index`'s view of the stacked cache: the whole K/V stack with its layer index, its own small arrays."""
-    return dataclasses.replace(state, layer=index, **{name: getattr(state, name)[index]
-                                                      for name in cache_state.layer_fields(state)})
+    return dataclasses.replace(
+        state, layer=index, **{name: getattr(state, name)[index] for name in cache_state.layer_fields(state)}
+    )
 
 
-def _written_back(state: cache_state.CacheState, layer_state: cache_state.CacheState, index: jax.Array) -> cache_state.CacheState:
+def _written_back(
+    state: cache_state.CacheState, layer_state: cache_state.CacheState, index: jax.Array
+) -> cache_state.CacheState:
     """The stacked cache after a layer's update: its K/V stack (written in place) and its small arrays set at
     `index`."""
-    return dataclasses.replace(layer_state, layer=None, **{name: getattr(state, name).at[index].set(
-        getattr(layer_state, name)) for name in cache_state.layer_fields(state)})
+    return dataclasses.replace(
+        layer_state,
+        layer=None,
+        **{
+            name: getattr(state, name).at[index].set(getattr(layer_state, name))
+            for name in cache_state.layer_fields(state)
+        },
+    )
 
 
 def _ordered(out: jax.Array, state: cache_state.CacheState) -> tuple[jax.Array, cache_state.CacheState]:
@@ -548,8 +676,9 @@ def shard(model: CausalLM, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | No
     """The model with its weights placed on `mesh` (axes ("data", "model")) by their logical axes
     (`models.weights`, mapped by `sharding.LOGICAL_RULES`), or per weight name by `rules` (mesh axes); its
     caches (`init_cache`, and so `generate`, `score`, `prefill`) get rows over "data" and KV heads over "model"."""
-    return on_mesh(model.config, model.weights(), mesh, rules)._with(sliding_policy=model.sliding_policy,
-                                                                     kernels=model.kernels)
+    return on_mesh(model.config, model.weights(), mesh, rules)._with(
+        sliding_policy=model.sliding_policy, kernels=model.kernels
+    )
 
 
 def on_mesh(config: ModelConfig, weights, mesh: jax.sharding.Mesh, rules: dict[str, tuple] | None = None) -> CausalLM:
@@ -557,6 +686,9 @@ def on_mesh(config: ModelConfig, weights, mesh: jax.sharding.Mesh, rules: dict[s
     (device or host), or a function of {name: NamedSharding} returning them so placed (a sharded restore)."""
     specs = sharding.weight_specs(config, mesh, rules)
     shardings = {name: jax.sharding.NamedSharding(mesh, specs[name]) for name in weight_shapes(config)}
-    placed = weights(shardings) if callable(weights) else \
-        {name: jax.device_put(w, shardings[name]) for name, w in weights.items()}
+    placed = (
+        weights(shardings)
+        if callable(weights)
+        else {name: jax.device_put(w, shardings[name]) for name, w in weights.items()}
+    )
     return CausalLM(config, placed, mesh=mesh, embed_spec=specs["embed"])

@@ -35,12 +35,23 @@ class LinearState:
     conv: jax.Array  # [B, K - 1, C] (model dtype): the last K - 1 pre-convolution qkv inputs (zeros at start)
 
 
-def init_linear_state(batch: int, *, num_value_heads: int, key_dim: int, value_dim: int, conv_channels: int,
-                      kernel: int, dtype, num_layers: int | None = None) -> LinearState:
+def init_linear_state(
+    batch: int,
+    *,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    conv_channels: int,
+    kernel: int,
+    dtype,
+    num_layers: int | None = None,
+) -> LinearState:
     """The zero state of `batch` rows; with `num_layers`, a leading layer axis on both arrays."""
     lead = (batch,) if num_layers is None else (num_layers, batch)
-    return LinearState(recurrent=jnp.zeros(lead + (num_value_heads, key_dim, value_dim), jnp.float32),
-                       conv=jnp.zeros(lead + (kernel - 1, conv_channels), dtype))
+    return LinearState(
+        recurrent=jnp.zeros(lead + (num_value_heads, key_dim, value_dim), jnp.float32),
+        conv=jnp.zeros(lead + (kernel - 1, conv_channels), dtype),
+    )
 
 
 def _check_shape(name: str, x: jax.Array, dims: str, shape: tuple[int, ...]) -> None:
@@ -120,13 +131,15 @@ def delta_rule_chunked(q, k, v, g, beta, state, *, chunk: int = 64) -> tuple[jax
     def step(S, inputs):
         U, W, q_c, k_c, P, d = inputs
         v_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S, precision=HIGHEST)
-        out = (jnp.einsum("bhck,bhkv->bhcv", q_c, S, precision=HIGHEST)
-               + jnp.einsum("bhcj,bhjv->bhcv", P, v_new, precision=HIGHEST))
+        out = jnp.einsum("bhck,bhkv->bhcv", q_c, S, precision=HIGHEST) + jnp.einsum(
+            "bhcj,bhjv->bhcv", P, v_new, precision=HIGHEST
+        )
         S = S * d + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new, precision=HIGHEST)
         return S, out
 
-    state, out = jax.lax.scan(step, state.astype(jnp.float32),
-                              (corrected_v, decayed_k, q_decayed, k_to_end, intra, chunk_decay))
+    state, out = jax.lax.scan(
+        step, state.astype(jnp.float32), (corrected_v, decayed_k, q_decayed, k_to_end, intra, chunk_decay)
+    )
     out = jnp.moveaxis(out, (0, 2), (1, 3)).reshape(B, n * chunk, H, dv)  # [n, B, H, c, dv] -> [B, n c, H, dv]
     return out[:, :T], state
 
@@ -146,14 +159,24 @@ def causal_conv(x, weight, tail, lengths) -> tuple[jax.Array, jax.Array]:
     _check_shape("lengths", lengths, "B", (B,))
     history = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
     hf, wf = _f32(history, weight)
-    y = jax.nn.silu(sum(hf[:, j:j + T] * wf[:, j] for j in range(K)).astype(x.dtype))
+    y = jax.nn.silu(sum(hf[:, j : j + T] * wf[:, j] for j in range(K)).astype(x.dtype))
     index = lengths[:, None] + jnp.arange(K - 1)  # the history positions lengths .. lengths + K - 2
     new_tail = jnp.take_along_axis(history, index[:, :, None], axis=1).astype(tail.dtype)
     return y, new_tail
 
 
-def gated_delta_net(w: dict, x, state: LinearState, lengths, *, num_key_heads: int, num_value_heads: int,
-                    key_dim: int, value_dim: int, eps: float) -> tuple[jax.Array, LinearState]:
+def gated_delta_net(
+    w: dict,
+    x,
+    state: LinearState,
+    lengths,
+    *,
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    eps: float,
+) -> tuple[jax.Array, LinearState]:
     """One Gated DeltaNet layer's mixer on x [B, T, E] (already input-normed), rows right-padded to `lengths`
     int32 [B]. `w` holds "lin_qkv" [E, 2 Hk dk + Hv dv] (columns q | k | v), "lin_z" [E, Hv dv], "lin_b",
     "lin_a" [E, Hv], "lin_conv" [C, K], "lin_dt_bias", "lin_a_log" [Hv], "lin_norm" [dv] and "lin_out"
@@ -166,10 +189,17 @@ def gated_delta_net(w: dict, x, state: LinearState, lengths, *, num_key_heads: i
         raise ValueError(f"num_value_heads ({Hv}) must be a multiple of num_key_heads ({Hk})")
     B, T, E = x.shape
     C, K = 2 * Hk * dk + Hv * dv, w["lin_conv"].shape[-1]
-    expected = {"lin_qkv": ("E, 2 Hk dk + Hv dv", (E, C)), "lin_z": ("E, Hv dv", (E, Hv * dv)),
-                "lin_b": ("E, Hv", (E, Hv)), "lin_a": ("E, Hv", (E, Hv)), "lin_conv": ("C, K", (C, K)),
-                "lin_dt_bias": ("Hv", (Hv,)), "lin_a_log": ("Hv", (Hv,)), "lin_norm": ("dv", (dv,)),
-                "lin_out": ("Hv dv, E", (Hv * dv, E))}
+    expected = {
+        "lin_qkv": ("E, 2 Hk dk + Hv dv", (E, C)),
+        "lin_z": ("E, Hv dv", (E, Hv * dv)),
+        "lin_b": ("E, Hv", (E, Hv)),
+        "lin_a": ("E, Hv", (E, Hv)),
+        "lin_conv": ("C, K", (C, K)),
+        "lin_dt_bias": ("Hv", (Hv,)),
+        "lin_a_log": ("Hv", (Hv,)),
+        "lin_norm": ("dv", (dv,)),
+        "lin_out": ("Hv dv, E", (Hv * dv, E)),
+    }
     for name, (dims, shape) in expected.items():
         _check_shape(f"w[{name!r}]", w[name], dims, shape)
     _check_shape("lengths", lengths, "B", (B,))
@@ -189,7 +219,7 @@ def gated_delta_net(w: dict, x, state: LinearState, lengths, *, num_key_heads: i
     def l2_normalised(t):
         return t * jax.lax.rsqrt(jnp.sum(t * t, axis=-1, keepdims=True) + 1e-6)
 
-    q, k, v = l2_normalised(heads(q, Hk, dk)) * dk ** -0.5, l2_normalised(heads(k, Hk, dk)), heads(v, Hv, dv)
+    q, k, v = l2_normalised(heads(q, Hk, dk)) * dk**-0.5, l2_normalised(heads(k, Hk, dk)), heads(v, Hv, dv)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(x_b @ w["lin_b"]).astype(jnp.float32), 0.0)
     a = (x_a @ w["lin_a"]).astype(jnp.float32) + w["lin_dt_bias"].astype(jnp.float32)
     g = jnp.where(valid[..., None], -jnp.exp(w["lin_a_log"].astype(jnp.float32)) * jax.nn.softplus(a), 0.0)

@@ -10,15 +10,16 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jcascade.models.config import GLOBAL, LINEAR, SLIDING, ModelConfig, required
 from jcascade.models.decoder import CausalLM, on_mesh
 from jcascade.models.weights import Weight, declarations, weight_shapes
+
 from jcascade.rope import Llama3Scaling
 
 CONVERTED_CONFIG = "jcascade-config.json"
 # How `save_converted` stores the weights: 2 since q/k/v and gate/up are stored joined (`models.weights.FUSED`).
 CONVERTED_LAYOUT = 2
+
 
 def _collect(cfg: ModelConfig, files: dict[str, str], read, source: str) -> dict[str, np.ndarray]:
     """Our weights (`models.weights`; a fused one joined from its parts), read by their `source` ("hf" or "gguf")
@@ -47,8 +48,10 @@ def _collect(cfg: ModelConfig, files: dict[str, str], read, source: str) -> dict
         name = getattr(w, source)
         return get(name if i is None else name.format(i=i), w, ours)
 
-    return {ours: np.stack([layer(ours, w, i) for i in w.layer_indices(cfg)]) if w.layer else layer(ours, w, None)
-            for ours, w in declarations(cfg).items()}
+    return {
+        ours: np.stack([layer(ours, w, i) for i in w.layer_indices(cfg)]) if w.layer else layer(ours, w, None)
+        for ours, w in declarations(cfg).items()
+    }
 
 
 def _json(path: pathlib.Path):
@@ -58,8 +61,9 @@ def _json(path: pathlib.Path):
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: damaged: not UTF-8 text (byte {e.start}), so not JSON") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: damaged or truncated: not valid JSON ({e.msg} at line {e.lineno}, "
-                         f"column {e.colno})") from None
+        raise ValueError(
+            f"{path}: damaged or truncated: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
 
 
 def _hf_config(path: pathlib.Path) -> ModelConfig:
@@ -98,7 +102,7 @@ def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
     if index.is_file():
         weight_map = _json(index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: damaged: no \"weight_map\" object")
+            raise ValueError(f'{index}: damaged: no "weight_map" object')
         files = sorted(set(weight_map.values()))
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
@@ -112,8 +116,10 @@ def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
             with safe_open(path / name, framework="numpy") as f:
                 for key in f.keys():
                     if key in where:
-                        raise ValueError(f"{index}: tensor {key!r} is in two shards, {where[key]} and {name} "
-                                         f"(the index names {weight_map.get(key)})")
+                        raise ValueError(
+                            f"{index}: tensor {key!r} is in two shards, {where[key]} and {name} "
+                            f"(the index names {weight_map.get(key)})"
+                        )
                     where[key] = name
                     if index.is_file() and weight_map.get(key) != name:
                         continue  # a tensor the index does not name here: not read
@@ -126,8 +132,12 @@ def read_hf_directory(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
                 raise ValueError(f"{index} names {name} for tensor {key!r}, which {name} does not hold")
     # the text model of a multimodal checkpoint: model.language_model.* (its towers' tensors are not read)
     text = {key.replace("model.language_model.", "model.", 1): key for key in tensors}
-    return cfg, _collect(cfg, {ours: where[key] for ours, key in text.items()},
-                         lambda name, ours, w: np.asarray(tensors[text[name]]), "hf")
+    return cfg, _collect(
+        cfg,
+        {ours: where[key] for ours, key in text.items()},
+        lambda name, ours, w: np.asarray(tensors[text[name]]),
+        "hf",
+    )
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -139,8 +149,16 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 # Qwen3.5's Gated DeltaNet weights whose value heads llama.cpp's converter reorders (when there are fewer key heads
 # than value heads): the axis of the heads in the stored [out, in] tensor, and whether the q and k channels
 # (2 * key heads * key dim, not reordered) come first on it
-_QWEN35_VALUE_HEADS = {"lin_qkv": (0, True), "lin_conv": (0, True), "lin_z": (0, False), "lin_b": (0, False),
-                       "lin_a": (0, False), "lin_a_log": (0, False), "lin_dt_bias": (0, False), "lin_out": (1, False)}
+_QWEN35_VALUE_HEADS = {
+    "lin_qkv": (0, True),
+    "lin_conv": (0, True),
+    "lin_z": (0, False),
+    "lin_b": (0, False),
+    "lin_a": (0, False),
+    "lin_a_log": (0, False),
+    "lin_dt_bias": (0, False),
+    "lin_out": (1, False),
+}
 
 
 def _untile_value_heads(w: np.ndarray, cfg: ModelConfig, axis: int, after_qk: bool) -> np.ndarray:
@@ -199,24 +217,32 @@ def _gguf_reader(path: pathlib.Path):
     try:
         return Checked(path)
     except _PastTheEnd as e:
-        raise ValueError(f"{path}: truncated: the GGUF file has {size} bytes, its header and tensor table need at "
-                         f"least {e.args[0]}") from None
+        raise ValueError(
+            f"{path}: truncated: the GGUF file has {size} bytes, its header and tensor table need at least {e.args[0]}"
+        ) from None
     except Exception as e:
         raise ValueError(f"{path}: not readable as a GGUF file ({size} bytes): {e}") from e
 
 
-_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen35": "qwen3_5",
-                       "gemma4": "gemma4"}  # GGUF's name -> ours
+_GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "qwen35": "qwen3_5",
+    "gemma4": "gemma4",
+}  # GGUF's name -> ours
 
 
 def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
     arch = required(meta, "general.architecture", path, str)
     if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path} (supported: "
-                         f"{', '.join(_GGUF_ARCHITECTURES)})")
-    field = lambda key, kind=int: required(meta, f"{arch}.{key}", path, kind)  # noqa: E731
-    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path} (supported: {', '.join(_GGUF_ARCHITECTURES)})"
+        )
+    field = lambda key, kind=int: required(meta, f"{arch}.{key}", path, kind)
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     tensors = {t.name: t for t in reader.tensors}
     experts = sorted(name for name in tensors if "_exps" in name or "ffn_gate_inp" in name)
     if experts:
@@ -231,25 +257,39 @@ def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
     vocab = int(get("vocab_size") or (field("vocab_size") if vocab_tokens is None else len(vocab_tokens.data)))
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(**{
-        "architecture": _GGUF_ARCHITECTURES[arch], "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": field("feed_forward_length"), "num_layers": field("block_count"),
-        "num_heads": heads, "num_kv_heads": get("attention.head_count_kv", heads),
-        "head_dim": int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
-        "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_scaling": None,
-        "rms_norm_eps": field("attention.layer_norm_rms_epsilon", float),
-        "tie_word_embeddings": "output.weight" not in tensors, "qkv_bias": "blk.0.attn_q.bias" in tensors,
-        "o_bias": "blk.0.attn_output.bias" in tensors, "qk_norm": "blk.0.attn_q_norm.weight" in tensors,
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "bos_token_id": None if bos is None else int(bos.contents()),
-        "eos_token_ids": () if eos is None else (int(eos.contents()),), **fields})
+    return ModelConfig(
+        **{
+            "architecture": _GGUF_ARCHITECTURES[arch],
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": field("feed_forward_length"),
+            "num_layers": field("block_count"),
+            "num_heads": heads,
+            "num_kv_heads": get("attention.head_count_kv", heads),
+            "head_dim": int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+            "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "rope_scaling": None,
+            "rms_norm_eps": field("attention.layer_norm_rms_epsilon", float),
+            "tie_word_embeddings": "output.weight" not in tensors,
+            "qkv_bias": "blk.0.attn_q.bias" in tensors,
+            "o_bias": "blk.0.attn_output.bias" in tensors,
+            "qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+            "max_position_embeddings": int(get("context_length", 2048)),
+            "bos_token_id": None if bos is None else int(bos.contents()),
+            "eos_token_ids": () if eos is None else (int(eos.contents()),),
+            **fields,
+        }
+    )
 
 
 def _gemma3_fields(field, get, tensors, path) -> dict:
     """As llama.cpp runs Gemma 3: every 6th layer global, RoPE base 10K on the sliding ones."""
     layers = field("block_count")
-    return dict(layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)),
-                sliding_window=field("attention.sliding_window"), rope_local_theta=10000.0)
+    return dict(
+        layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)),
+        sliding_window=field("attention.sliding_window"),
+        rope_local_theta=10000.0,
+    )
 
 
 def _qwen35_fields(field, get, tensors, path) -> dict:
@@ -257,14 +297,23 @@ def _qwen35_fields(field, get, tensors, path) -> dict:
     layers by attention.recurrent_layers (else all but every full_attention_interval-th), the rotating share of
     the head dims as rope.dimension_count, the Gated DeltaNet's dims as ssm.*."""
     layers = field("block_count") - int(get("nextn_predict_layers", 0))
-    recurrent = get("attention.recurrent_layers") or [(i + 1) % field("full_attention_interval") != 0
-                                                       for i in range(layers)]
+    recurrent = get("attention.recurrent_layers") or [
+        (i + 1) % field("full_attention_interval") != 0 for i in range(layers)
+    ]
     head_dim, value_heads = field("attention.key_length"), field("ssm.time_step_rank")
-    return dict(num_layers=layers, layer_types=tuple(LINEAR if r else GLOBAL for r in recurrent[:layers]),
-                head_dim=head_dim, partial_rotary_factor=field("rope.dimension_count") / head_dim, qk_norm=True,
-                attention_output_gate=True, linear_key_heads=field("ssm.group_count"), linear_value_heads=value_heads,
-                linear_key_dim=field("ssm.state_size"), linear_value_dim=field("ssm.inner_size") // value_heads,
-                linear_conv_kernel=field("ssm.conv_kernel"))
+    return dict(
+        num_layers=layers,
+        layer_types=tuple(LINEAR if r else GLOBAL for r in recurrent[:layers]),
+        head_dim=head_dim,
+        partial_rotary_factor=field("rope.dimension_count") / head_dim,
+        qk_norm=True,
+        attention_output_gate=True,
+        linear_key_heads=field("ssm.group_count"),
+        linear_value_heads=value_heads,
+        linear_key_dim=field("ssm.state_size"),
+        linear_value_dim=field("ssm.inner_size") // value_heads,
+        linear_conv_kernel=field("ssm.conv_kernel"),
+    )
 
 
 def _gemma4_fields(field, get, tensors, path) -> dict:
@@ -273,8 +322,10 @@ def _gemma4_fields(field, get, tensors, path) -> dict:
     attn_v, the rotating share of the global head dims from rope_freqs (llama.cpp's form of the proportional RoPE:
     1 for each rotating frequency, 1e30 for the others)."""
     if isinstance(get("feed_forward_length"), list):
-        raise ValueError(f"{path}: gemma4.feed_forward_length per layer ({get('feed_forward_length')}) is not "
-                         "supported (a double-wide MLP on the shared layers)")
+        raise ValueError(
+            f"{path}: gemma4.feed_forward_length per layer ({get('feed_forward_length')}) is not "
+            "supported (a double-wide MLP on the shared layers)"
+        )
     types = [SLIDING if s else GLOBAL for s in field("attention.sliding_window_pattern", list)]
     kv = get("attention.head_count_kv", field("attention.head_count"))
     kv = kv if isinstance(kv, list) else [kv] * len(types)
@@ -288,19 +339,30 @@ def _gemma4_fields(field, get, tensors, path) -> dict:
         factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
         rotating = int(np.sum(factors == 1.0))
         if factors.shape != (global_dim // 2,) or np.any(factors[rotating:] != np.float32(1e30)):
-            raise ValueError(f"{path}: unsupported rope_freqs.weight (gemma4: {global_dim // 2} factors, 1.0 "
-                             f"then 1e30), got {factors.size} factors valued {np.unique(factors).tolist()}")
+            raise ValueError(
+                f"{path}: unsupported rope_freqs.weight (gemma4: {global_dim // 2} factors, 1.0 "
+                f"then 1e30), got {factors.size} factors valued {np.unique(factors).tolist()}"
+            )
     ple = int(get("embedding_length_per_layer_input", 0))
     table = tensors.get("per_layer_token_embd.weight")
     softcap = get("final_logit_softcapping")
-    return dict(layer_types=tuple(types), head_dim=field("attention.key_length_swa"),
-                num_kv_heads=kv[types.index(SLIDING) if SLIDING in types else 0], global_head_dim=global_dim,
-                global_kv_heads=kv[first_global] if k_eq_v else None, k_eq_v=k_eq_v,
-                partial_rotary_factor=2 * rotating / global_dim, qk_norm=True, query_scale=1.0,
-                sliding_window=field("attention.sliding_window"), rope_local_theta=field("rope.freq_base_swa", float),
-                kv_shared_layers=int(get("attention.shared_kv_layers", 0)), per_layer_input_size=ple,
-                per_layer_vocab_size=int(table.shape[-1]) if ple and table is not None else 0,
-                final_logit_softcapping=None if softcap is None else float(softcap))
+    return dict(
+        layer_types=tuple(types),
+        head_dim=field("attention.key_length_swa"),
+        num_kv_heads=kv[types.index(SLIDING) if SLIDING in types else 0],
+        global_head_dim=global_dim,
+        global_kv_heads=kv[first_global] if k_eq_v else None,
+        k_eq_v=k_eq_v,
+        partial_rotary_factor=2 * rotating / global_dim,
+        qk_norm=True,
+        query_scale=1.0,
+        sliding_window=field("attention.sliding_window"),
+        rope_local_theta=field("rope.freq_base_swa", float),
+        kv_shared_layers=int(get("attention.shared_kv_layers", 0)),
+        per_layer_input_size=ple,
+        per_layer_vocab_size=int(table.shape[-1]) if ple and table is not None else 0,
+        final_logit_softcapping=None if softcap is None else float(softcap),
+    )
 
 
 def _default_dtype():
@@ -329,8 +391,10 @@ def _converted_config(directory: pathlib.Path) -> ModelConfig:
     raw = _json(directory / CONVERTED_CONFIG)
     layout = raw.pop("layout", 1)  # as `converted_layout` reads it
     if layout != CONVERTED_LAYOUT:
-        raise ValueError(f"{directory}: converted by another jcascade (weights layout {layout}, this one reads "
-                         f"{CONVERTED_LAYOUT}); delete it and convert (or fetch) it again")
+        raise ValueError(
+            f"{directory}: converted by another jcascade (weights layout {layout}, this one reads "
+            f"{CONVERTED_LAYOUT}); delete it and convert (or fetch) it again"
+        )
     raw["rope_scaling"] = None if raw["rope_scaling"] is None else Llama3Scaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
     raw["layer_types"] = tuple(raw.get("layer_types", ()))  # (absent from checkpoints converted before Gemma 3)
@@ -393,14 +457,19 @@ def _converted_restore(path: pathlib.Path, cfg: ModelConfig, dtype):
         if name not in stored:
             raise ValueError(f"{weights}: missing tensor {name!r} (needed by {CONVERTED_CONFIG}); {remedy}")
         if tuple(stored[name].shape) != shape:
-            raise ValueError(f"{weights}: tensor {name!r} has shape {tuple(stored[name].shape)}, {CONVERTED_CONFIG} "
-                             f"needs {shape}")
+            raise ValueError(
+                f"{weights}: tensor {name!r} has shape {tuple(stored[name].shape)}, {CONVERTED_CONFIG} needs {shape}"
+            )
 
     def restore(shardings):
         try:
-            return ocp.StandardCheckpointer().restore(weights, {
-                name: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[name])
-                for name, shape in weight_shapes(cfg).items()})
+            return ocp.StandardCheckpointer().restore(
+                weights,
+                {
+                    name: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[name])
+                    for name, shape in weight_shapes(cfg).items()
+                },
+            )
         except Exception as e:  # orbax wraps tensorstore's error (e.g. a byte range past a file's end)
             cause = str(e.__cause__ or e).split("\n")[0]
             raise ValueError(f"{weights}: cannot restore the orbax checkpoint: {cause}; {remedy}") from e
@@ -422,16 +491,20 @@ def load_tokenizer(path: str | pathlib.Path):
     path = pathlib.Path(path)
     if path.is_file() and path.suffix == ".gguf":
         if importlib.util.find_spec("torch") is None:
-            raise ModuleNotFoundError(f"building the tokenizer of {path.name} needs torch (transformers reads GGUF "
-                                      "tokenizers through it): pip install 'jcascade[gguf]'")
+            raise ModuleNotFoundError(
+                f"building the tokenizer of {path.name} needs torch (transformers reads GGUF "
+                "tokenizers through it): pip install 'jcascade[gguf]'"
+            )
         try:
             return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except Exception:
             _gguf_reader(path)  # a damaged file: raises naming it
             raise
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{path}: the model directory holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                         "save one there with tokenizer.save_pretrained(directory)")
+        raise ValueError(
+            f"{path}: the model directory holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "save one there with tokenizer.save_pretrained(directory)"
+        )
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception:

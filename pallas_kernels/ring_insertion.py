@@ -43,8 +43,15 @@ def _shift_left(x: jax.Array, fill) -> jax.Array:
     return jnp.concatenate([x[..., 1:], jnp.full((*x.shape[:-1], 1), fill, x.dtype)], axis=-1)
 
 
-def _insertions(layout: RingLayout, score: jax.Array, held: jax.Array, chunk_score: jax.Array, seen, n,
-                place_evicted: PlaceEvicted | None):
+def _insertions(
+    layout: RingLayout,
+    score: jax.Array,
+    held: jax.Array,
+    chunk_score: jax.Array,
+    seen,
+    n,
+    place_evicted: PlaceEvicted | None,
+):
     """Where each chunk token and each moving resident goes (docs/semantics.md §3, step 2).
 
     score: f32 [B, H, cap] resident scores after step 1; held: bool [B, H, cap] slots holding a token;
@@ -115,10 +122,16 @@ def _insertions(layout: RingLayout, score: jax.Array, held: jax.Array, chunk_sco
         in_chunk = (evicted >= first_write[:, None])[:, None]
         is_res = (evicted == first_write[:, None] - 1)[:, None]
         old_code = (base + evicted % W)[:, None]
-        e_src = jnp.where(in_chunk, take(app_src, (evicted - first_write[:, None])[:, None]),
-                          jnp.where(is_res, res_src[..., None], old_code))
-        e_mu = jnp.where(in_chunk, take(app_mu, (evicted - first_write[:, None])[:, None]),
-                         jnp.where(is_res, res_mu[..., None], take(score, old_code)))
+        e_src = jnp.where(
+            in_chunk,
+            take(app_src, (evicted - first_write[:, None])[:, None]),
+            jnp.where(is_res, res_src[..., None], old_code),
+        )
+        e_mu = jnp.where(
+            in_chunk,
+            take(app_mu, (evicted - first_write[:, None])[:, None]),
+            jnp.where(is_res, res_mu[..., None], take(score, old_code)),
+        )
         a_src = compact(e_src, is_accept, M)
         a_mu = compact(e_mu, is_accept, M)
         clock = compact(clock[:, None], is_accept, M)[:, 0]
@@ -149,9 +162,22 @@ def _gather_items(old: jax.Array, chunk: jax.Array, src: jax.Array) -> jax.Array
     )
 
 
-def insert_chunk(layout: RingLayout, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | None, score: jax.Array,
-                 pos: jax.Array, seen: jax.Array, k: jax.Array, v: jax.Array, chunk_score: jax.Array, placed: jax.Array,
-                 n: jax.Array, place_evicted: PlaceEvicted | None = None, scales=None):
+def insert_chunk(
+    layout: RingLayout,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | None,
+    score: jax.Array,
+    pos: jax.Array,
+    seen: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    chunk_score: jax.Array,
+    placed: jax.Array,
+    n: jax.Array,
+    place_evicted: PlaceEvicted | None = None,
+    scales=None,
+):
     """A chunk into a ring cache. k_cache, v_cache [B, H, cap, D], or a stack [L, B, H, cap, D] written at
     `layer` (an int32 scalar; None: not a stack); score f32 [B, H, cap] the residents' scores after step 1;
     pos int32 [B, H, cap]; seen int32 [B] tokens each row has received; k, v [B, T, H, D] un-rotated; chunk_score

@@ -41,7 +41,9 @@ class TpuConfig:
     block_k: int = 512
 
     def __post_init__(self):
-        check_fields(self, ("block_q", "block_k"), "a positive multiple of 8", lambda value: value >= 8 and value % 8 == 0)
+        check_fields(
+            self, ("block_q", "block_k"), "a positive multiple of 8", lambda value: value >= 8 and value % 8 == 0
+        )
 
 
 def _blocks(T: int, S: int, cfg: TpuConfig) -> tuple[int, int]:
@@ -201,9 +203,24 @@ def _scores(q, lse, weights, keys, valid, lengths, *, causal, reduction, cfg, in
     return inc[:, :, 0]
 
 
-def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, *, config: TpuConfig = TpuConfig(), interpret: bool = False,
-                    k_scale=None, v_scale=None):
+def chunk_attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cache_valid,
+    cache_positions,
+    lengths,
+    query_weights=None,
+    head_reduction="max",
+    rope=None,
+    *,
+    config: TpuConfig = TpuConfig(),
+    interpret: bool = False,
+    k_scale=None,
+    v_scale=None,
+):
     """Same contract as `reference.chunk_attention`, on Pallas-Mosaic TPU. k_scale, v_scale: f32 [B, Hkv, S] when
     k_cache, v_cache hold a quantized cache's codes: the keys are dequantized (to q's dtype) where XLA rotates them,
     the values read as codes by the segment kernel."""
@@ -218,8 +235,16 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
     valid = cache_valid.astype(jnp.int32)[:, :, None, :]
     common = dict(cfg=config, interpret=interpret)
-    o_cache, lse_cache = _segment(qt, k_cache, v_cache, valid, lengths, causal=False, **common,
-                                  v_scale=None if v_scale is None else v_scale[:, :, None, :])
+    o_cache, lse_cache = _segment(
+        qt,
+        k_cache,
+        v_cache,
+        valid,
+        lengths,
+        causal=False,
+        **common,
+        v_scale=None if v_scale is None else v_scale[:, :, None, :],
+    )
     o_chunk, lse_chunk = _segment(qt, kt, vt, None, lengths, causal=True, **common)
     o, lse = attention_state.merge(o_cache, lse_cache, o_chunk, lse_chunk)
     out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)

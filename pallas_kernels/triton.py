@@ -56,10 +56,18 @@ class TritonConfig:
     decode_heads_first: bool = True  # decode grid (head, split, row), not (row, head, split): RESULTS.md, kernels d
 
     def __post_init__(self):
-        check_fields(self, ("block_q", "block_k", "score_block_q", "score_block_k", "decode_block_k"),
-                     "a power of two >= 16", power_of_two(16))
-        check_fields(self, ("decode_programs", "num_warps", "num_stages", "decode_num_warps", "decode_num_stages"),
-                     "a positive int", lambda value: value >= 1)
+        check_fields(
+            self,
+            ("block_q", "block_k", "score_block_q", "score_block_k", "decode_block_k"),
+            "a power of two >= 16",
+            power_of_two(16),
+        )
+        check_fields(
+            self,
+            ("decode_programs", "num_warps", "num_stages", "decode_num_warps", "decode_num_stages"),
+            "a positive int",
+            lambda value: value >= 1,
+        )
         if not isinstance(self.decode_heads_first, bool):
             raise ValueError(f"TritonConfig.decode_heads_first must be a bool, got {self.decode_heads_first!r}")
 
@@ -104,7 +112,11 @@ def _forward_kernel(len_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, valid_ref, o_r
         keys = j * bk + jnp.arange(bk)
         ok = (keys < size)[:, None]
         blk = pl.ds(j * bk, bk)
-        return keys, plgpu.load(keys_ref.at[blk, :], mask=ok, other=0.0), plgpu.load(values_ref.at[blk, :], mask=ok, other=0.0)
+        return (
+            keys,
+            plgpu.load(keys_ref.at[blk, :], mask=ok, other=0.0),
+            plgpu.load(values_ref.at[blk, :], mask=ok, other=0.0),
+        )
 
     def cache_step(j, carry):
         keys, k, v = load(kc_ref, vc_ref, j, S)
@@ -161,7 +173,9 @@ def _forward(q, k, v, k_cache, v_cache, valid, lengths, cfg: TritonConfig, inter
 # Scores: weighted column sums of the exact softmax, one program per key block.
 
 
-def _scores_kernel(len_ref, q_ref, lse_ref, w_ref, key_ref, valid_ref, inc_ref, *, T, S, G, bq, bk, scale, causal, reduction):
+def _scores_kernel(
+    len_ref, q_ref, lse_ref, w_ref, key_ref, valid_ref, inc_ref, *, T, S, G, bq, bk, scale, causal, reduction
+):
     h, j = pl.program_id(1), pl.program_id(2)
     n = len_ref[...]
     keys = j * bk + jnp.arange(bk)
@@ -225,7 +239,14 @@ def _scores(q, lse, weights, lengths, keys, valid, *, causal: bool, reduction: s
         args.append(valid)
     kernel = functools.partial(
         _scores_kernel if valid is not None else functools.partial(_no_valid, _scores_kernel),
-        T=T, S=S, G=G, bq=bq, bk=bk, scale=D**-0.5, causal=causal, reduction=reduction,
+        T=T,
+        S=S,
+        G=G,
+        bq=bq,
+        bk=bk,
+        scale=D**-0.5,
+        causal=causal,
+        reduction=reduction,
     )
     return pl.pallas_call(
         kernel,
@@ -373,8 +394,10 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
         v_unit = jnp.maximum(jnp.max(vs), 2.0**-126) if f16 else 1.0
         pv = (p * (vs / v_unit)[None, :] if scaled else p).astype(dtype)
         if paired:  # the values' even columns, then their odd ones
-            acc = tuple(corr[:, None] * a + v_unit * _dot(pv, v.astype(dtype))
-                        for a, v in zip(acc, load_pairs(vc_ref, kv_blk, slice(None), ok)))
+            acc = tuple(
+                corr[:, None] * a + v_unit * _dot(pv, v.astype(dtype))
+                for a, v in zip(acc, load_pairs(vc_ref, kv_blk, slice(None), ok))
+            )
         else:
             acc = corr[:, None] * acc + v_unit * _dot(pv, load_rows(vc_ref, kv_blk, slice(None), ok, dtype))
         return acc, m_new, corr * l + p.sum(axis=1)
@@ -382,7 +405,7 @@ def _decode_kernel(*refs, S, first, G, gp, split, bk, scale, rope, interpret, ax
     zeros = (jnp.zeros((gp, half), F32),) * 2 if paired else jnp.zeros((gp, D), F32)
     acc, m, l = lax.fori_loop(0, split // bk, body, (zeros, jnp.full((gp,), MASK, F32), jnp.zeros((gp,), F32)))
     seen_any = ~(m <= 0.5 * MASK)  # NaN counts as seen: it propagates
-    for cols, a in ([(pl.ds(0, half), acc[0]), (pl.ds(half, half), acc[1])] if paired else [(slice(None), acc)]):
+    for cols, a in [(pl.ds(0, half), acc[0]), (pl.ds(half, half), acc[1])] if paired else [(slice(None), acc)]:
         plgpu.store(o_ref.at[:, cols], jnp.where(seen_any[:, None], a / l[:, None], 0.0))
     lse_ref[...] = jnp.where(seen_any, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
 
@@ -403,10 +426,12 @@ def _pairs_to_f16(pairs, dtype, interpret: bool):
     as `_codes_to_f16` converts it, two pairs at a time (their even bytes, then their odd ones); float8 (and
     interpret mode) by splitting the bytes and converting each."""
     if dtype == jnp.int8 and not interpret:
-        return tuple(_bytes_to_f16(pairs, [select], pack=2)[0]
-                     for select in ("0x4240", "0x4341"))  # bytes 0 and 2 (even codes), 1 and 3 (odd)
-    return tuple(_codes_to_f16(lax.bitcast_convert_type(byte.astype(jnp.int8), dtype), interpret)
-                 for byte in _split_pairs(pairs))
+        return tuple(
+            _bytes_to_f16(pairs, [select], pack=2)[0] for select in ("0x4240", "0x4341")
+        )  # bytes 0 and 2 (even codes), 1 and 3 (odd)
+    return tuple(
+        _codes_to_f16(lax.bitcast_convert_type(byte.astype(jnp.int8), dtype), interpret) for byte in _split_pairs(pairs)
+    )
 
 
 def _split_pairs(pairs):
@@ -420,11 +445,17 @@ def _bytes_to_f16(x, selects, *, pack: int) -> list:
     one float16 pair per byte selector in `selects`: the bytes' sign bits flipped (code + 128 as an unsigned byte),
     the two selected bytes put under the float16 exponent byte 0x64 (1024 + code + 128), then 1152 subtracted."""
     outs = len(selects)
-    permutes = "\n".join(f"prmt.b32 ${i}, t, 0x64646464, {sel};\nsub.rn.f16x2 ${i}, ${i}, m;"
-                          for i, sel in enumerate(selects))
+    permutes = "\n".join(
+        f"prmt.b32 ${i}, t, 0x64646464, {sel};\nsub.rn.f16x2 ${i}, ${i}, m;" for i, sel in enumerate(selects)
+    )
     asm = f"{{\n.reg .b32 t, m;\nxor.b32 t, ${outs}, 0x80808080;\nmov.b32 m, 0x64806480;\n{permutes}\n}}"
-    return plgpu.elementwise_inline_asm(asm, args=[x], constraints=",".join(["=r"] * outs + ["r"]), pack=pack,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F16)])
+    return plgpu.elementwise_inline_asm(
+        asm,
+        args=[x],
+        constraints=",".join(["=r"] * outs + ["r"]),
+        pack=pack,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F16)],
+    )
 
 
 def as_pairs(codes: jax.Array) -> jax.Array:
@@ -519,7 +550,9 @@ def _finish_kernel(*refs, S, G, P, bs, dc, nblk, scale, reduction):
         def _scores():
             cols = j * bs + jnp.arange(bs)
             ok = cols < S
-            logits = plgpu.load(logits_ref.at[qrows, pl.ds(j * bs, bs)], mask=rows_ok[:, None] & ok[None, :], other=MASK)
+            logits = plgpu.load(
+                logits_ref.at[qrows, pl.ds(j * bs, bs)], mask=rows_ok[:, None] & ok[None, :], other=MASK
+            )
             live = held[:, None] & ~(logits <= 0.5 * MASK)  # a NaN logit (a NaN key) is live: its slot scores NaN
             p = jnp.where(live, jnp.exp(logits - safe[:, None]), 0.0) * w0
             plgpu.store(inc_ref, _reduce_heads(p, G, reduction), mask=ok)
@@ -555,16 +588,22 @@ TWO_PI_LO = float(np.float32(2 * math.pi - TWO_PI_F32))  # 2 pi = TWO_PI_F32 + T
 
 def _cos_sin(angle, interpret: bool):
     """cos and sin of float32 angles (position x frequency, as XLA's RoPE computes them): reduced to about
-    [-pi, pi] by k = round(angle / 2 pi), r = fma(-k, 2 pi_hi, angle) - k 2 pi_lo (one rounding: r within about
-    1e-6 of the exact reduction for any angle below 2**24, which k's rounding covers), then the GPU's approximate sin/cos instructions
-    (absolute error about 1e-6; benchmarks/check_kernels_gpu.py checks them at positions near 1M). In interpret
+    [-pi, pi] by k = round(angle / 2 pi), r = fma(-k, 2 pi_hi, angle) - k 2 pi_lo (one rounding: r within about 1e-6 of
+    the exact reduction for any angle below 2**24, which k's rounding covers), then the GPU's approximate sin/cos
+    instructions (absolute error about 1e-6; benchmarks/check_kernels_gpu.py checks them at positions near 1M). In
+    interpret
     mode (the CPU, where PTX cannot run) XLA's cos and sin of the angle, as the reference computes them."""
     if interpret:
         return jnp.cos(angle), jnp.sin(angle)
 
     def asm(code, *args):
-        return plgpu.elementwise_inline_asm(code, args=list(args), constraints="=f" + ",f" * len(args), pack=1,
-                                            result_shape_dtypes=[jax.ShapeDtypeStruct(angle.shape, F32)])[0]
+        return plgpu.elementwise_inline_asm(
+            code,
+            args=list(args),
+            constraints="=f" + ",f" * len(args),
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(angle.shape, F32)],
+        )[0]
 
     # round to nearest by adding and subtracting 1.5 * 2**23 (two full-rate adds, kept apart by the asm: a floor
     # issues at a quarter of that rate on the unit the sine and cosine use); exact for |angle / 2 pi| < 2**22
@@ -581,8 +620,25 @@ def _rope_inputs(rope, positions, D):
     return positions.astype(jnp.int32), jnp.asarray(freq, F32)
 
 
-def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, weights, reduction, rope, layer,
-            first_slot, cfg, interpret, k_scale=None, v_scale=None):
+def _decode(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cache_valid,
+    cache_positions,
+    lengths,
+    weights,
+    reduction,
+    rope,
+    layer,
+    first_slot,
+    cfg,
+    interpret,
+    k_scale=None,
+    v_scale=None,
+):
     """T == 1. q, k already rotated; cache keys rotated in the kernel when `fuses_rope(rope)`. k_cache, v_cache
     [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot, C);
     k_scale, v_scale f32 [B, Hkv, C] with a quantized cache's codes (dequantized in the kernel; RoPE then fused).
@@ -601,14 +657,18 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     paired = None  # a stack too large to address by the byte is read as int16 pairs of codes
     if scaled and not (addresses_fit(k_cache) and addresses_fit(v_cache)):
         if not reads_pairs(D):
-            raise ValueError(f"k_cache {k_cache.dtype}{list(k_cache.shape)}: a stack the Triton decode cannot address "
-                             f"by the byte (`addresses_fit`) is read as pairs, which needs head_dim a multiple of 4 "
-                             f"and >= 64; Kernels.chunk_attention routes such a stack elsewhere")
+            raise ValueError(
+                f"k_cache {k_cache.dtype}{list(k_cache.shape)}: a stack the Triton decode cannot address "
+                f"by the byte (`addresses_fit`) is read as pairs, which needs head_dim a multiple of 4 "
+                f"and >= 64; Kernels.chunk_attention routes such a stack elsewhere"
+            )
         paired, k_cache, v_cache = k_cache.dtype, as_pairs(k_cache), as_pairs(v_cache)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not addresses_fit(cache):
-            raise ValueError(f"{name} {cache.dtype}{list(cache.shape)}: the Triton decode cannot address it in place "
-                             f"(`addresses_fit`); Kernels.chunk_attention routes such a stack elsewhere")
+            raise ValueError(
+                f"{name} {cache.dtype}{list(cache.shape)}: the Triton decode cannot address it in place "
+                f"(`addresses_fit`); Kernels.chunk_attention routes such a stack elsewhere"
+            )
     gp = max(16, pl.next_power_of_2(G))
     bk = _block(S, cfg.decode_block_k)
     splits = int(np.clip(cfg.decode_programs // (B * Hkv), 1, pl.cdiv(S, bk)))
@@ -619,9 +679,20 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
     position_heads = positions.shape[1]
     want_scores = weights is not None
     kernel = functools.partial(
-        _decode_kernel, S=S, first=first_slot, G=G, gp=gp, split=split, bk=bk, scale=D**-0.5, rope=fuses_rope(rope),
-        interpret=interpret, axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2), scaled=scaled,
-        logits=want_scores, paired=paired,
+        _decode_kernel,
+        S=S,
+        first=first_slot,
+        G=G,
+        gp=gp,
+        split=split,
+        bk=bk,
+        scale=D**-0.5,
+        rope=fuses_rope(rope),
+        interpret=interpret,
+        axes=(2, 0, 1) if cfg.decode_heads_first else (0, 1, 2),
+        scaled=scaled,
+        logits=want_scores,
+        paired=paired,
     )
     # grid (head, split, row): the programs of a row's split run side by side (with RoPE tables, rows first made
     # each head re-read its row's table from memory: at batch 64 on an H100, 1.15x slower)
@@ -657,9 +728,17 @@ def _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, we
         compiler_params=cfg.params(decode=True),
         interpret=interpret,
         name="jcascade_decode",
-    )(_scalar(layer), lengths, qg if paired is None else qg[..., _pair_order(D)], k_cache, v_cache,
-      cache_valid.astype(jnp.int32), positions, freq if paired is None else jnp.concatenate([freq[0::2], freq[1::2]]),
-      *((k_scale[..., first_slot:], v_scale[..., first_slot:]) if scaled else ()))
+    )(
+        _scalar(layer),
+        lengths,
+        qg if paired is None else qg[..., _pair_order(D)],
+        k_cache,
+        v_cache,
+        cache_valid.astype(jnp.int32),
+        positions,
+        freq if paired is None else jnp.concatenate([freq[0::2], freq[1::2]]),
+        *((k_scale[..., first_slot:], v_scale[..., first_slot:]) if scaled else ()),
+    )
     if paired is None:
         return _finish(qg, k, v, lengths, weights, parts, reduction, interpret)
     values = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])  # o's columns: the values' even, then odd
@@ -682,20 +761,27 @@ def _finish(qg, k, v, lengths, weights, parts, reduction, interpret):
     if nblk:
         in_specs.append(pl.BlockSpec((None,), lambda b, h, j: (b,)))
         args.append(weights.reshape(B).astype(F32))
-    in_specs += [pl.BlockSpec((None, None, G, D), head), pl.BlockSpec((None, None, D), row),
-                 pl.BlockSpec((None, None, D), row), pl.BlockSpec((None, None) + parts[1].shape[2:], lambda b, h, j: (b, h, 0, 0)),
-                 pl.BlockSpec((None, None) + parts[0].shape[2:], lambda b, h, j: (b, h, 0, 0, 0))]
+    in_specs += [
+        pl.BlockSpec((None, None, G, D), head),
+        pl.BlockSpec((None, None, D), row),
+        pl.BlockSpec((None, None, D), row),
+        pl.BlockSpec((None, None) + parts[1].shape[2:], lambda b, h, j: (b, h, 0, 0)),
+        pl.BlockSpec((None, None) + parts[0].shape[2:], lambda b, h, j: (b, h, 0, 0, 0)),
+    ]
     args += [qg, k.reshape(B, Hkv, D), v.reshape(B, Hkv, D), parts[1], parts[0]]
     out_specs = [pl.BlockSpec((None, None, G, D), head), pl.BlockSpec((None, None, G), row)]
     out_shape = [jax.ShapeDtypeStruct((B, Hkv, G, D), qg.dtype), jax.ShapeDtypeStruct((B, Hkv, G), F32)]
     if nblk:
         in_specs.append(pl.BlockSpec((None, None) + parts[2].shape[2:], head))
         args.append(parts[2])
-        out_specs += [pl.BlockSpec((None, None, bs), lambda b, h, j: (b, h, jnp.minimum(j, nblk - 1))),
-                      pl.BlockSpec((None, None, 1), row)]
+        out_specs += [
+            pl.BlockSpec((None, None, bs), lambda b, h, j: (b, h, jnp.minimum(j, nblk - 1))),
+            pl.BlockSpec((None, None, 1), row),
+        ]
         out_shape += [jax.ShapeDtypeStruct((B, Hkv, S), F32), jax.ShapeDtypeStruct((B, Hkv, 1), F32)]
-    kernel = functools.partial(_finish_kernel, S=S, G=G, P=P, bs=bs, dc=dc, nblk=nblk, scale=D**-0.5,
-                               reduction=reduction)
+    kernel = functools.partial(
+        _finish_kernel, S=S, G=G, P=P, bs=bs, dc=dc, nblk=nblk, scale=D**-0.5, reduction=reduction
+    )
     outs = pl.pallas_call(
         kernel,
         grid=(B, Hkv, nblk + D // dc),
@@ -714,8 +800,19 @@ def _finish(qg, k, v, lengths, weights, parts, reduction, interpret):
 # Shared prefix: the decode kernel with many queries per KV head, each prefix K/V tile read once for all.
 
 
-def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *, config: TritonConfig = TritonConfig(),
-                     interpret: bool = False, k_scale=None, v_scale=None):
+def prefix_attention(
+    q,
+    k_cache,
+    v_cache,
+    cache_valid,
+    cache_positions,
+    rope,
+    *,
+    config: TritonConfig = TritonConfig(),
+    interpret: bool = False,
+    k_scale=None,
+    v_scale=None,
+):
     """Same contract as `reference.prefix_attention`: grid (prefix row, KV head, split, query block), so
     every query of a prefix row's requests shares the loads of each key block of its split. k_scale, v_scale:
     f32 [P, Hkv, S] when k_cache, v_cache hold a quantized prefix's codes, dequantized in registers as the decode
@@ -740,8 +837,21 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_blocks * bq - rows), (0, 0)))
     positions, freq = _rope_inputs(rope, cache_positions, D)
     position_heads = positions.shape[1]
-    kernel = functools.partial(_decode_kernel, S=S, first=0, G=bq, gp=bq, split=split, bk=bk, scale=D**-0.5,
-                               rope=fuse, interpret=interpret, axes=(0, 1, 2), scaled=scaled, logits=False)
+    kernel = functools.partial(
+        _decode_kernel,
+        S=S,
+        first=0,
+        G=bq,
+        gp=bq,
+        split=split,
+        bk=bk,
+        scale=D**-0.5,
+        rope=fuse,
+        interpret=interpret,
+        axes=(0, 1, 2),
+        scaled=scaled,
+        logits=False,
+    )
     slots = pl.BlockSpec((None, None, S), lambda p, h, s, i: (p, h, 0))
     o_parts, lse_parts = pl.pallas_call(
         kernel,
@@ -761,13 +871,24 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
             pl.BlockSpec((None, None, None, bq, D), lambda p, h, s, i: (p, h, s, i, 0)),
             pl.BlockSpec((None, None, None, bq), lambda p, h, s, i: (p, h, s, i)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((P, Hkv, splits, q_blocks * bq, D), F32),
-                   jax.ShapeDtypeStruct((P, Hkv, splits, q_blocks * bq), F32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((P, Hkv, splits, q_blocks * bq, D), F32),
+            jax.ShapeDtypeStruct((P, Hkv, splits, q_blocks * bq), F32),
+        ],
         compiler_params=config.params(decode=True),
         interpret=interpret,
         name="jcascade_shared_prefix",
-    )(_scalar(0), jnp.ones((P,), jnp.int32), qg, k_cache[None], v_cache[None], cache_valid.astype(jnp.int32), positions,
-      freq, *((k_scale, v_scale) if scaled else ()))
+    )(
+        _scalar(0),
+        jnp.ones((P,), jnp.int32),
+        qg,
+        k_cache[None],
+        v_cache[None],
+        cache_valid.astype(jnp.int32),
+        positions,
+        freq,
+        *((k_scale, v_scale) if scaled else ()),
+    )
     out, lse = attention_state.merge_all(o_parts[..., :rows, :], lse_parts[..., :rows], axis=2)  # [P, Hkv, rows, (D)]
     out = out.reshape(P, Hkv, R, G, D).transpose(0, 2, 1, 3, 4).reshape(P, R, Hq, D)
     return out, lse.reshape(P, Hkv, R, G).transpose(0, 2, 1, 3).reshape(P, R, Hq)
@@ -776,15 +897,49 @@ def prefix_attention(q, k_cache, v_cache, cache_valid, cache_positions, rope, *,
 # --------------------------------------------------------------------------------------------------
 
 
-def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights=None,
-                    head_reduction="max", rope=None, layer=None, first_slot=0, *, config: TritonConfig = TritonConfig(),
-                    interpret: bool = False, k_scale=None, v_scale=None):
+def chunk_attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cache_valid,
+    cache_positions,
+    lengths,
+    query_weights=None,
+    head_reduction="max",
+    rope=None,
+    layer=None,
+    first_slot=0,
+    *,
+    config: TritonConfig = TritonConfig(),
+    interpret: bool = False,
+    k_scale=None,
+    v_scale=None,
+):
     """Same contract as `reference.chunk_attention`, on Pallas-Triton, with `layer` and `first_slot` as in
     `pallas_kernels.chunk_attention`: the decode kernel reads the cache in place (a quantized one's codes with
     their scales k_scale, v_scale f32 [B, Hkv, C]); a chunk's kernels take a copy of the attended slots."""
     if q.shape[1] == 1:
-        return _decode(q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights,
-                       head_reduction, rope, layer, first_slot, config, interpret, k_scale, v_scale)
+        return _decode(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cache_valid,
+            cache_positions,
+            lengths,
+            query_weights,
+            head_reduction,
+            rope,
+            layer,
+            first_slot,
+            config,
+            interpret,
+            k_scale,
+            v_scale,
+        )
     if k_scale is not None:
         raise ValueError("the Triton chunk kernels take a quantized cache dequantized (Kernels.chunk_attention does)")
     k_cache, v_cache = layer_of(k_cache, layer, first_slot), layer_of(v_cache, layer, first_slot)
@@ -807,5 +962,12 @@ def chunk_attention(q, k, v, k_cache, v_cache, cache_valid, cache_positions, len
 # batch 1 / 16 (the XLA reference: 0.47 / 3.30 ms; 4 decode warps spill at batch 16: 10.8 ms), a 4096-token chunk
 # 4.4 ms (XLA: 14.9 ms).
 WIDE_HEAD_DIM = 256
-WIDE = TritonConfig(block_q=32, block_k=32, score_block_q=32, score_block_k=32, decode_block_k=32,
-                    decode_num_stages=2, decode_num_warps=8)
+WIDE = TritonConfig(
+    block_q=32,
+    block_k=32,
+    score_block_q=32,
+    score_block_k=32,
+    decode_block_k=32,
+    decode_num_stages=2,
+    decode_num_warps=8,
+)

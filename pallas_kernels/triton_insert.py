@@ -20,13 +20,24 @@ from . import triton
 from .schedule import RingLayout, ring_schedules
 
 
-def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k_ref, new_v_ref, *refs,
-                   layout: RingLayout, barrier: bool, per_slot: int):
+def _insert_kernel(
+    layer_ref,
+    seen_ref,
+    n_ref,
+    position_ref,
+    chunk_mu_ref,
+    new_k_ref,
+    new_v_ref,
+    *refs,
+    layout: RingLayout,
+    barrier: bool,
+    per_slot: int,
+):
     """refs: the new token's `per_slot` - 2 other per-slot values (a quantized cache's k and v scales: [1] each),
     then the inputs mu, pos, (scales,) k, v and the outputs in the same order. A slot's items are its K and V rows
     and its per-slot values, mu first."""
     extra = per_slot - 2
-    new_extra, ins, outs = refs[:extra], refs[extra:extra + per_slot + 2], refs[extra + per_slot + 2:]
+    new_extra, ins, outs = refs[:extra], refs[extra : extra + per_slot + 2], refs[extra + per_slot + 2 :]
     slot_refs, (k_ref, v_ref) = ins[:per_slot], ins[per_slot:]
     slot_outs, (k_out, v_out) = outs[:per_slot], outs[per_slot:]
     S0, W = layout.sinks, layout.ring_size
@@ -41,8 +52,9 @@ def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k
     # Phase A: read everything that phase B may overwrite (rings occupy disjoint slots).
     oldest = [S0 + i * W + s.writes(t) % W for i, s in enumerate(scheds)]
     newest = [S0 + i * W + (s.writes(t) - 1) % W for i, s in enumerate(scheds)]
-    evicted = [(plgpu.load(row(k_ref, w)), plgpu.load(row(v_ref, w)), tuple(ref[w] for ref in slot_refs))
-               for w in oldest]
+    evicted = [
+        (plgpu.load(row(k_ref, w)), plgpu.load(row(v_ref, w)), tuple(ref[w] for ref in slot_refs)) for w in oldest
+    ]
     newest_mu = [slot_refs[0][z] for z in newest]
     if barrier:
         plgpu.debug_barrier()
@@ -68,8 +80,23 @@ def _insert_kernel(layer_ref, seen_ref, n_ref, position_ref, chunk_mu_ref, new_k
         active = active & ~fill & accept
 
 
-def insert_one(layout: RingLayout, mu, pos, k_cache, v_cache, chunk_mu, new_k, new_v, seen, n, position, *,
-               layer=None, scales=None, interpret: bool = False):
+def insert_one(
+    layout: RingLayout,
+    mu,
+    pos,
+    k_cache,
+    v_cache,
+    chunk_mu,
+    new_k,
+    new_v,
+    seen,
+    n,
+    position,
+    *,
+    layer=None,
+    scales=None,
+    interpret: bool = False,
+):
     """In-place single-token insertion. mu f32 / pos int32 [B, H, cap] (mu after decay and accumulate);
     k_cache, v_cache [B, H, cap, D], or a stack [L, B, H, cap, D] of which layer `layer` (int32 scalar) is
     written; chunk_mu f32 [B, H, 1]; new_k, new_v [B, 1, H, D]; seen int32 [B] the row's slot clock

@@ -28,13 +28,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Set before jax starts; subprocesses (the device child, the multi-process and fetch tests) inherit it.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-# One persistent compilation cache for the whole run, every compile written to it: the xdist workers, the device
-# child and the subprocesses (CLI, README) compile some of the same programs, and a worker drops jax's in-memory
-# caches when its programs' memory maps grow large (below). Measured over a full run that dropped them after every
-# module: 5,992 entries written, 1,954 read back instead of compiled (jax's estimate of the time saved: 76 s); with
-# only the programs of 1 s or more written (448), 25 were read back and the count of programs compiled grew by
-# about 1,900 (the small programs each module compiled again). A fresh folder per run (created by the first process, inherited by the rest through the environment)
-# keeps runs independent; the run's summary says what was written, read and saved.
+# One persistent compilation cache for the whole run, every compile written to it: the xdist workers, the device child
+# and the subprocesses (CLI, README) compile some of the same programs, and a worker drops jax's in-memory caches when
+# its programs' memory maps grow large (below). Measured over a full run that dropped them after every module: 5,992
+# entries written, 1,954 read back instead of compiled (jax's estimate of the time saved: 76 s); with only the programs
+# of 1 s or more written (448), 25 were read back and the count of programs compiled grew by about 1,900 (the small
+# programs each module compiled again). A fresh folder per run (created by the first process, inherited by the rest
+# through the environment) keeps runs independent; the run's summary says what was written, read and saved.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jcascade-test-jit-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
@@ -47,12 +47,12 @@ if "JCASCADE_TEST_COMPILATIONS" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JCASCADE_TEST_COMPILATIONS"], ignore_errors=True)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_COMPILE_SITE, os.environ.get("PYTHONPATH")]))
 sys.path.insert(0, _COMPILE_SITE)
-import compile_count  # noqa: E402
+import compile_count  # noqa: E402  (it must listen before jax is first imported)
 
 compile_count.install()
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import pytest  # noqa: E402  (after the counter: pytest plugins import jax)
+from hypothesis import HealthCheck, settings  # noqa: E402  (after the counter, as pytest)
 
 # The suite's two tiers (`JCASCADE_TESTS`): the default tier runs every test, but of a test's parametrized product
 # (family x policy, backend x format x ...) only a few instances in which every value of every parameter appears
@@ -61,8 +61,12 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 TIERS = ("default", "full")
 TIER = os.environ.get("JCASCADE_TESTS", "default")
 for tier, examples in zip(TIERS, (8, 25)):  # each example of the cache properties compiles its own programs
-    settings.register_profile(tier, deadline=None, max_examples=examples,
-                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile(
+        tier,
+        deadline=None,
+        max_examples=examples,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", TIER if TIER in TIERS else "default"))
 
 
@@ -136,9 +140,14 @@ def _missing_devices(n: int) -> bool:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--compilations", type=int, default=None, metavar="N",
-                     help="after the run's XLA compilation count, show the N test files that compile most and the N "
-                          "jitted functions compiled most often (0 for all)")
+    parser.addoption(
+        "--compilations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after the run's XLA compilation count, show the N test files that compile most and the N "
+        "jitted functions compiled most often (0 for all)",
+    )
 
 
 def pytest_collectstart(collector):
@@ -184,14 +193,22 @@ def pytest_configure(config):
 # The test files that take longest (pytest --durations on 2 cores), longest first: with `--dist loadfile
 # --no-loadscope-reorder` the xdist workers take them first and the short files fill the end, so that both
 # workers finish together (xdist's default order, by number of tests, left a long file for the end).
-LONGEST_FILES = ("tests/test_generation.py", "tests/test_context.py", "tests/test_shared.py",
-                 "tests/models/test_packaged.py", "tests/test_readme.py", "tests/eval/test_cli.py",
-                 "tests/eval/test_evaluation.py", "tests/pallas_kernels/test_pallas_kernels.py")
+LONGEST_FILES = (
+    "tests/test_generation.py",
+    "tests/test_context.py",
+    "tests/test_shared.py",
+    "tests/models/test_packaged.py",
+    "tests/test_readme.py",
+    "tests/eval/test_cli.py",
+    "tests/eval/test_evaluation.py",
+    "tests/pallas_kernels/test_pallas_kernels.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
     """The longest files first (LONGEST_FILES); the tests that need more devices last, so that their child runs
     while the others do."""
+
     def rank(item):
         path = item.nodeid.split("::")[0]
         return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
@@ -256,7 +273,9 @@ class _Child:
         config = self.config = session.config
         base = config._tmp_path_factory.getbasetemp()
         self.folder = (base.parent if hasattr(config, "workerinput") else base) / f"devices{n}-child"
-        self.reports_path, self.output, self.exit = (self.folder / name for name in ("reports.jsonl", "output.txt", "exit"))
+        self.reports_path, self.output, self.exit = (
+            self.folder / name for name in ("reports.jsonl", "output.txt", "exit")
+        )
         self.process, self.received, self.offset = None, {}, 0
         self.deadline = time.monotonic() + CHILD_TIMEOUT
         try:
@@ -269,11 +288,20 @@ class _Child:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **{REPORTS: str(self.reports_path)})
         ini = ["-c", str(config.inipath)] if config.inipath is not None else []
         nodeids = [i.nodeid for i in session.items if devices_needed(i) == n]
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ini,
-                   f"--rootdir={config.rootpath}", f"--basetemp={self.folder / 'tmp'}", *nodeids]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *ini,
+            f"--rootdir={config.rootpath}",
+            f"--basetemp={self.folder / 'tmp'}",
+            *nodeids,
+        ]
         with open(self.output, "w") as out:
-            self.process = subprocess.Popen(command, cwd=config.rootpath, env=env, stdout=out,
-                                            stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, cwd=config.rootpath, env=env, stdout=out, stderr=subprocess.STDOUT)
         self._write("pid", self.process.pid)
 
         def wait():
@@ -337,9 +365,15 @@ class _Child:
         code = self.exit.read_text() if self.exit.exists() else "?"
         why = f"exited with code {code}" if ended else f"ran past {CHILD_TIMEOUT} s"
         tail = self.output.read_text(errors="replace")[-6000:] if self.output.exists() else ""
-        return pytest.TestReport(item.nodeid, item.location, {k: 1 for k in item.keywords}, "failed",
-                                 f"the child pytest process with {devices_needed(item)} devices {why} before "
-                                 f"reporting this test; the end of its output ({self.output}):\n{tail}", "call")
+        return pytest.TestReport(
+            item.nodeid,
+            item.location,
+            {k: 1 for k in item.keywords},
+            "failed",
+            f"the child pytest process with {devices_needed(item)} devices {why} before "
+            f"reporting this test; the end of its output ({self.output}):\n{tail}",
+            "call",
+        )
 
     def finish(self, kill: bool) -> None:
         """At the end of the session of the worker that started the child: let it finish for the other workers
@@ -362,20 +396,26 @@ class _Child:
 def pytest_terminal_summary(terminalreporter, config):
     """The run's XLA compilations, summed over every process (the machine-independent cost of the suite), and
     with `--compilations N` the N test files that compile most and the N jitted functions compiled most often."""
-    if hasattr(config, "workerinput") or config.pluginmanager.has_plugin("jcascade-report-writer") \
-            or config.option.collectonly:
+    if (
+        hasattr(config, "workerinput")
+        or config.pluginmanager.has_plugin("jcascade-report-writer")
+        or config.option.collectonly
+    ):
         return  # a worker or the devices child: the process that started the run reports
     compile_count.write()
     per_test, programs = compile_count.read(os.environ["JCASCADE_TEST_COMPILATIONS"])
-    total = compile_count.added_up(per_test.items(), key=lambda owner: "run").get("run") or \
-        dict.fromkeys(compile_count.FIELDS, 0.0)
+    total = compile_count.added_up(per_test.items(), key=lambda owner: "run").get("run") or dict.fromkeys(
+        compile_count.FIELDS, 0.0
+    )
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
     written = len([n for n in os.listdir(cache) if n.endswith("-cache")]) if os.path.isdir(cache) else 0
     write = terminalreporter.write_line
     terminalreporter.section("XLA compilations")
-    write(f"{total['compiled']:,.0f} programs compiled in {total['compile_s']:,.0f} s; "
-          f"{total['loaded']:,.0f} loaded from the run's compilation cache instead ({written:,} entries written), "
-          f"saving {total['saved_s']:,.0f} s; tracing {total['trace_s']:,.0f} s, lowering {total['lower_s']:,.0f} s")
+    write(
+        f"{total['compiled']:,.0f} programs compiled in {total['compile_s']:,.0f} s; "
+        f"{total['loaded']:,.0f} loaded from the run's compilation cache instead ({written:,} entries written), "
+        f"saving {total['saved_s']:,.0f} s; tracing {total['trace_s']:,.0f} s, lowering {total['lower_s']:,.0f} s"
+    )
     top = config.getoption("compilations")
     if top is None:
         return
@@ -383,8 +423,10 @@ def pytest_terminal_summary(terminalreporter, config):
     rows = sorted(per_file.items(), key=lambda kv: -(kv[1]["compile_s"] + kv[1]["trace_s"] + kv[1]["lower_s"]))
     write(f"{'compiled':>9} {'compile s':>10} {'loaded':>7} {'saved s':>8} {'trace s':>8} {'lower s':>8}  file")
     for name, v in rows[: top or None]:
-        write(f"{v['compiled']:9.0f} {v['compile_s']:10.1f} {v['loaded']:7.0f} {v['saved_s']:8.1f} "
-              f"{v['trace_s']:8.1f} {v['lower_s']:8.1f}  {name}")
+        write(
+            f"{v['compiled']:9.0f} {v['compile_s']:10.1f} {v['loaded']:7.0f} {v['saved_s']:8.1f} "
+            f"{v['trace_s']:8.1f} {v['lower_s']:8.1f}  {name}"
+        )
     write(f"{'compiled':>9} {'compile s':>10}  jitted function")
     for name, (count, seconds) in sorted(programs.items(), key=lambda kv: -kv[1][0])[: top or None]:
         write(f"{count:9.0f} {seconds:10.1f}  {name}")

@@ -35,8 +35,10 @@ class Block:
 
 def python_blocks(page: pathlib.Path) -> list[Block]:
     text = page.read_text(encoding="utf-8")
-    return [Block(page, text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("test"))
-            for m in _FENCE.finditer(text)]
+    return [
+        Block(page, text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("test"))
+        for m in _FENCE.finditer(text)
+    ]
 
 
 def devices(block: Block) -> int | None:

@@ -154,8 +154,11 @@ def random_qkv(key, B, S, Hq, Hkv, D):
     import jax
 
     kq, kk, kv = jax.random.split(key, 3)
-    return (jax.random.normal(kq, (B, S, Hq, D)), jax.random.normal(kk, (B, S, Hkv, D)),
-            jax.random.normal(kv, (B, S, Hkv, D)))
+    return (
+        jax.random.normal(kq, (B, S, Hq, D)),
+        jax.random.normal(kk, (B, S, Hkv, D)),
+        jax.random.normal(kv, (B, S, Hkv, D)),
+    )
 
 
 def assert_decode_steps_match_xla(policy, state, q, k, v, lengths, rope, attend, update, backend="triton"):
@@ -165,6 +168,7 @@ def assert_decode_steps_match_xla(policy, state, q, k, v, lengths, rope, attend,
     import dataclasses
 
     import jax.numpy as jnp
+
     import jcascade as jc
 
     for step in range(3):

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import np_rope
 
 import jcascade as jc
-from oracle import np_rope
 
 ATTEND = jax.jit(jc.attend, static_argnums=(0, 6))
 UPDATE = jax.jit(jc.update, static_argnums=0)
@@ -35,7 +35,9 @@ def dense_reference(policy, state, q, k, v, lengths, gamma, reduction):
                 start = len(slots)
             else:
                 key_pos, start = pos[b, h, slots], seen[b]
-            keys = np.concatenate([np_rope(ck[b, h, slots], key_pos, 100.0), np_rope(k[b, :, h], start + np.arange(T), 100.0)])
+            keys = np.concatenate(
+                [np_rope(ck[b, h, slots], key_pos, 100.0), np_rope(k[b, :, h], start + np.arange(T), 100.0)]
+            )
             vals = np.concatenate([cv[b, h, slots], v[b, :, h]])
             probs = np.zeros((G, T, len(slots) + T))
             for g in range(G):
@@ -80,7 +82,9 @@ def test_attend_equals_dense_reference(positions, group, reduction):
     k = rng.normal(size=(B, T, Hkv, D)).astype(np.float32)
     v = rng.normal(size=(B, T, Hkv, D)).astype(np.float32)
     lengths = np.array([T, 0, 4], np.int32)
-    out, scores = ATTEND(policy, state, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), jc.RoPE(100.0))
+    out, scores = ATTEND(
+        policy, state, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), jc.RoPE(100.0)
+    )
     ref_out, ref_cache, ref_chunk = dense_reference(policy, state, q, k, v, lengths, 0.7, reduction)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(scores.cache, ref_cache, rtol=1e-5, atol=1e-9)
@@ -112,19 +116,24 @@ def test_attend_bf16_is_close_to_float64_reference():
     q, k, v = (jnp.asarray(rng.normal(size=(B, T, h, D)), jnp.bfloat16) for h in (4, Hkv, Hkv))
     lengths = np.array([T, 3], np.int32)
     out, scores = ATTEND(policy, state, q, k, v, jnp.asarray(lengths), jc.RoPE(100.0))
-    ref_out, ref_cache, _ = dense_reference(policy, state, q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lengths, 0.9, "max")
+    ref_out, ref_cache, _ = dense_reference(
+        policy, state, q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lengths, 0.9, "max"
+    )
     assert out.dtype == jnp.bfloat16
     rel = np.linalg.norm(np.asarray(out, np.float64) - ref_out) / np.linalg.norm(ref_out)
     assert rel < 2e-2
     np.testing.assert_allclose(scores.cache, ref_cache, rtol=2e-2, atol=1e-4)
 
 
-@pytest.mark.parametrize("policy", [
-    jc.Cascade(cache_size=12, sinks=3, num_cascades=3, gamma=0.9),  # 3 rings: needs the eager fill
-    jc.Sink(window=15, sinks=0),
-    jc.H2O(heavy=6, recent=9),
-    jc.Full(),
-])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        jc.Cascade(cache_size=12, sinks=3, num_cascades=3, gamma=0.9),  # 3 rings: needs the eager fill
+        jc.Sink(window=15, sinks=0),
+        jc.H2O(heavy=6, recent=9),
+        jc.Full(),
+    ],
+)
 def test_attend_then_update_equals_full_attention_while_the_stream_fits(policy):
     rng = np.random.default_rng(5)
     B, Hkv, G, D, T = 2, 2, 2, 8, 4

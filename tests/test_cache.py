@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import HEAD_DIM
 
 import jcascade as jc
-from oracle import HEAD_DIM
 
 
 def test_multi_layer_state_has_a_leading_layer_axis():
@@ -19,11 +19,15 @@ def test_multi_layer_state_has_a_leading_layer_axis():
 
 
 @pytest.mark.parametrize("backend", ["xla", "triton"])
-@pytest.mark.parametrize("policy", [
-    jc.Cascade(cache_size=12, sinks=2, num_cascades=3, gamma=0.5),
-    jc.H2O(heavy=6, recent=4),
-    jc.Recycled(top_k=4, refresh_every=3),
-], ids=["cascade", "h2o", "recycled"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        jc.Cascade(cache_size=12, sinks=2, num_cascades=3, gamma=0.5),
+        jc.H2O(heavy=6, recent=4),
+        jc.Recycled(top_k=4, refresh_every=3),
+    ],
+    ids=["cascade", "h2o", "recycled"],
+)
 def test_updates_write_only_their_layer_of_a_stack(backend, policy):
     """`update` on a layer view of a stacked cache (`CacheState.layer`) writes that layer of the K/V stack
     as the layer alone would be written, in decode steps and chunks, and leaves the other layers alone."""
@@ -32,14 +36,23 @@ def test_updates_write_only_their_layer_of_a_stack(backend, policy):
     alone = jc.init_cache(policy, B, H, D, max_tokens=64, kernels=jc.Kernels(backend))
     others = lambda: jnp.asarray(rng.normal(size=(L, *alone.k.shape)), jnp.float32)
     stack_k, stack_v = others(), others()
-    view = jc.CacheState(k=stack_k.at[1].set(alone.k), v=stack_v.at[1].set(alone.v), score=alone.score, pos=alone.pos,
-                         seen=alone.seen, kernels=alone.kernels, layer=jnp.int32(1))
+    view = jc.CacheState(
+        k=stack_k.at[1].set(alone.k),
+        v=stack_v.at[1].set(alone.v),
+        score=alone.score,
+        pos=alone.pos,
+        seen=alone.seen,
+        kernels=alone.kernels,
+        layer=jnp.int32(1),
+    )
     update = jax.jit(jc.update, static_argnums=0)
     for T in [3, 1, 1, 3, 1, 1, 1, 3, 1, 1, 1, 3, 1, 1]:
         k = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
         lengths = jnp.asarray([T, rng.integers(0, T + 1)], jnp.int32)
-        scores = jc.Scores(jnp.asarray(rng.choice([0.0, 0.25, 0.5], (B, H, alone.capacity)), jnp.float32),
-                           jnp.asarray(rng.choice([0.0, 0.5, 1.0], (B, H, T)), jnp.float32))
+        scores = jc.Scores(
+            jnp.asarray(rng.choice([0.0, 0.25, 0.5], (B, H, alone.capacity)), jnp.float32),
+            jnp.asarray(rng.choice([0.0, 0.5, 1.0], (B, H, T)), jnp.float32),
+        )
         alone = update(policy, alone, k, -k, scores, lengths)
         view = update(policy, view, k, -k, scores, lengths)
         for name in ("score", "pos", "seen"):

@@ -7,10 +7,10 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
+import tiny
 
 import jcascade as jc
 from jcascade import compilation, generation
-import tiny
 
 
 def test_top_level_calls_carry_the_options_and_nested_calls_inline():
@@ -27,8 +27,9 @@ def test_generate_runs_at_the_top_level_and_inside_a_users_jit():
     tokens = jnp.ones((1, 5), jnp.int32)
     policy = jc.Sink(window=8, sinks=2, stride=4)
     top = jc.generate(tiny_model, tokens, policy, max_new_tokens=3)
-    inner = jax.jit(lambda t: jc.generate(tiny_model, t, policy, max_new_tokens=3),
-                    compiler_options=jc.COMPILER_OPTIONS)(tokens)
+    inner = jax.jit(
+        lambda t: jc.generate(tiny_model, t, policy, max_new_tokens=3), compiler_options=jc.COMPILER_OPTIONS
+    )(tokens)
     assert generation._generate.top_level._cache_size() >= 1
     assert (top == inner).all()
 
@@ -36,7 +37,11 @@ def test_generate_runs_at_the_top_level_and_inside_a_users_jit():
 def test_the_trace_cache_flag_is_added_to_xla_flags_and_a_users_own_size_kept():
     assert "--xla_cmd_buffer_trace_cache_size=" in os.environ["XLA_FLAGS"]  # added at import (or the user's own)
     assert compilation.with_trace_cache_flag("") == compilation.TRACE_CACHE_FLAG
-    assert compilation.with_trace_cache_flag("--xla_dump_to=/tmp/d").split() == ["--xla_dump_to=/tmp/d",
-                                                                                compilation.TRACE_CACHE_FLAG]
-    assert compilation.with_trace_cache_flag("--xla_cmd_buffer_trace_cache_size=7") == \
-        "--xla_cmd_buffer_trace_cache_size=7"
+    assert compilation.with_trace_cache_flag("--xla_dump_to=/tmp/d").split() == [
+        "--xla_dump_to=/tmp/d",
+        compilation.TRACE_CACHE_FLAG,
+    ]
+    assert (
+        compilation.with_trace_cache_flag("--xla_cmd_buffer_trace_cache_size=7")
+        == "--xla_cmd_buffer_trace_cache_size=7"
+    )

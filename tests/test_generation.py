@@ -10,11 +10,11 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 from hypothesis import given
 from hypothesis import strategies as st
 
 import jcascade as jc
-import tiny
 from jcascade import generation
 
 VOCAB = 97
@@ -22,14 +22,26 @@ VOCAB = 97
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny.model(VOCAB, seed=0, scale=0.2, hidden_size=64, intermediate_size=96, num_layers=3,
-                      head_dim=16, max_position_embeddings=512)
+    return tiny.model(
+        VOCAB,
+        seed=0,
+        scale=0.2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
 
 
-FITTING = [jc.Cascade(cache_size=96, sinks=4, num_cascades=4, stride=16),
-           jc.SnapKV(budget=128, window=8, stride=16), jc.PyramidKV(budget=128, window=4, stride=16),
-           jc.Recycled(top_k=128, refresh_every=5, stride=16), jc.SnapKV(budget=128, positions="cache", stride=16),
-           jc.Recycled(top_k=128, refresh_every=3, positions="cache", stride=16)]
+FITTING = [
+    jc.Cascade(cache_size=96, sinks=4, num_cascades=4, stride=16),
+    jc.SnapKV(budget=128, window=8, stride=16),
+    jc.PyramidKV(budget=128, window=4, stride=16),
+    jc.Recycled(top_k=128, refresh_every=5, stride=16),
+    jc.SnapKV(budget=128, positions="cache", stride=16),
+    jc.Recycled(top_k=128, refresh_every=3, positions="cache", stride=16),
+]
 
 
 @pytest.mark.parametrize("policy", FITTING, ids=lambda p: f"{type(p).__name__}-{p.positions}")
@@ -45,8 +57,11 @@ def test_policies_equal_full_while_the_sequence_fits(model, policy):
 
 @pytest.mark.parametrize(
     "policy",
-    [jc.SnapKV(budget=24, window=4, stride=16), jc.PyramidKV(budget=24, window=4, beta=4, stride=16),
-     jc.Recycled(top_k=12, refresh_every=4, stride=16, kernel=3)],
+    [
+        jc.SnapKV(budget=24, window=4, stride=16),
+        jc.PyramidKV(budget=24, window=4, beta=4, stride=16),
+        jc.Recycled(top_k=12, refresh_every=4, stride=16, kernel=3),
+    ],
     ids=lambda p: type(p).__name__,
 )
 def test_score_with_a_prefix_replays_generate(model, policy):
@@ -94,7 +109,9 @@ def test_ragged_rows_equal_the_same_rows_alone(model):
             continue
         alone = np.asarray(jc.score(model, r[None], policy))[0]
         np.testing.assert_allclose(scores[i, : len(r) - 1], alone, atol=1e-5)
-        np.testing.assert_array_equal(generated[i], np.asarray(jc.generate(model, r[None], policy, max_new_tokens=10))[0])
+        np.testing.assert_array_equal(
+            generated[i], np.asarray(jc.generate(model, r[None], policy, max_new_tokens=10))[0]
+        )
 
 
 def test_generate_stops_at_eos_and_samples_with_a_key(model):
@@ -139,19 +156,25 @@ def test_the_model_may_be_its_nnx_split_pair_or_a_weights_dict_with_its_config(m
     weights, config = model.weights(), model.config
     np.testing.assert_array_equal(jc.generate((graphdef, state), prompt, policy, max_new_tokens=5), want)
     np.testing.assert_array_equal(jc.generate(weights, prompt, policy, max_new_tokens=5, config=config), want)
-    jitted = jax.jit(lambda state, weights, prompt: (
-        jc.generate((graphdef, state), prompt, policy, max_new_tokens=5),
-        jc.generate(weights, prompt, policy, max_new_tokens=5, config=config),
-        jc.score(weights, prompt, policy, config=config)))
+    jitted = jax.jit(
+        lambda state, weights, prompt: (
+            jc.generate((graphdef, state), prompt, policy, max_new_tokens=5),
+            jc.generate(weights, prompt, policy, max_new_tokens=5, config=config),
+            jc.score(weights, prompt, policy, config=config),
+        )
+    )
     from_pair, from_weights, logps = jitted(state, weights, prompt)
     np.testing.assert_array_equal(from_pair, want)
     np.testing.assert_array_equal(from_weights, want)
     np.testing.assert_allclose(logps, jc.score(model, prompt, policy), atol=1e-5)
-    for params, config, match in [(state, None, "nnx.State alone lacks its graph"),
-                                  (weights, None, "also needs config="), (model, config, "config= goes only with a dict"),
-                                  ([1, 2], None, "got list")]:
+    for params, given_config, match in [
+        (state, None, "nnx.State alone lacks its graph"),
+        (weights, None, "also needs config="),
+        (model, config, "config= goes only with a dict"),
+        ([1, 2], None, "got list"),
+    ]:
         with pytest.raises(TypeError, match=match):
-            jc.generate(params, prompt, policy, max_new_tokens=5, config=config)
+            jc.generate(params, prompt, policy, max_new_tokens=5, config=given_config)
 
 
 def test_bad_inputs_raise_clear_errors(model):
@@ -163,11 +186,14 @@ def test_bad_inputs_raise_clear_errors(model):
         jc.generate(model, np.ones((2, 4), np.int32), jc.Full(), max_new_tokens=2, lengths=np.array([4, 0]))
     with pytest.warns(UserWarning, match="exceed the model's 512 trained positions"):
         jc.generate(model, np.ones((1, 500), np.int32), jc.Full(stride=256), max_new_tokens=20)
-    jc.generate(model, np.ones((1, 500), np.int32), jc.Sink(window=32, sinks=4, stride=256), max_new_tokens=20)  # bounded: fine
+    jc.generate(
+        model, np.ones((1, 500), np.int32), jc.Sink(window=32, sinks=4, stride=256), max_new_tokens=20
+    )  # bounded: fine
     with warnings.catch_warnings():  # right-padded rows: the positions used are the longest row's, not the padding's
         warnings.simplefilter("error")
-        jc.generate(model, np.ones((2, 500), np.int32), jc.Full(stride=256), max_new_tokens=20,
-                    lengths=np.array([490, 300]))
+        jc.generate(
+            model, np.ones((2, 500), np.int32), jc.Full(stride=256), max_new_tokens=20, lengths=np.array([490, 300])
+        )
 
 
 @given(stride=st.integers(1, 5000), width=st.integers(1, 9000))
@@ -181,8 +207,9 @@ def test_the_prefill_chunk_is_cut_to_the_prompt_within_the_stride(stride, width)
         assert chunk >= generation.SMALLEST_CHUNK and chunk & (chunk - 1) == 0
 
 
-@pytest.mark.parametrize("policy", [jc.Sink(window=16, sinks=4), jc.KVzip(budget=16, instruction=(5, 6, 7))],
-                         ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize(
+    "policy", [jc.Sink(window=16, sinks=4), jc.KVzip(budget=16, instruction=(5, 6, 7))], ids=lambda p: type(p).__name__
+)
 def test_a_short_prompt_under_the_default_stride_compiles_a_short_chunk(model, policy):
     """A 37-token prompt under a stride-4096 policy: no array of the generate program is 2048 or more wide (the
     prompt was padded to a whole stride chunk before the cut, and KVzip's reconstruction rows to its 2048-token
@@ -201,18 +228,27 @@ def _equations(jaxpr):
             yield from _equations(sub)
 
 
-@pytest.mark.parametrize("policy", [jc.Cascade(cache_size=16, sinks=4, num_cascades=2), jc.Sink(window=16, sinks=4),
-                                    jc.H2O(heavy=8, recent=8), jc.SnapKV(budget=16, window=4),
-                                    jc.KVzip(budget=16, instruction=(5, 6, 7), continuation=(8, 9), turn=(10,),
-                                             chunk=24, overlap=4)], ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        jc.Cascade(cache_size=16, sinks=4, num_cascades=2),
+        jc.Sink(window=16, sinks=4),
+        jc.H2O(heavy=8, recent=8),
+        jc.SnapKV(budget=16, window=4),
+        jc.KVzip(budget=16, instruction=(5, 6, 7), continuation=(8, 9), turn=(10,), chunk=24, overlap=4),
+    ],
+    ids=lambda p: type(p).__name__,
+)
 def test_the_cut_chunk_changes_no_result(model, policy):
     """Under the default stride (4096: a chunk cut to 64, 27 of it padding) the log-probs of a 37-token prompt
     then 6 tokens fed one by one (as generate feeds them) are those of a stride of exactly the prompt's width
     (one unpadded chunk), bit for bit."""
     tokens = np.random.default_rng(4).integers(0, VOCAB, (2, 43))
     lengths, exact = np.array([43, 30]), dataclasses.replace(policy, stride=37)
-    np.testing.assert_array_equal(jc.score(model, tokens, policy, lengths=lengths, prefix=37),
-                                  jc.score(model, tokens, exact, lengths=lengths, prefix=37))
+    np.testing.assert_array_equal(
+        jc.score(model, tokens, policy, lengths=lengths, prefix=37),
+        jc.score(model, tokens, exact, lengths=lengths, prefix=37),
+    )
 
 
 def test_prompt_cache_is_the_cache_generate_decodes_from(model):
@@ -222,8 +258,13 @@ def test_prompt_cache_is_the_cache_generate_decodes_from(model):
     tokens, lengths = np.random.default_rng(7).integers(0, VOCAB, (2, 60)), np.array([60, 45])
     state, last = jax.jit(lambda t: generation.prompt_cache(model, policy, t, lengths, room=6))(tokens)
     assert int((np.asarray(jc.cached_positions(state)) >= 0).sum(-1).max()) == 24
-    run = jax.jit(lambda s, h: generation.decode(model, policy, s, h, jax.random.key(0), max_new_tokens=6,
-                                                 temperature=0.0, top_p=1.0, eos_id=None))
-    np.testing.assert_array_equal(run(state, last), jc.generate(model, tokens, policy, max_new_tokens=6, lengths=lengths))
+    run = jax.jit(
+        lambda s, h: generation.decode(
+            model, policy, s, h, jax.random.key(0), max_new_tokens=6, temperature=0.0, top_p=1.0, eos_id=None
+        )
+    )
+    np.testing.assert_array_equal(
+        run(state, last), jc.generate(model, tokens, policy, max_new_tokens=6, lengths=lengths)
+    )
     with pytest.raises(ValueError, match="room must be an int >= 0, got -1"):
         generation.prompt_cache(model, policy, tokens, room=-1)

@@ -8,17 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 
 import jcascade as jc
-import tiny
 
 ATTEND = jax.jit(jc.attend, static_argnums=(0, 6))
 UPDATE = jax.jit(jc.update, static_argnums=0)
 ROPE = jc.RoPE(100.0)
 B, HKV, HQ, D = 2, 2, 4, 8
 NAN_AT = 8  # position of the poisoned token: row 0, KV head 0 (query heads 0 and 1)
-BOUNDED = [jc.SlidingWindow(window=6), jc.Sink(window=6, sinks=2), jc.Cascade(cache_size=8, sinks=2, num_cascades=2),
-           jc.H2O(heavy=3, recent=4)]
+BOUNDED = [
+    jc.SlidingWindow(window=6),
+    jc.Sink(window=6, sinks=2),
+    jc.Cascade(cache_size=8, sinks=2, num_cascades=2),
+    jc.H2O(heavy=3, recent=4),
+]
 
 
 def run(policy, poison: str | None, backend="xla", steps=40):
@@ -81,15 +85,22 @@ def test_the_pallas_kernels_keep_a_nan_in_its_row_and_head():
 
 def test_score_reports_where_a_row_turned_non_finite():
     healthy = tiny.model(97, seed=1, tie_word_embeddings=False)  # an untied head: logits stay finite
-    weights = {"embed": healthy.embed[...].at[13].set(jnp.nan), "final_norm": healthy.final_norm[...],
-               "lm_head": healthy.lm_head[...], **{k: p[...] for k, p in healthy.layers.items()}}
+    weights = {
+        "embed": healthy.embed[...].at[13].set(jnp.nan),
+        "final_norm": healthy.final_norm[...],
+        "lm_head": healthy.lm_head[...],
+        **{k: p[...] for k, p in healthy.layers.items()},
+    }
     model = jc.CausalLM(healthy.config, weights)  # a corrupt embedding row: only rows that feed token 13 see it
     tokens = np.random.default_rng(2).integers(14, 97, (2, 40))
     tokens[0, 10] = 13
     policy = jc.Sink(window=8, sinks=2, stride=8)
     clean = np.asarray(jc.score(healthy, tokens, policy))
-    with pytest.warns(RuntimeWarning, match=r"non-finite log-probabilities .*row 0: 24 from position 8 "
-                                            r"\(8, 9, 10, 11, 12, \.\.\.\)$"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"non-finite log-probabilities .*row 0: 24 from position 8 "
+        r"\(8, 9, 10, 11, 12, \.\.\.\)$",
+    ):
         dirty = np.asarray(jc.score(model, tokens, policy))
     np.testing.assert_array_equal(dirty[1], clean[1])  # no leak into the other row
     # from the start of the bad token's chunk (the chunk's earlier queries multiply its value by a zero

@@ -23,8 +23,9 @@ def test_an_uninstalled_source_tree_says_how_to_install():
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Files that live outside the repository (the design notes and papers it was written from). Spelt in pieces so
 # that this file does not match itself.
-OUTSIDE = re.compile("|".join((r"\bDE" r"SIGN\b", r"\bREFER" r"ENCES\b", r"\bpapers" "/", r"\.\./" "shared",
-                               r"/work" "/shared")))
+OUTSIDE = re.compile(
+    "|".join((r"\bDE" r"SIGN\b", r"\bREFER" r"ENCES\b", r"\bpapers" "/", r"\.\./" "shared", r"/work" "/shared"))
+)
 SKIPPED = {".git", ".venv", "build", "dist", "__pycache__", ".hypothesis", ".pytest_cache"}
 
 
@@ -32,12 +33,25 @@ def repository_files() -> list[pathlib.Path]:
     """The repository's files: git's tracked and not-ignored ones, or, outside a git checkout, every file but
     virtual environments, caches and build outputs."""
     try:
-        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                                capture_output=True, check=True).stdout.decode().split("\0")
+        listed = (
+            subprocess.run(
+                ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+            )
+            .stdout.decode()
+            .split("\0")
+        )
         return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
     except (OSError, subprocess.CalledProcessError):
-        return [path for path in ROOT.rglob("*") if path.is_file()
-                and not SKIPPED & set(path.relative_to(ROOT).parts) and not path.parent.name.endswith(".egg-info")]
+        return [
+            path
+            for path in ROOT.rglob("*")
+            if path.is_file()
+            and not SKIPPED & set(path.relative_to(ROOT).parts)
+            and not path.parent.name.endswith(".egg-info")
+        ]
 
 
 def text_files() -> dict[str, str]:
@@ -57,8 +71,12 @@ def test_the_repository_cites_no_file_outside_it():
     and arXiv id, the semantics live in docs/semantics.md."""
     texts = text_files()
     assert "README.md" in texts and "jcascade/cache_api.py" in texts
-    found = [f"{name}:{number}: {line.strip()}" for name, text in texts.items()
-             for number, line in enumerate(text.splitlines(), 1) if OUTSIDE.search(line)]
+    found = [
+        f"{name}:{number}: {line.strip()}"
+        for name, text in texts.items()
+        for number, line in enumerate(text.splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert not found, "references to files outside the repository:\n" + "\n".join(found)
 
 
@@ -66,9 +84,12 @@ def test_semantics_sections_cited_exist():
     """Every "docs/semantics.md §n" (and §n-m) in the repository names a section that the page has."""
     texts = text_files()
     sections = set(re.findall(r"^## (\d+)\. ", texts["docs/semantics.md"], re.M))
-    cited = {(name, number) for name, text in texts.items()
-             for first, last in re.findall(r"docs/semantics\.md §(\d+)(?:-(\d+))?", text)
-             for number in {first, last or first}}
+    cited = {
+        (name, number)
+        for name, text in texts.items()
+        for first, last in re.findall(r"docs/semantics\.md §(\d+)(?:-(\d+))?", text)
+        for number in {first, last or first}
+    }
     assert len(cited) > 10
     missing = sorted(f"{name}: §{number}" for name, number in cited if number not in sections)
     assert not missing, f"sections cited but not in docs/semantics.md ({sorted(sections, key=int)}): {missing}"
@@ -92,8 +113,10 @@ def anchors(page: pathlib.Path) -> set[str]:
 
 def test_anchors_follow_github(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# A page\n\n## Two GPUs: `bench_model.py --mesh model=2` (Qwen2.5, 4K-32K)\n\n## Notes\n\n"
-                    "```\n# not a heading\n```\n\n## Notes\n")
+    page.write_text(
+        "# A page\n\n## Two GPUs: `bench_model.py --mesh model=2` (Qwen2.5, 4K-32K)\n\n## Notes\n\n"
+        "```\n# not a heading\n```\n\n## Notes\n"
+    )
     assert anchors(page) == {"a-page", "two-gpus-bench_modelpy---mesh-model2-qwen25-4k-32k", "notes", "notes-1"}
 
 
@@ -119,8 +142,10 @@ def test_import_jcascade_loads_no_evaluation_code(tmp_path):
     """`import jcascade` is the library: it imports nothing of the evaluation wing (`jcascade.eval`: the command
     line's sweeps, statistics, reports and plots); `jc.save_stream` / `jc.load_stream` come from
     `jcascade.checkpoint`. Run in a fresh interpreter, outside the repository root."""
-    code = ("import sys, jcascade as jc; jc.save_stream, jc.load_stream; "
-            "print([m for m in sys.modules if m.startswith('jcascade.eval')])")
+    code = (
+        "import sys, jcascade as jc; jc.save_stream, jc.load_stream; "
+        "print([m for m in sys.modules if m.startswith('jcascade.eval')])"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"import jcascade loaded evaluation modules: {done.stdout.strip()}"
@@ -131,7 +156,7 @@ def private_jcascade_names(source: str) -> list[str]:
     from a jcascade module (`from jcascade.cli import _positive`), or read as an attribute of a name bound by an
     import from jcascade, directly or through public attributes (`generation._prompt`,
     `jc.eval.perplexity._step`). Objects reached otherwise (a local variable holding a model) are not followed."""
-    private = lambda name: name.startswith("_") and not (name.startswith("__") and name.endswith("__"))  # noqa: E731
+    private = lambda name: name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
     tree = ast.parse(source)
     bound, found = set(), []
     for node in ast.walk(tree):
@@ -156,11 +181,16 @@ def private_jcascade_names(source: str) -> list[str]:
 
 
 def test_private_names_are_found():
-    source = ("import jcascade as jc\nfrom jcascade.cli import _positive, count\nfrom jcascade import generation\n"
-              "import numpy as np\ngeneration._prompt(1)\njc.eval.perplexity._step.top_level._cache_size()\n"
-              "np._private\ngeneration.prompt_cache(1)._x\njc.__version__\n")
-    assert private_jcascade_names(source) == ["line 2: from jcascade.cli import _positive",
-                                              "line 5: generation._prompt", "line 6: jc.eval.perplexity._step"]
+    source = (
+        "import jcascade as jc\nfrom jcascade.cli import _positive, count\nfrom jcascade import generation\n"
+        "import numpy as np\ngeneration._prompt(1)\njc.eval.perplexity._step.top_level._cache_size()\n"
+        "np._private\ngeneration.prompt_cache(1)._x\njc.__version__\n"
+    )
+    assert private_jcascade_names(source) == [
+        "line 2: from jcascade.cli import _positive",
+        "line 5: generation._prompt",
+        "line 6: jc.eval.perplexity._step",
+    ]
 
 
 def test_benchmarks_use_public_names_of_jcascade_only():
@@ -168,8 +198,11 @@ def test_benchmarks_use_public_names_of_jcascade_only():
     need is exposed where it belongs, e.g. `generation.prompt_cache`, `perplexity.step_compilations`,
     `cli.count`), so that they keep running, unchanged, while the library's insides change."""
     scripts = sorted((ROOT / "benchmarks").glob("*.py"))
-    found = [f"{path.relative_to(ROOT)}: {use}" for path in scripts
-             for use in private_jcascade_names(path.read_text(encoding="utf-8"))]
+    found = [
+        f"{path.relative_to(ROOT)}: {use}"
+        for path in scripts
+        for use in private_jcascade_names(path.read_text(encoding="utf-8"))
+    ]
     assert len(scripts) > 10
     assert not found, "benchmarks using private names of jcascade:\n" + "\n".join(found)
 
@@ -190,8 +223,11 @@ def test_benchmark_results_stay_lean():
     total = sum(path.stat().st_size for path in files)
     assert len(files) > 100
     assert total <= RESULTS_MOST_BYTES, f"benchmarks/results/ holds {total:,} bytes, more than {RESULTS_MOST_BYTES:,}"
-    plain = [f"{path.relative_to(ROOT)} ({path.stat().st_size:,} bytes)" for path in files
-             if path.suffix == ".json" and path.stat().st_size > PLAIN_JSON_MOST_BYTES]
+    plain = [
+        f"{path.relative_to(ROOT)} ({path.stat().st_size:,} bytes)"
+        for path in files
+        if path.suffix == ".json" and path.stat().st_size > PLAIN_JSON_MOST_BYTES
+    ]
     assert not plain, f"JSON over {PLAIN_JSON_MOST_BYTES:,} bytes, to keep gzip-compressed as NAME.json.gz: {plain}"
 
 
@@ -199,10 +235,14 @@ def test_the_kernel_choice_is_carried_not_passed_along():
     """The kernels are a value chosen where a cache or model is made (`jc.Kernels` on `init_cache`, `CausalLM`) and
     carried as static data: at most 6 functions of the library take it (or its predecessor, `implementation`), none
     of them a policy hook or the model's layer loop."""
-    takers = [f"{path.relative_to(ROOT)}:{f.name}" for folder in ("jcascade", "models", "pallas_kernels")
-              for path in sorted((ROOT / folder).rglob("*.py"))
-              for f in ast.walk(ast.parse(path.read_text())) if isinstance(f, ast.FunctionDef)
-              if {"implementation", "kernels"} & {a.arg for a in f.args.args + f.args.kwonlyargs}]
+    takers = [
+        f"{path.relative_to(ROOT)}:{f.name}"
+        for folder in ("jcascade", "models", "pallas_kernels")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for f in ast.walk(ast.parse(path.read_text()))
+        if isinstance(f, ast.FunctionDef)
+        if {"implementation", "kernels"} & {a.arg for a in f.args.args + f.args.kwonlyargs}
+    ]
     assert len(takers) <= 6, takers
     assert not [t for t in takers if "policies/" in t or t.endswith(("__call__", "_layers"))], takers
 
@@ -211,9 +251,16 @@ def test_the_tests_the_docs_cite_exist():
     """Each `path.py::test_name` a doc cites (docs/reliability.md names the test behind each promise) is a test of
     that file under tests/ (a name cut short, `test_a_..._`, is an abbreviation, not checked)."""
     root = pathlib.Path(__file__).parent
-    cited = [(doc.name, path, name) for doc in (root.parent / "docs").glob("*.md")
-             for path, name in re.findall(r"`([\w/]+\.py)::(test_\w+)", doc.read_text()) if not name.endswith("_")]
+    cited = [
+        (doc.name, path, name)
+        for doc in (root.parent / "docs").glob("*.md")
+        for path, name in re.findall(r"`([\w/]+\.py)::(test_\w+)", doc.read_text())
+        if not name.endswith("_")
+    ]
     assert cited
-    missing = [c for c in cited if not (root / c[1]).is_file()
-               or not re.search(rf"^def {c[2]}\(", (root / c[1]).read_text(), re.MULTILINE)]
+    missing = [
+        c
+        for c in cited
+        if not (root / c[1]).is_file() or not re.search(rf"^def {c[2]}\(", (root / c[1]).read_text(), re.MULTILINE)
+    ]
     assert not missing, missing

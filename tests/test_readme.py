@@ -11,9 +11,8 @@ import re
 import shlex
 import traceback
 
-import pytest
-
 import doc_blocks
+import pytest
 from doc_blocks import PAGES, ROOT, python_blocks
 
 
@@ -25,8 +24,11 @@ def sessions() -> list:
         together = [b for b in blocks if b.test is None]
         if together:
             params.append(pytest.param(together, id=name, marks=[pytest.mark.slow] * (page.name == "README.md")))
-        params += [pytest.param([b], id=b.name, marks=pytest.mark.devices(doc_blocks.devices(b)))
-                   for b in blocks if doc_blocks.devices(b)]
+        params += [
+            pytest.param([b], id=b.name, marks=pytest.mark.devices(doc_blocks.devices(b)))
+            for b in blocks
+            if doc_blocks.devices(b)
+        ]
     return params
 
 
@@ -55,14 +57,17 @@ def test_every_block_is_run_by_one_test():
         elsewhere = doc_blocks.run_elsewhere(block)
         if elsewhere is not None:
             assert elsewhere.is_file(), f"{block.name}: {block.test!r} is neither devices(n) nor a test file"
-            assert block.page.relative_to(ROOT).as_posix() in elsewhere.read_text(), \
+            assert block.page.relative_to(ROOT).as_posix() in elsewhere.read_text(), (
                 f"{block.name}: {block.test} does not read its page"
+            )
 
 
 def test_a_failing_block_names_its_page_and_line(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# A page\n\n```python\nx = 1\n```\n\n<!-- test: devices(4) -->\n```python\n"
-                    "import os\n\ny = x / 0\n```\n\n```bash\nls\n```\n")
+    page.write_text(
+        "# A page\n\n```python\nx = 1\n```\n\n<!-- test: devices(4) -->\n```python\n"
+        "import os\n\ny = x / 0\n```\n\n```bash\nls\n```\n"
+    )
     first, second = python_blocks(page)
     assert (first.line, first.code, first.test) == (4, "x = 1\n", None)
     assert (second.line, second.test, doc_blocks.devices(second)) == (9, "devices(4)", 4)
@@ -87,27 +92,37 @@ NAMES = {
 
 
 def code_lists() -> dict[str, list[str]]:
+    from jcascade.models.config import ARCHITECTURES
+
     import jcascade as jc
     from jcascade import cli
     from jcascade.eval import ruler
-    from jcascade.models.config import ARCHITECTURES
     from jcascade.policies import policy_classes
 
     commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert all(getattr(jc, cls.__name__) is cls for cls in policy_classes().values())
-    return {"policies": [f"{cls.__name__} {name}" for name, cls in policy_classes().items()],
-            "policy names": list(policy_classes()),
-            "ruler tasks": list(ruler.TASKS),
-            "ruler policy names": list(ruler.POLICIES),
-            "packaged models": [k for k, v in vars(jc.models).items() if isinstance(v, jc.models.PackagedModel)],
-            "commands": list(commands),
-            "architectures": list(ARCHITECTURES)}
+    return {
+        "policies": [f"{cls.__name__} {name}" for name, cls in policy_classes().items()],
+        "policy names": list(policy_classes()),
+        "ruler tasks": list(ruler.TASKS),
+        "ruler policy names": list(ruler.POLICIES),
+        "packaged models": [k for k, v in vars(jc.models).items() if isinstance(v, jc.models.PackagedModel)],
+        "commands": list(commands),
+        "architectures": list(ARCHITECTURES),
+    }
 
 
 def test_the_lists_of_the_pages_are_the_codes():
     code = code_lists()
-    found = [(page, m.group("name"), NAMES.get(m.group("name"), lambda body: re.findall(r"`([\w-]+)`", body))(
-        m.group("body"))) for page in PAGES for m in LIST.finditer(page.read_text(encoding="utf-8"))]
+    found = [
+        (
+            page,
+            m.group("name"),
+            NAMES.get(m.group("name"), lambda body: re.findall(r"`([\w-]+)`", body))(m.group("body")),
+        )
+        for page in PAGES
+        for m in LIST.finditer(page.read_text(encoding="utf-8"))
+    ]
     in_readme = {name for page, name, _ in found if page.name == "README.md"}
     assert {"policies", "ruler tasks", "packaged models", "commands", "architectures"} <= in_readme
     for page, name, names in found:

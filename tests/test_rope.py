@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import np_rope
 
 import jcascade as jc
-from oracle import np_rope
 
 
 def test_rope_matches_rotate_half_formula_and_is_relative():
@@ -13,7 +13,9 @@ def test_rope_matches_rotate_half_formula_and_is_relative():
     x = rng.normal(size=(3, 5, 2, 16)).astype(np.float32)
     pos = rng.integers(0, 5000, size=(3, 5, 2))
     rope = jc.RoPE(10000.0)
-    np.testing.assert_allclose(rope(jnp.asarray(x), jnp.asarray(pos)), np_rope(x.astype(np.float64), pos, 10000.0), atol=2e-4)
+    np.testing.assert_allclose(
+        rope(jnp.asarray(x), jnp.asarray(pos)), np_rope(x.astype(np.float64), pos, 10000.0), atol=2e-4
+    )
     np.testing.assert_array_equal(rope(jnp.asarray(x), jnp.zeros((3, 5, 2), jnp.int32)), x)
     q, k = jnp.asarray(x[0, 0, 0]), jnp.asarray(x[0, 0, 1])
     dot = lambda m, n: float(rope(q, jnp.int32(m)) @ rope(k, jnp.int32(n)))

@@ -8,19 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 from hypothesis import given
 from hypothesis import strategies as st
 
 import jcascade as jc
-import tiny
 
 ROPE = jc.RoPE(100.0)
 
 
 def state_strategy():
     """(v [3, 4], lse [3]) with some empty sets (lse = -inf, v = 0)."""
-    return st.tuples(st.lists(st.floats(-3, 3), min_size=12, max_size=12),
-                     st.lists(st.one_of(st.floats(-30, 30), st.just(-np.inf)), min_size=3, max_size=3))
+    return st.tuples(
+        st.lists(st.floats(-3, 3), min_size=12, max_size=12),
+        st.lists(st.one_of(st.floats(-30, 30), st.just(-np.inf)), min_size=3, max_size=3),
+    )
 
 
 def as_state(raw):
@@ -88,7 +90,7 @@ def test_two_level_shared_prefixes_equal_flat_attention(backend, rotated):
         level1 = jc.share_prefix(jc.Full(), full_state(k1, v1), offset=L0, rope=stored)
         suffix = dataclasses.replace(full_state(k2, v2, own), kernels=jc.Kernels(backend))  # every level runs on them
         got = jc.attend_shared(jc.Full(), suffix, q, kc, kc, [level0, level1], jnp.array([3, 3, 2, 3]), ROPE)
-        rep = lambda x, n: jnp.repeat(x, n, axis=0)  # noqa: E731
+        rep = lambda x, n: jnp.repeat(x, n, axis=0)
         flat = full_state(jnp.concatenate([rep(k0, 4), rep(k1, 2)], 1), jnp.concatenate([rep(v0, 4), rep(v1, 2)], 1))
         flat = jc.update(jc.Full(), flat, k2, v2, None, own)
         want, _ = jc.attend(jc.Full(), flat, q, kc, kc, jnp.array([3, 3, 2, 3]), ROPE)
@@ -100,8 +102,16 @@ def test_two_level_shared_prefixes_equal_flat_attention(backend, rotated):
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny.model(97, seed=1, scale=0.2, hidden_size=64, intermediate_size=96, num_layers=2,
-                      head_dim=16, max_position_embeddings=512)
+    return tiny.model(
+        97,
+        seed=1,
+        scale=0.2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
 
 
 def test_decode_logits_over_a_shared_prefix_equal_unshared(model):
@@ -111,14 +121,18 @@ def test_decode_logits_over_a_shared_prefix_equal_unshared(model):
     prefix = jax.vmap(lambda s: jc.share_prefix(policy, s))(prompt_state)
     step = jnp.array([[5], [17], [60]])
     hidden, _ = model(policy, model.init_cache(policy, 3, max_tokens=4), step, jnp.ones(3, jnp.int32), (prefix,))
-    unshared, _, _ = jc.prefill(model, policy, model.init_cache(policy, 3, max_tokens=44), jnp.repeat(prompt, 3, 0),
-                                jnp.full(3, 40))
+    unshared, _, _ = jc.prefill(
+        model, policy, model.init_cache(policy, 3, max_tokens=44), jnp.repeat(prompt, 3, 0), jnp.full(3, 40)
+    )
     want, _ = model(policy, unshared, step, jnp.ones(3, jnp.int32))
     np.testing.assert_allclose(model.logits(hidden), model.logits(want), atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", [jc.Full(stride=16), jc.Cascade(cache_size=96, sinks=4, stride=16),
-                                    jc.SnapKV(budget=24, window=4, stride=16)], ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize(
+    "policy",
+    [jc.Full(stride=16), jc.Cascade(cache_size=96, sinks=4, stride=16), jc.SnapKV(budget=24, window=4, stride=16)],
+    ids=lambda p: type(p).__name__,
+)
 def test_num_samples_equals_generating_from_copies(model, policy):
     prompt = np.random.default_rng(3).integers(0, 97, (1, 50))
     key = jax.random.key(4)
@@ -155,18 +169,28 @@ def test_prefixes_that_do_not_fit_the_requests_are_refused_by_name():
     """A prefix with other KV heads or head_dim than the requests (it was attended silently, or failed inside an
     einsum), a negative or misshaped offset, a stacked state or prefix, a bare SharedPrefix for the list."""
     k = jnp.ones((2, 3, 2, 8))
-    empty = lambda rows, H, D: jc.init_cache(jc.Full(), rows, H, D, max_tokens=11)  # noqa: E731 (shapes matter here)
+    empty = lambda rows, H, D: jc.init_cache(jc.Full(), rows, H, D, max_tokens=11)  # shapes matter here
     requests = empty(2, 2, 8)
     q = jnp.ones((2, 3, 4, 8))
-    for H, D, match in [(4, 8, r"prefixes\[0\] has num_kv_heads=4, head_dim=8 \(k \[1, 4, 11, 8\]\), the requests' "
-                                r"state and k have num_kv_heads=2, head_dim=8"),
-                        (1, 8, "prefixes\\[0\\] has num_kv_heads=1"), (2, 4, "prefixes\\[0\\] has .*head_dim=4")]:
+    for H, D, match in [
+        (
+            4,
+            8,
+            r"prefixes\[0\] has num_kv_heads=4, head_dim=8 \(k \[1, 4, 11, 8\]\), the requests' "
+            r"state and k have num_kv_heads=2, head_dim=8",
+        ),
+        (1, 8, "prefixes\\[0\\] has num_kv_heads=1"),
+        (2, 4, "prefixes\\[0\\] has .*head_dim=4"),
+    ]:
         with pytest.raises(ValueError, match=match):
             jc.attend_shared(jc.Full(), requests, q, k, k, [jc.share_prefix(jc.Full(), empty(1, H, D))])
     prefix = jc.share_prefix(jc.Full(), empty(1, 2, 8))
     stacked = jax.tree.map(lambda x: jnp.stack([x, x]), prefix)
-    with pytest.raises(ValueError, match=r"prefixes\[1\].k must have shape \[P, num_kv_heads, S, head_dim\], got "
-                                         r"\[2, 1, 2, 11, 8\] \(a stacked prefix of several layers"):
+    with pytest.raises(
+        ValueError,
+        match=r"prefixes\[1\].k must have shape \[P, num_kv_heads, S, head_dim\], got "
+        r"\[2, 1, 2, 11, 8\] \(a stacked prefix of several layers",
+    ):
         jc.attend_shared(jc.Full(), requests, q, k, k, [prefix, stacked])
     with pytest.raises(TypeError, match=r"prefixes must be a list of SharedPrefix levels .*: wrap it, \[prefix\]"):
         jc.attend_shared(jc.Full(), requests, q, k, k, prefix)
@@ -177,8 +201,12 @@ def test_prefixes_that_do_not_fit_the_requests_are_refused_by_name():
     with pytest.raises(ValueError, match=r"q must have shape \[batch=2, T=3, Hq, head_dim=8\]"):
         jc.attend_shared(jc.Full(), requests, q[..., :4], k, k, [prefix])
     for offset, error, match in [
-        (-1, ValueError, r"offset: each must lie in \[0, 2147483647\] \(the positions of the levels before it\), got "
-                         r"\[-1\]"),
+        (
+            -1,
+            ValueError,
+            r"offset: each must lie in \[0, 2147483647\] \(the positions of the levels before it\), got "
+            r"\[-1\]",
+        ),
         (np.array([4, -2]), ValueError, r"offset: .*got \[-2\] at \[\(1,\)\]"),
         (np.array([2**31, 0]), ValueError, r"offset: .*got \[2147483648\]"),
         (np.array([1, 2, 3]), ValueError, r"offset must be an integer array of shape \[2\], got int64\[3\]"),

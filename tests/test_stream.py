@@ -13,7 +13,8 @@ import jcascade as jc
 from jcascade.eval import perplexity
 
 spec = importlib.util.spec_from_file_location(
-    "endless_stream", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "endless_stream.py")
+    "endless_stream", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "endless_stream.py"
+)
 endless_stream = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(endless_stream)
 

@@ -6,10 +6,9 @@ import subprocess
 import sys
 import types
 
+import compile_count
 import jax
 import jax.numpy as jnp
-
-import compile_count
 from conftest import sampled
 
 
@@ -23,8 +22,9 @@ class Item:
 
 
 def test_the_default_tier_takes_every_value_of_every_parameter_of_a_product_and_every_other_test():
-    product = [Item("p", b, t, f) for b in ("xla", "triton", "mosaic") for t in ("decode", "chunk")
-               for f in ("int8", "float8")]
+    product = [
+        Item("p", b, t, f) for b in ("xla", "triton", "mosaic") for t in ("decode", "chunk") for f in ("int8", "float8")
+    ]
     alone = [Item("q", str(i)) for i in range(4)] + [Item("r")]
     kept = sampled(product + alone)
     assert set(alone) <= kept
@@ -54,14 +54,34 @@ def test_a_compile_is_charged_to_the_test_that_ran_it():
 def test_the_counts_of_a_process_that_dies_are_kept_up_to_its_last_module(tmp_path):
     """A pytest process writes its counts after each test module: one killed in its second module (as a worker
     dies by SIGSEGV) leaves the first module's compiles in the run's folder."""
-    (tmp_path / "test_first.py").write_text("import jax, jax.numpy as jnp\n\n\ndef test_compiles():\n"
-                                            "    jax.jit(lambda x: x * 7.0)(jnp.ones(3)).block_until_ready()\n")
+    (tmp_path / "test_first.py").write_text(
+        "import jax, jax.numpy as jnp\n\n\ndef test_compiles():\n"
+        "    jax.jit(lambda x: x * 7.0)(jnp.ones(3)).block_until_ready()\n"
+    )
     (tmp_path / "test_second.py").write_text("import os\n\n\ndef test_dies():\n    os._exit(3)\n")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = os.environ | {"JCASCADE_TEST_COMPILATIONS": str(tmp_path), "PYTHONPATH": os.pathsep.join(
-        [here, os.path.join(here, "compile_site")])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
-                          "test_first.py", "test_second.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    env = os.environ | {
+        "JCASCADE_TEST_COMPILATIONS": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join([here, os.path.join(here, "compile_site")]),
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "conftest",
+            "-p",
+            "no:cacheprovider",
+            "test_first.py",
+            "test_second.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 3, run.stdout + run.stderr
     counts, _ = compile_count.read(str(tmp_path))
     assert counts["test_first.py::test_compiles"]["compiled"] >= 1, counts

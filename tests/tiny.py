@@ -7,16 +7,26 @@ import pathlib
 
 import jax
 import numpy as np
+from jcascade.models.weights import WEIGHTS, declarations
 
 import jcascade as jc
-from jcascade.models.weights import WEIGHTS, declarations
 from jcascade.eval.passkey import INTRO, NEEDLE, PRIME, QUESTION
 from jcascade.eval.texts import REPEAT_SENTENCES
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-TEXT = " ".join([INTRO, *REPEAT_SENTENCES, NEEDLE.format(key="0123456789"), QUESTION, PRIME,
-                 "the quick brown fox jumps over the lazy dog"])
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TEXT = " ".join(
+    [
+        INTRO,
+        *REPEAT_SENTENCES,
+        NEEDLE.format(key="0123456789"),
+        QUESTION,
+        PRIME,
+        "the quick brown fox jumps over the lazy dog",
+    ]
+)
 
 
 def tokenizer(chat: bool = True, text: str = TEXT, byte_level: bool = True):
@@ -31,11 +41,13 @@ def tokenizer(chat: bool = True, text: str = TEXT, byte_level: bool = True):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if byte_level else pre_tokenizers.Whitespace()
     if byte_level:
         bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [])
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [],
+    )
     bpe.train_from_iterator([text] * 4, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>",
-                                      additional_special_tokens=specials[1:])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", additional_special_tokens=specials[1:])
     if chat:
         wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
@@ -43,10 +55,23 @@ def tokenizer(chat: bool = True, text: str = TEXT, byte_level: bool = True):
 
 def model(vocab_size: int, seed: int = 0, scale: float = 0.5, **config_fields) -> jc.CausalLM:
     """A random tiny Llama; `config_fields` override the ModelConfig's fields."""
-    config = jc.ModelConfig(architecture="llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0,
-                            rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=True, qkv_bias=False,
-                            o_bias=False, max_position_embeddings=4096)
+    config = jc.ModelConfig(
+        architecture="llama",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        o_bias=False,
+        max_position_embeddings=4096,
+    )
     return jc.CausalLM.random(dataclasses.replace(config, **config_fields), jax.random.key(seed), scale=scale)
 
 
@@ -59,8 +84,11 @@ def save(directory: pathlib.Path) -> pathlib.Path:
 
 
 def _split(declared, w: np.ndarray, source: str, layers) -> dict[str, np.ndarray]:
-    parts = [(getattr(declared, source).format(i=i), part) for i, part in zip(layers, w)] if declared.layer else \
-        [(getattr(declared, source), w)]
+    parts = (
+        [(getattr(declared, source).format(i=i), part) for i, part in zip(layers, w)]
+        if declared.layer
+        else [(getattr(declared, source), w)]
+    )
     return {key: part.T if declared.transposed else part for key, part in parts}
 
 
@@ -90,8 +118,9 @@ def file_tensors(config: jc.ModelConfig, weights: dict, source: str) -> dict[str
             if declared[ours].hf_half is None:
                 tensors[name] = tensor
             else:
-                halves.setdefault(name, {})[declared[ours].hf_half] = tensor.reshape(config.num_heads, -1,
-                                                                                     tensor.shape[-1])
+                halves.setdefault(name, {})[declared[ours].hf_half] = tensor.reshape(
+                    config.num_heads, -1, tensor.shape[-1]
+                )
     for name, half in halves.items():  # [heads, 2, rows per head, in]
         tensors[name] = np.stack([half[0], half[1]], 1).reshape(-1, half[0].shape[-1])
     return tensors

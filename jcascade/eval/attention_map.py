@@ -1,5 +1,6 @@
 """Attention-map reconstruction (§4.6 and Figure 10 of the Cascading KV Cache paper, arXiv 2406.17808):
-which original positions each query position can attend to, and with what EMA score they are held, when a text is streamed through a cache.
+which original positions each query position can attend to, and with what EMA score they are held, when a text is
+streamed through a cache.
 
 With a strided prefill, the queries of a chunk see the cache as it was before the chunk plus the chunk's
 own keys up to themselves (causal). `record` streams the text (`jcascade.eval.perplexity.stream`) and keeps,
@@ -77,6 +78,9 @@ def summary(amap: AttentionMap, sinks: int = 0) -> dict:
     positions held before every chunk (sorted, empty slots dropped)."""
     last = amap.positions[-1][amap.positions[-1] >= 0]
     rest = last[last >= sinks]
-    return {"held": int(last.size), "oldest_non_sink": int(rest.min()) if rest.size else None,
-            "last_chunk_start": (len(amap.positions) - 1) * amap.stride,
-            "positions": [sorted(int(p) for p in row if p >= 0) for row in amap.positions]}
+    return {
+        "held": int(last.size),
+        "oldest_non_sink": int(rest.min()) if rest.size else None,
+        "last_chunk_start": (len(amap.positions) - 1) * amap.stride,
+        "positions": [sorted(int(p) for p in row if p >= 0) for row in amap.positions],
+    }

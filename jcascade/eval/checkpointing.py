@@ -75,13 +75,14 @@ class Checkpointing:
         return self._earlier + time.perf_counter() - self._started
 
     def save(self, arrays, progress: dict) -> None:
-        """Saves a checkpoint; of several processes (`jax.distributed`), process 0 alone (all of them resume from it)."""
+        """Saves a checkpoint; of several processes (`jax.distributed`), process 0 alone (all resume from it)."""
         import jax
 
         if jax.process_index() != 0:
             return
-        save_stream(self.directory, arrays, {"run": self.run, "command": self.command, "seconds": self.seconds(),
-                                             **progress})
+        save_stream(
+            self.directory, arrays, {"run": self.run, "command": self.command, "seconds": self.seconds(), **progress}
+        )
 
     def resume(self, **layout):
         """(arrays, progress) of this run's last checkpoint, or None if there is none. layout: what else
@@ -95,13 +96,16 @@ class Checkpointing:
         arrays, progress = found
         theirs, seconds = progress["run"], progress["seconds"]
         if not isinstance(theirs, dict):
-            raise ValueError(f"{progress.file}: damaged: its 'run' is a {type(theirs).__name__}, not an object; "
-                             f"{REMEDY}")
+            raise ValueError(
+                f"{progress.file}: damaged: its 'run' is a {type(theirs).__name__}, not an object; {REMEDY}"
+            )
         pairs = {k: (theirs.get(k, _ABSENT), self.run.get(k, _ABSENT)) for k in sorted(self.run.keys() | theirs.keys())}
         differ = [f"{k} ({_brief(saved)}, {_brief(now)})" for k, (saved, now) in pairs.items() if saved != now]
         if differ:
-            raise ValueError(f"the checkpoint in {self.directory} was written by another run, it differs in (saved, "
-                             f"now): {'; '.join(differ)}. Resume with what it was run with, or remove it")
+            raise ValueError(
+                f"the checkpoint in {self.directory} was written by another run, it differs in (saved, "
+                f"now): {'; '.join(differ)}. Resume with what it was run with, or remove it"
+            )
         for key in ("run", "command", "seconds"):
             progress.pop(key, None)
         self._earlier, self._started = seconds, time.perf_counter()
@@ -128,13 +132,16 @@ def finished(progress: Progress, plan: Sequence[tuple], result: type, key: Calla
     try:
         results = [result(**r) for r in progress["results"]]
     except TypeError as e:
-        raise ValueError(f"{progress.file}: damaged: its results are not {result.__name__} records ({e}); "
-                         f"{REMEDY}") from None
+        raise ValueError(
+            f"{progress.file}: damaged: its results are not {result.__name__} records ({e}); {REMEDY}"
+        ) from None
     keys = [key(r) for r in results]
     if keys != list(plan[: len(keys)]):
         at = next(i for i, k in enumerate(keys) if i >= len(plan) or k != plan[i])
-        raise ValueError(f"{progress.file}: its results are not the first units of this run: result {at} is "
-                         f"{keys[at]}, the run's unit {at} is {plan[at] if at < len(plan) else 'none'}; {REMEDY}")
+        raise ValueError(
+            f"{progress.file}: its results are not the first units of this run: result {at} is "
+            f"{keys[at]}, the run's unit {at} is {plan[at] if at < len(plan) else 'none'}; {REMEDY}"
+        )
     return results
 
 
@@ -144,9 +151,11 @@ def complete(results: Sequence, plan: Sequence[tuple], key: Callable, what: str)
     keys = [key(r) for r in results]
     if keys != list(plan):
         missing = [u for u in plan if u not in set(keys)]
-        raise RuntimeError(f"{what}: {len(keys)} results ({len(set(keys))} distinct units) for the {len(plan)} "
-                           f"planned units, {len(missing)} of them missing (first: {missing[:1]}); not reported as "
-                           "a complete run")
+        raise RuntimeError(
+            f"{what}: {len(keys)} results ({len(set(keys))} distinct units) for the {len(plan)} "
+            f"planned units, {len(missing)} of them missing (first: {missing[:1]}); not reported as "
+            "a complete run"
+        )
 
 
 def open_run(directory: pathlib.Path, every: int | None, resume: bool, run: dict, command: str) -> Checkpointing | None:
@@ -159,6 +168,8 @@ def open_run(directory: pathlib.Path, every: int | None, resume: bool, run: dict
     if resume and saved is None:
         raise ValueError(f"--resume: no checkpoint in {directory}")
     if saved is not None and not resume:
-        raise ValueError(f"{directory} holds the checkpoint of an earlier, unfinished run: continue it with "
-                         f"`{saved.get('command') or 'the same command and --resume'}`, or remove that folder")
+        raise ValueError(
+            f"{directory} holds the checkpoint of an earlier, unfinished run: continue it with "
+            f"`{saved.get('command') or 'the same command and --resume'}`, or remove that folder"
+        )
     return None if every is None else Checkpointing(directory, every, run, command)

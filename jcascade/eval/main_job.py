@@ -7,19 +7,24 @@ import jcascade as jc
 
 PAIR = dict(cache_size=512, sinks=64, cascades=4, stride=256)  # the default policies of passkey / perplexity
 SETTINGS = {
-    "cpu": dict(cache_size=384, sinks=64, cascades=2, stride=192, min_length=768, max_length=768, samples=24,
-                filler="repeat"),
-    "gpu": dict(cache_size=768, sinks=64, cascades=2, stride=384, min_length=1536, max_length=1536, samples=100,
-                filler="repeat"),
-    "gpu-qwen": dict(cache_size=4096, sinks=64, cascades=4, stride=2048, min_length=8192, max_length=8192,
-                     samples=50, filler="words"),
+    "cpu": dict(
+        cache_size=384, sinks=64, cascades=2, stride=192, min_length=768, max_length=768, samples=24, filler="repeat"
+    ),
+    "gpu": dict(
+        cache_size=768, sinks=64, cascades=2, stride=384, min_length=1536, max_length=1536, samples=100, filler="repeat"
+    ),
+    "gpu-qwen": dict(
+        cache_size=4096, sinks=64, cascades=4, stride=2048, min_length=8192, max_length=8192, samples=50, filler="words"
+    ),
 }
 
 
 def policies(cache_size: int, sinks: int, cascades: int, stride: int) -> list:
     """The main job's pair: StreamingLLM's Sink and the Cascade cache, both sinks + cache_size tokens."""
-    return [jc.Sink(window=cache_size, sinks=sinks, stride=stride),
-            jc.Cascade(cache_size=cache_size, sinks=sinks, num_cascades=cascades, stride=stride)]
+    return [
+        jc.Sink(window=cache_size, sinks=sinks, stride=stride),
+        jc.Cascade(cache_size=cache_size, sinks=sinks, num_cascades=cascades, stride=stride),
+    ]
 
 
 def defaults() -> dict:
@@ -37,5 +42,7 @@ def defaults() -> dict:
 
 def describe() -> str:
     """The settings per machine as options, e.g. "cpu: --cache-size 384, ...; gpu: ..."."""
-    return "; ".join(f"{machine}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
-                     for machine, settings in SETTINGS.items())
+    return "; ".join(
+        f"{machine}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+        for machine, settings in SETTINGS.items()
+    )

@@ -25,16 +25,17 @@ import numpy as np
 
 import jcascade as jc
 from jcascade import compilation
-from jcascade.eval import stats
+from jcascade.eval import processes, stats
 from jcascade.eval.checkpointing import Checkpointing, complete, finished, prompts_sha256
-from jcascade.eval import processes
-from jcascade.generation import decode
 from jcascade.eval.perplexity import cache_capacity
 from jcascade.eval.protocol import QUERY_AGNOSTIC, QUERY_AWARE, check, generate, padded
 from jcascade.eval.texts import REPEAT_SENTENCES, distinct
+from jcascade.generation import decode
 
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there.")
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key?"
 PRIME = "The pass key is "
@@ -88,8 +89,9 @@ class PromptBuilder:
             raise ValueError("filler='words' needs a non-empty word list (words=...)")
         self.tokenizer, self.filler, self.words = tokenizer, filler, list(words or ())
         if getattr(tokenizer, "chat_template", None):
-            chat = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True,
-                                                 tokenize=False)
+            chat = tokenizer.apply_chat_template(
+                [{"role": "user", "content": _MARK}], add_generation_prompt=True, tokenize=False
+            )
             head, tail = chat.split(_MARK)
             self.prefix = self._ids(head + INTRO)
             self.suffix = self._ids(QUESTION + tail + PRIME)
@@ -135,29 +137,43 @@ class PromptBuilder:
         budget = context_length - len(self.prefix) - len(needle) - len(self.suffix)
         units = self._units(rng, budget) if budget > 0 else []
         if not units:
-            raise ValueError(f"context_length={context_length} is too short: the passkey prompt without filler "
-                             f"takes {context_length - budget} tokens and leaves no room for filler")
+            raise ValueError(
+                f"context_length={context_length} is too short: the passkey prompt without filler "
+                f"takes {context_length - budget} tokens and leaves no room for filler"
+            )
         bounds = np.concatenate([[0], np.cumsum([len(u) for u in units])])  # filler tokens before each boundary
         depths = bounds / bounds[-1]
         inside = np.flatnonzero([depth_bucket(d, num_buckets) == bucket for d in depths])
         if inside.size == 0:
-            raise ValueError(f"context_length={context_length} leaves {bounds[-1]} filler tokens in "
-                             f"{len(units)} units: none of their boundaries lies in depth bucket {bucket} of "
-                             f"{num_buckets}; use a longer context")
+            raise ValueError(
+                f"context_length={context_length} leaves {bounds[-1]} filler tokens in "
+                f"{len(units)} units: none of their boundaries lies in depth bucket {bucket} of "
+                f"{num_buckets}; use a longer context"
+            )
         at = int(rng.choice(inside))
         tokens = np.concatenate([self.prefix, *units[:at], needle, *units[at:], self.suffix]).astype(np.int32)
         needle_start = len(self.prefix) + int(bounds[at])
         digits = [i for i, t in enumerate(needle) if any(c.isdigit() for c in self.tokenizer.decode([int(t)]))]
-        return PasskeyPrompt(tokens=tokens, key=key, bucket=bucket, depth=float(depths[at]), needle_start=needle_start,
-                             key_positions=needle_start + np.asarray(digits, np.int32),
-                             question_start=len(tokens) - len(self.suffix))
+        return PasskeyPrompt(
+            tokens=tokens,
+            key=key,
+            bucket=bucket,
+            depth=float(depths[at]),
+            needle_start=needle_start,
+            key_positions=needle_start + np.asarray(digits, np.int32),
+            question_start=len(tokens) - len(self.suffix),
+        )
 
 
-def prompts(builder: PromptBuilder, context_length: int, samples: int, seed: int,
-            num_buckets: int = 5) -> list[PasskeyPrompt]:
+def prompts(
+    builder: PromptBuilder, context_length: int, samples: int, seed: int, num_buckets: int = 5
+) -> list[PasskeyPrompt]:
     """`samples` prompts for each depth bucket (bucket-major), each from its own seeded generator."""
-    return [builder.prompt(context_length, b, np.random.default_rng([seed, context_length, b, i]), num_buckets)
-            for b in range(num_buckets) for i in range(samples)]
+    return [
+        builder.prompt(context_length, b, np.random.default_rng([seed, context_length, b, i]), num_buckets)
+        for b in range(num_buckets)
+        for i in range(samples)
+    ]
 
 
 def check_context_lengths(lengths: Sequence[int]) -> list[int]:
@@ -169,15 +185,17 @@ def check_context_lengths(lengths: Sequence[int]) -> list[int]:
     return [int(n) for n in distinct("context_lengths", lengths)]
 
 
-def policies_by_length(policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
-                       context_lengths: Sequence[int]) -> Callable[[int], dict[str, object]]:
+def policies_by_length(
+    policies: Mapping[str, object] | Callable[[int], Mapping[str, object]], context_lengths: Sequence[int]
+) -> Callable[[int], dict[str, object]]:
     """A sweep's `policies` as a function of the context length. `policies`: {label: policy}, the same at every
     length, or a function context_length -> {label: policy} for policies scaled with the length (e.g.
     `ruler.policy_grid`), whose labels must be the same at every length. Raises ValueError for anything
     else, no policy, or labels that change with the length."""
     if not (callable(policies) or isinstance(policies, Mapping)):
-        raise ValueError(f"policies must be {{label: policy}} or a function of the context length returning one, "
-                         f"got {policies!r}")
+        raise ValueError(
+            f"policies must be {{label: policy}} or a function of the context length returning one, got {policies!r}"
+        )
     at = policies if callable(policies) else lambda n: policies
     labels = [list(at(n)) for n in context_lengths]
     if not labels[0]:
@@ -195,13 +213,15 @@ def progress_bar(progress: Callable[[int], None] | None, total: int, name: str, 
         return
     from tqdm import tqdm
 
-    with tqdm(total=total, desc=name, unit=unit, unit_scale=True, dynamic_ncols=True, mininterval=0.5,
-              file=sys.stderr) as bar:
+    with tqdm(
+        total=total, desc=name, unit=unit, unit_scale=True, dynamic_ncols=True, mininterval=0.5, file=sys.stderr
+    ) as bar:
         yield bar.update
 
 
-def plan(builder: PromptBuilder, context_lengths: Sequence[int], samples: int, seed: int,
-         num_buckets: int = 5) -> dict[int, list[PasskeyPrompt]]:
+def plan(
+    builder: PromptBuilder, context_lengths: Sequence[int], samples: int, seed: int, num_buckets: int = 5
+) -> dict[int, list[PasskeyPrompt]]:
     """{context_length: `prompts`} of a sweep, all built (and so checked: a length too short for its prompts
     or depth buckets raises ValueError) before any model time is spent."""
     return {n: prompts(builder, n, samples, seed, num_buckets) for n in check_context_lengths(context_lengths)}
@@ -242,8 +262,9 @@ class PasskeyResult:
 
 
 @compilation.jit(static_argnames=("policy", "head", "rest", "max_new_tokens", "eos_id"))
-def _answer_and_retention(model, policy, tokens, lengths, chunk_starts, key_positions, *, head, rest,
-                          max_new_tokens, eos_id):
+def _answer_and_retention(
+    model, policy, tokens, lengths, chunk_starts, key_positions, *, head, rest, max_new_tokens, eos_id
+):
     """Greedy answers as `jc.generate` gives them, and which key tokens the question sees.
 
     The prompt is prefilled in two parts that keep generate's stride chunks: up to the start of the chunk
@@ -254,19 +275,41 @@ def _answer_and_retention(model, policy, tokens, lengths, chunk_starts, key_posi
     B, S = tokens.shape
     state, _, _ = jc.prefill(model, policy, model.init_cache(policy, B), tokens[:, :head], chunk_starts)
     caches = [model.layer_cache(state, layer) for layer in range(model.config.num_layers)]
-    held = jnp.stack([(jc.cached_positions(cache)[index][..., None] == key_positions[:, None, None, :]).any(-2).sum(-1)
-                      for cache, index in caches])  # [L, B, Hkv]
+    held = jnp.stack(
+        [
+            (jc.cached_positions(cache)[index][..., None] == key_positions[:, None, None, :]).any(-2).sum(-1)
+            for cache, index in caches
+        ]
+    )  # [L, B, Hkv]
     in_chunk = (key_positions >= chunk_starts[:, None]).sum(-1)
     rest_tokens = jnp.take_along_axis(tokens, jnp.minimum(chunk_starts[:, None] + jnp.arange(rest), S - 1), axis=1)
     state, last, _ = jc.prefill(model, policy, state, rest_tokens, lengths - chunk_starts)
-    answers = decode(model, policy, state, last, jax.random.key(0), max_new_tokens=max_new_tokens, temperature=0.0,
-                     top_p=1.0, eos_id=eos_id)
+    answers = decode(
+        model,
+        policy,
+        state,
+        last,
+        jax.random.key(0),
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        eos_id=eos_id,
+    )
     return answers, jnp.moveaxis(held + in_chunk[None, :, None], 1, 0)
 
 
-def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, lengths: np.ndarray, *,
-           max_new_tokens: int, eos_id: int | None, retention: bool,
-           protocol: str = QUERY_AWARE) -> tuple[np.ndarray, np.ndarray | None]:
+def answer(
+    model,
+    policy,
+    prompts: Sequence[PasskeyPrompt],
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    max_new_tokens: int,
+    eos_id: int | None,
+    retention: bool,
+    protocol: str = QUERY_AWARE,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Greedy answers int32 [B, max_new_tokens] to the right-padded prompts tokens [B, S] and, if `retention`,
     the fraction of each prompt's key tokens the question sees, float [B, L, Hkv].
 
@@ -279,42 +322,80 @@ def answer(model, policy, prompts: Sequence[PasskeyPrompt], tokens: np.ndarray, 
     """
     if protocol == QUERY_AGNOSTIC:
         if retention:
-            raise ValueError("retention is recorded under the query-aware protocol only (it reads the cache where "
-                             "the question's chunk starts, inside one prompt), not under query-agnostic")
-        return generate(model, policy, [p.tokens for p in prompts], [p.question_start for p in prompts], protocol,
-                        width=tokens.shape[1], question_width=max(len(p.tokens) - p.question_start for p in prompts),
-                        max_new_tokens=max_new_tokens, eos_id=eos_id), None
-    part = lambda rows: processes.mine(rows, model)  # noqa: E731  (this process's rows)
+            raise ValueError(
+                "retention is recorded under the query-aware protocol only (it reads the cache where "
+                "the question's chunk starts, inside one prompt), not under query-agnostic"
+            )
+        return generate(
+            model,
+            policy,
+            [p.tokens for p in prompts],
+            [p.question_start for p in prompts],
+            protocol,
+            width=tokens.shape[1],
+            question_width=max(len(p.tokens) - p.question_start for p in prompts),
+            max_new_tokens=max_new_tokens,
+            eos_id=eos_id,
+        ), None
+    part = lambda rows: processes.mine(rows, model)  # this process's rows
     if not retention:
-        return np.asarray(jc.generate(model, part(tokens), policy, max_new_tokens=max_new_tokens,
-                                      lengths=part(lengths), eos_id=eos_id)), None
+        return np.asarray(
+            jc.generate(
+                model, part(tokens), policy, max_new_tokens=max_new_tokens, lengths=part(lengths), eos_id=eos_id
+            )
+        ), None
     config = model.config
     if "linear" in config.types or config.kv_heads("global") != config.num_kv_heads:
-        raise ValueError(f"retention is recorded per layer and KV head of every layer's KV cache; this "
-                         f"{config.architecture} model has linear layers (no KV cache) or global layers with KV heads "
-                         "of their own")
+        raise ValueError(
+            f"retention is recorded per layer and KV head of every layer's KV cache; this "
+            f"{config.architecture} model has linear layers (no KV cache) or global layers with KV heads "
+            "of their own"
+        )
     if cache_capacity(policy) is None:
-        out = np.asarray(jc.generate(model, part(tokens), policy, max_new_tokens=max_new_tokens,
-                                     lengths=part(lengths), eos_id=eos_id))
+        out = np.asarray(
+            jc.generate(
+                model, part(tokens), policy, max_new_tokens=max_new_tokens, lengths=part(lengths), eos_id=eos_id
+            )
+        )
         return out, np.ones((len(out), config.num_layers, config.num_kv_heads), np.float32)
     counts = np.array([len(p.key_positions) for p in prompts], np.float32)
     chunk_starts = np.array([p.question_start // policy.stride * policy.stride for p in prompts], np.int32)
     key_positions = np.full((len(prompts), int(counts.max())), -2, np.int32)
     for r, p in enumerate(prompts):
         key_positions[r, : len(p.key_positions)] = p.key_positions
-    out, visible = _answer_and_retention(model, policy, part(tokens), part(lengths), part(chunk_starts),
-                                         part(key_positions), head=max(int(chunk_starts.max()), 1),
-                                         rest=tokens.shape[1] - int(chunk_starts.min()), max_new_tokens=max_new_tokens,
-                                         eos_id=eos_id)
+    out, visible = _answer_and_retention(
+        model,
+        policy,
+        part(tokens),
+        part(lengths),
+        part(chunk_starts),
+        part(key_positions),
+        head=max(int(chunk_starts.max()), 1),
+        rest=tokens.shape[1] - int(chunk_starts.min()),
+        max_new_tokens=max_new_tokens,
+        eos_id=eos_id,
+    )
     return np.asarray(out), np.asarray(visible) / part(counts)[:, None, None]
 
 
-def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
-          context_lengths: Sequence[int], *,
-          samples: int = 1, filler: str = "repeat", words: Sequence[str] | None = None, seed: int = 0,
-          num_buckets: int = 5, batch_size: int = 5, max_new_tokens: int = 8, retention: bool = False,
-          progress: Callable[[int], None] | None = None, checkpointing: Checkpointing | None = None,
-          protocol: str = QUERY_AWARE) -> list[PasskeyResult]:
+def sweep(
+    model,
+    tokenizer,
+    policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
+    context_lengths: Sequence[int],
+    *,
+    samples: int = 1,
+    filler: str = "repeat",
+    words: Sequence[str] | None = None,
+    seed: int = 0,
+    num_buckets: int = 5,
+    batch_size: int = 5,
+    max_new_tokens: int = 8,
+    retention: bool = False,
+    progress: Callable[[int], None] | None = None,
+    checkpointing: Checkpointing | None = None,
+    protocol: str = QUERY_AWARE,
+) -> list[PasskeyResult]:
     """Passkey retrieval over context lengths x depth buckets x samples x policies ({label: policy}, or a function
     of the context length returning it: `policies_by_length`). The
     prompts of every length are built and checked first (`plan`: distinct lengths, each long enough), and with
@@ -333,20 +414,36 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
     run again, so the results equal an uninterrupted run's.
     Raises a RuntimeError unless the results hold every planned trial once (`checkpointing.complete`).
     """
-    for name, value, least in (("samples", samples, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),
-                               ("max_new_tokens", max_new_tokens, 1)):
+    for name, value, least in (
+        ("samples", samples, 1),
+        ("batch_size", batch_size, 1),
+        ("seed", seed, 0),
+        ("max_new_tokens", max_new_tokens, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     planned = plan(PromptBuilder(tokenizer, filler, words), context_lengths, samples, seed, num_buckets)
     at = policies_by_length(policies, list(planned))
     check(protocol, [p for n in planned for p in at(n).values()], getattr(model, "config", None))
-    units = [(label, length, b, i) for length in planned for label in at(length) for b in range(num_buckets)
-             for i in range(samples)]
-    key = lambda r: (r.policy, r.context_length, r.bucket, r.sample)  # noqa: E731
+    units = [
+        (label, length, b, i)
+        for length in planned
+        for label in at(length)
+        for b in range(num_buckets)
+        for i in range(samples)
+    ]
+    key = lambda r: (r.policy, r.context_length, r.bucket, r.sample)
     with progress_bar(progress, sum(u[1] for u in units), "passkey", "tok") as progress:
         results = []
-        found = checkpointing.resume(batch_size=batch_size, protocol=protocol, prompts=prompts_sha256(
-            (p.tokens, p.question_start) for n in planned for p in planned[n])) if checkpointing is not None else None
+        found = (
+            checkpointing.resume(
+                batch_size=batch_size,
+                protocol=protocol,
+                prompts=prompts_sha256((p.tokens, p.question_start) for n in planned for p in planned[n]),
+            )
+            if checkpointing is not None
+            else None
+        )
         if found is not None:
             results = finished(found[1], units, PasskeyResult, key)
             progress(sum(r.context_length for r in results))
@@ -354,28 +451,57 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
         pending = []  # (label, length, first, prompts, this process's answers) of the batches not gathered yet
 
         def gather_pending():
-            for (label, length, first, part, _), (out, held) in zip(pending, processes.gather_batches(
-                    [answers for *_, answers in pending], model)):
+            for (label, length, first, part, _), (out, held) in zip(
+                pending, processes.gather_batches([answers for *_, answers in pending], model)
+            ):
                 for i, p in enumerate(part):
                     text = tokenizer.decode(out[i][out[i] >= 0], skip_special_tokens=True)
-                    results.append(PasskeyResult(label, length, p.bucket, (first + i) % samples, p.key, p.depth,
-                                                 len(p.tokens), text, digit_accuracy(text, p.key),
-                                                 len(p.key_positions), None if held is None else held[i].tolist()))
+                    results.append(
+                        PasskeyResult(
+                            label,
+                            length,
+                            p.bucket,
+                            (first + i) % samples,
+                            p.key,
+                            p.depth,
+                            len(p.tokens),
+                            text,
+                            digit_accuracy(text, p.key),
+                            len(p.key_positions),
+                            None if held is None else held[i].tolist(),
+                        )
+                    )
             pending.clear()
 
         for length, batch in planned.items():
             for label, policy in at(length).items():
                 for first in range(0, len(batch), batch_size):
-                    part = batch[first: first + batch_size]
+                    part = batch[first : first + batch_size]
                     rows = [part[i % len(part)] for i in range(batch_size)]
                     tokens, lengths = padded([p.tokens for p in rows], length)
                     fed = len(part) * length  # context tokens of this batch's prompts (padding rows excluded)
                     reached += len(part)
                     if reached <= done:
                         continue
-                    pending.append((label, length, first, part, answer(
-                        model, policy, rows, tokens, lengths, max_new_tokens=max_new_tokens,
-                        eos_id=tokenizer.eos_token_id, retention=retention, protocol=protocol)))
+                    pending.append(
+                        (
+                            label,
+                            length,
+                            first,
+                            part,
+                            answer(
+                                model,
+                                policy,
+                                rows,
+                                tokens,
+                                lengths,
+                                max_new_tokens=max_new_tokens,
+                                eos_id=tokenizer.eos_token_id,
+                                retention=retention,
+                                protocol=protocol,
+                            ),
+                        )
+                    )
                     progress(fed)
                     if checkpointing is not None and checkpointing.due(fed):
                         gather_pending()
@@ -396,8 +522,9 @@ def accuracy_table(results: Sequence[PasskeyResult]) -> dict[str, dict[int, dict
     return table
 
 
-def estimates(results: Sequence[PasskeyResult], value: Callable[[PasskeyResult], float] = lambda r: r.accuracy
-              ) -> dict[str, dict[int, stats.Estimate]]:
+def estimates(
+    results: Sequence[PasskeyResult], value: Callable[[PasskeyResult], float] = lambda r: r.accuracy
+) -> dict[str, dict[int, stats.Estimate]]:
     """{policy: {context_length: mean of value(trial) in [0, 1] with its 95 % interval}}: a bootstrap over
     trials (a trial's digits are correlated, so the trial is the unit), redrawn within their depth bucket
     when the buckets hold enough trials (`stats.mean`: its rules for strata and bounded values)."""
@@ -406,8 +533,9 @@ def estimates(results: Sequence[PasskeyResult], value: Callable[[PasskeyResult],
         cells.setdefault((r.policy, r.context_length), []).append(r)
     table: dict[str, dict[int, stats.Estimate]] = {}
     for (policy, length), mine in cells.items():
-        table.setdefault(policy, {})[length] = stats.mean([value(r) for r in mine], strata=[r.bucket for r in mine],
-                                                          bounds=(0, 1))
+        table.setdefault(policy, {})[length] = stats.mean(
+            [value(r) for r in mine], strata=[r.bucket for r in mine], bounds=(0, 1)
+        )
     return table
 
 
@@ -432,8 +560,9 @@ def paired_differences(results: Sequence[PasskeyResult], baseline: str) -> dict[
     """{policy: {context_length or "all": accuracy(policy) - accuracy(baseline)}} over the same prompts, with
     95 % intervals (trials redrawn in pairs, within their depth bucket and length when those strata hold
     enough trials: `stats.paired_difference`), for every other policy."""
-    by_policy, base = stats.by_policy(results, lambda r: (r.context_length, r.bucket, r.sample),
-                                      lambda r: r.accuracy, baseline)
+    by_policy, base = stats.by_policy(
+        results, lambda r: (r.context_length, r.bucket, r.sample), lambda r: r.accuracy, baseline
+    )
     table: dict[str, dict[int | str, stats.Estimate]] = {}
     for policy, mine in by_policy.items():
         if policy == baseline:
@@ -442,7 +571,9 @@ def paired_differences(results: Sequence[PasskeyResult], baseline: str) -> dict[
         for length in sorted({t[0] for t in trials}):
             here = [t for t in trials if t[0] == length]
             table.setdefault(policy, {})[length] = stats.paired_difference(
-                [mine[t] for t in here], [base[t] for t in here], strata=[t[1] for t in here], bounds=(0, 1))
-        table[policy]["all"] = stats.paired_difference([mine[t] for t in trials], [base[t] for t in trials],
-                                                       strata=[t[:2] for t in trials], bounds=(0, 1))
+                [mine[t] for t in here], [base[t] for t in here], strata=[t[1] for t in here], bounds=(0, 1)
+            )
+        table[policy]["all"] = stats.paired_difference(
+            [mine[t] for t in trials], [base[t] for t in trials], strata=[t[:2] for t in trials], bounds=(0, 1)
+        )
     return table

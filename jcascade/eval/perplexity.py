@@ -38,8 +38,10 @@ def check_streaming(policy) -> None:
     """Raises ValueError for policies that act only after a prompt (`needs_prompt`), naming the others."""
     jc.policies.check_policy(policy)
     if policy.needs_prompt:
-        raise ValueError(f"{type(policy).__name__} compresses or recycles after a prompt; streaming a book "
-                         f"needs a streaming policy ({', '.join(jc.policies.policy_names(needs_prompt=False))})")
+        raise ValueError(
+            f"{type(policy).__name__} compresses or recycles after a prompt; streaming a book "
+            f"needs a streaming policy ({', '.join(jc.policies.policy_names(needs_prompt=False))})"
+        )
 
 
 @compilation.jit(static_argnames="policy")
@@ -57,9 +59,16 @@ def step_compilations() -> int:
 StreamPoint = tuple[jc.CacheState, np.ndarray, int]  # (cache, log-probs so far [S - 1], next position)
 
 
-def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState, int], None] | None = None,
-           progress: Callable[[int], None] | None = None, start: StreamPoint | None = None,
-           after_chunk: Callable[[StreamPoint], None] | None = None) -> np.ndarray:
+def stream(
+    model,
+    policy,
+    tokens: np.ndarray,
+    *,
+    watch: Callable[[jc.CacheState, int], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    start: StreamPoint | None = None,
+    after_chunk: Callable[[StreamPoint], None] | None = None,
+) -> np.ndarray:
     """Streams one token sequence [S] through `model` under `policy` in `policy.stride` chunks (cut to `chunk_size`).
 
     Returns float32 [S - 1], entry t = log p(tokens[t + 1] | tokens[:t + 1]).
@@ -72,30 +81,36 @@ def stream(model, policy, tokens: np.ndarray, *, watch: Callable[[jc.CacheState,
     check_streaming(policy)
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size < 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"tokens must be an int array of shape [S] with S >= 2, got {tokens.dtype}{list(tokens.shape)}")
+        raise ValueError(
+            f"tokens must be an int array of shape [S] with S >= 2, got {tokens.dtype}{list(tokens.shape)}"
+        )
     S, T = tokens.size, chunk_size(policy, tokens.size)
     if S > jc.checks.CLOCK_LIMIT:
-        raise ValueError(f"tokens: a stream of {S} tokens is longer than the int32 token clock allows "
-                         f"({jc.checks.CLOCK_LIMIT}); split it")
+        raise ValueError(
+            f"tokens: a stream of {S} tokens is longer than the int32 token clock allows "
+            f"({jc.checks.CLOCK_LIMIT}); split it"
+        )
     if start is None:
         state, logps, begin = model.init_cache(policy, 1, max_tokens=S), np.zeros(S - 1, np.float32), 0
     else:
         state, logps, begin = start
         logps = np.array(logps, np.float32)
         if logps.shape != (S - 1,) or begin % T or not 0 < begin < S:
-            raise ValueError(f"start does not belong to this stream of {S} tokens in chunks of {T}: log-probs "
-                             f"{list(logps.shape)}, position {begin}")
+            raise ValueError(
+                f"start does not belong to this stream of {S} tokens in chunks of {T}: log-probs "
+                f"{list(logps.shape)}, position {begin}"
+            )
     padded = np.zeros(-(-S // T) * T + 1, np.int32)
     padded[:S] = tokens
     for first in range(begin, S, T):
         n = min(T, S - first)
         if watch is not None:
             watch(state, first)
-        chunk = jnp.asarray(padded[None, first: first + T])
-        targets = jnp.asarray(padded[None, first + 1: first + T + 1])
+        chunk = jnp.asarray(padded[None, first : first + T])
+        targets = jnp.asarray(padded[None, first + 1 : first + T + 1])
         state, logp = _step(model, policy, state, chunk, targets, jnp.array([n], jnp.int32))
         m = min(n, S - 1 - first)  # the last token has no target
-        logps[first: first + m] = np.asarray(logp)[0, :m]
+        logps[first : first + m] = np.asarray(logp)[0, :m]
         if progress is not None:
             progress(n)
         if after_chunk is not None and first + n < S:
@@ -150,8 +165,12 @@ def books(tokenizer, names, max_tokens: int | None = None, log=print) -> dict[st
             if len(set(tails.values())) == len(group):
                 break
         keys = [tails.get(i, k) for i, k in enumerate(keys)]
-    return dict(zip(texts.distinct("book names", keys),
-                    (book_tokens(tokenizer, texts.load_book(b, log), max_tokens) for b in names)))
+    return dict(
+        zip(
+            texts.distinct("book names", keys),
+            (book_tokens(tokenizer, texts.load_book(b, log), max_tokens) for b in names),
+        )
+    )
 
 
 BLOCK = 4096  # tokens per bootstrap block: log-likelihoods of tokens this far apart are nearly independent
@@ -162,15 +181,26 @@ def warn_few_blocks(streams, block: int) -> None:
     `block` predictions than an interval needs (`stats.MIN_UNITS`): their perplexity would get no interval."""
     units = sum(-(-(len(t) - 1) // block) for t in streams)
     if streams and units < stats.MIN_UNITS:
-        warnings.warn(f"the {len(streams)} book(s) to stream hold {sum(len(t) for t in streams)} tokens: {units} "
-                      f"block(s) of {block} tokens, fewer than the {stats.MIN_UNITS} an interval needs, so their "
-                      "perplexity gets none; stream more tokens (--max-tokens, more books) or use smaller blocks "
-                      "(--block)", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"the {len(streams)} book(s) to stream hold {sum(len(t) for t in streams)} tokens: {units} "
+            f"block(s) of {block} tokens, fewer than the {stats.MIN_UNITS} an interval needs, so their "
+            "perplexity gets none; stream more tokens (--max-tokens, more books) or use smaller blocks "
+            "(--block)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
-def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, object], *, bucket: int = 256,
-               block: int = BLOCK, progress: Callable[[int], None] | None = None,
-               checkpointing: Checkpointing | None = None) -> tuple[list[BookPerplexity], list[str]]:
+def perplexity(
+    model,
+    books: Mapping[str, np.ndarray],
+    policies: Mapping[str, object],
+    *,
+    bucket: int = 256,
+    block: int = BLOCK,
+    progress: Callable[[int], None] | None = None,
+    checkpointing: Checkpointing | None = None,
+) -> tuple[list[BookPerplexity], list[str]]:
     """Streams every book (name -> tokens [S]) longer than the largest bounded cache under every policy.
 
     Returns the results and the names of the books skipped as not longer than the cache.
@@ -189,7 +219,7 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
     longest = max(capacities, default=1)
     warn_few_blocks([t for t in books.values() if len(t) > longest], block)
     plan = [(name, label) for name, tokens in books.items() if len(tokens) > longest for label in policies]
-    key = lambda r: (r.book, r.policy)  # noqa: E731
+    key = lambda r: (r.book, r.policy)
     results, skipped, running = [], [], {}  # running: (book, policy label) -> the point its stream resumes at
     found = checkpointing.resume() if checkpointing is not None else None
     if found is not None:
@@ -205,9 +235,15 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
     def save(name: str, label: str, point: StreamPoint) -> None:
         state, logps, position = point
         if checkpointing.due(policies[label].stride):
-            checkpointing.save({"cache": {field: x for field, x in vars(state).items() if isinstance(x, jax.Array)}, "logps": logps},
-                               {"results": [dataclasses.asdict(r) for r in results], "book": name, "policy": label,
-                                "position": position})
+            checkpointing.save(
+                {"cache": {field: x for field, x in vars(state).items() if isinstance(x, jax.Array)}, "logps": logps},
+                {
+                    "results": [dataclasses.asdict(r) for r in results],
+                    "book": name,
+                    "policy": label,
+                    "position": position,
+                },
+            )
 
     for name, tokens in books.items():
         if len(tokens) <= longest:
@@ -217,13 +253,17 @@ def perplexity(model, books: Mapping[str, np.ndarray], policies: Mapping[str, ob
             if (name, label) in done:
                 continue
             after_chunk = None if checkpointing is None else functools.partial(save, name, label)
-            nll = -stream(model, policy, tokens, progress=progress, start=running.get((name, label)),
-                          after_chunk=after_chunk)
+            nll = -stream(
+                model, policy, tokens, progress=progress, start=running.get((name, label)), after_chunk=after_chunk
+            )
             edges = np.arange(0, nll.size, bucket)
             curve = np.add.reduceat(nll, edges) / np.diff(np.append(edges, nll.size))
             block_nll, _ = stats.blocks(nll, block)
-            results.append(BookPerplexity(name, label, int(len(tokens)), float(nll.mean()), curve.tolist(), bucket,
-                                          block_nll.tolist(), block))
+            results.append(
+                BookPerplexity(
+                    name, label, int(len(tokens)), float(nll.mean()), curve.tolist(), bucket, block_nll.tolist(), block
+                )
+            )
     if not results:
         raise ValueError(f"no book is longer than the {longest}-token cache: give longer books or a larger max_tokens")
     complete(results, plan, key, "perplexity")
@@ -252,11 +292,21 @@ def summary(results: list[BookPerplexity]) -> dict[str, dict]:
             sums[: len(r.curve)] += np.asarray(r.curve) * w
             weights[: len(r.curve)] += w
         units = [_units(r) for r in mine]
-        interval = stats.mean(np.concatenate([u[0] for u in units]), weights=np.concatenate([u[1] for u in units]),
-                              strata=[r.book for r, u in zip(mine, units) for _ in u[0]], transform=np.exp)
-        out[label] = {"books": len(mine), "tokens": sum(r.tokens for r in mine), "nll": nll,
-                      "perplexity": math.exp(nll), "interval": interval.as_dict(), "bucket": mine[0].bucket,
-                      "curve": (sums / weights).tolist()}
+        interval = stats.mean(
+            np.concatenate([u[0] for u in units]),
+            weights=np.concatenate([u[1] for u in units]),
+            strata=[r.book for r, u in zip(mine, units) for _ in u[0]],
+            transform=np.exp,
+        )
+        out[label] = {
+            "books": len(mine),
+            "tokens": sum(r.tokens for r in mine),
+            "nll": nll,
+            "perplexity": math.exp(nll),
+            "interval": interval.as_dict(),
+            "bucket": mine[0].bucket,
+            "curve": (sums / weights).tolist(),
+        }
     return out
 
 
@@ -290,6 +340,10 @@ def paired_differences(results: list[BookPerplexity], baseline: str) -> dict[str
                 theirs.append(their_nll[keep])
                 names += [b] * len(nll[keep])
             table.setdefault(policy, {})[length] = stats.paired_difference(
-                np.concatenate([u[0] for u in ours]), np.concatenate(theirs),
-                weights=np.concatenate([u[1] for u in ours]), strata=names, transform=np.exp)
+                np.concatenate([u[0] for u in ours]),
+                np.concatenate(theirs),
+                weights=np.concatenate([u[1] for u in ours]),
+                strata=names,
+                transform=np.exp,
+            )
     return table

@@ -31,8 +31,11 @@ def _interval_errors(cells: list[Mapping]) -> tuple[np.ndarray, np.ndarray, np.n
     dicts (a report's, in memory or read back from JSON with null bounds)."""
     estimates = [stats.Estimate.from_dict(c) for c in cells]
     values = np.array([e.value for e in estimates])
-    return values, np.abs(np.array([[e.low for e in estimates], [e.high for e in estimates]]) - values), np.array(
-        [e.has_interval for e in estimates], bool)
+    return (
+        values,
+        np.abs(np.array([[e.low for e in estimates], [e.high for e in estimates]]) - values),
+        np.array([e.has_interval for e in estimates], bool),
+    )
 
 
 def _points(ax, x, cells: list[Mapping], horizontal: bool = False, **kwargs) -> bool:
@@ -70,8 +73,14 @@ def _length_ticks(lengths) -> list[str]:
     return [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths]
 
 
-def _with_intervals(ax, table: Mapping[str, Mapping[str, Mapping]], counts: Mapping[str, int], ylabel: str,
-                    title: str, offset: float = 0.0) -> None:
+def _with_intervals(
+    ax,
+    table: Mapping[str, Mapping[str, Mapping]],
+    counts: Mapping[str, int],
+    ylabel: str,
+    title: str,
+    offset: float = 0.0,
+) -> None:
     """One line per policy of estimate cells {label: {length: estimate dict}} (a report's), 95 % intervals as
     bars, the x ticks the lengths with the n behind each. offset: a small x shift per line, in octaves."""
     missing = False
@@ -81,7 +90,9 @@ def _with_intervals(ax, table: Mapping[str, Mapping[str, Mapping]], counts: Mapp
         missing |= _points(ax, x, [cells[n] for n in lengths], label=label)
     ax.set_xscale("log", base=2)
     ticks = sorted(counts, key=int)
-    ax.set_xticks([int(n) for n in ticks], [f"{t}\nn={counts[n]}" for t, n in zip(_length_ticks(map(int, ticks)), ticks)])
+    ax.set_xticks(
+        [int(n) for n in ticks], [f"{t}\nn={counts[n]}" for t, n in zip(_length_ticks(map(int, ticks)), ticks)]
+    )
     ax.minorticks_off()
     ax.set_xlabel("context length (tokens); n = prompts per point")
     ax.set_ylabel(ylabel)
@@ -97,8 +108,10 @@ def _differences(ax, report: Mapping, xlabel: str, ylabel: str, units: str, all_
         lengths = [k for k in cells if k != "all" or all_at is not None]
         x = np.array([all_at if k == "all" else int(k) for k in lengths], float)
         missing |= _points(ax, x, [cells[k] for k in lengths], color=colors[label])
-        ticks |= {int(v): f"{'all' if k == 'all' else _length_ticks([int(k)])[0]}\nn={cells[k]['n']}"
-                  for v, k in zip(x, lengths)}
+        ticks |= {
+            int(v): f"{'all' if k == 'all' else _length_ticks([int(k)])[0]}\nn={cells[k]['n']}"
+            for v, k in zip(x, lengths)
+        }
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(ticks), list(ticks.values()))
@@ -131,21 +144,29 @@ def passkey(report: Mapping, path, title: str = "") -> pathlib.Path:
 
 
 def _passkey(report: Mapping, title: str):
-    panels = ["accuracy"] + (["differences"] if report["differences"] else []) + (["retention"] if report.get(
-        "retention") else [])
+    panels = (
+        ["accuracy"]
+        + (["differences"] if report["differences"] else [])
+        + (["retention"] if report.get("retention") else [])
+    )
     fig, axes = _figure(len(panels), width=4.6, height=4.2)
     counts = report["prompts"]
     axes[0].axhline(0.1, color="gray", linestyle=":", label="random digits")
-    _with_intervals(axes[0], report["accuracy"], counts, "per-digit accuracy (95 % interval)", "accuracy",
-                    offset=0.04)
+    _with_intervals(axes[0], report["accuracy"], counts, "per-digit accuracy (95 % interval)", "accuracy", offset=0.04)
     axes[0].set_ylim(-0.02, 1.02)
     if "differences" in panels:
         ax = axes[panels.index("differences")]
         _differences(ax, report, "context length (tokens)", "accuracy difference (95 % interval)", "prompts")
     if "retention" in panels:
         ax = axes[panels.index("retention")]
-        _with_intervals(ax, report["retention"], counts, "share of key tokens seen (95 % interval)",
-                        "retention (mean over layers and KV heads)", offset=0.04)
+        _with_intervals(
+            ax,
+            report["retention"],
+            counts,
+            "share of key tokens seen (95 % interval)",
+            "retention (mean over layers and KV heads)",
+            offset=0.04,
+        )
         ax.set_ylim(-0.02, 1.02)
     _legend_below(fig, axes[0])
     fig.suptitle(title or "Passkey retrieval", wrap=True)
@@ -173,8 +194,12 @@ def _passkey_depth(report: Mapping, title: str):
         ax.set_ylabel("key depth")
         ax.set_title(label, fontsize=9, wrap=True)
     fig.colorbar(image, ax=list(axes), label="per-digit accuracy (mean of the cell)")
-    fig.suptitle((title + ": " if title else "") + f"accuracy by key depth, n={'/'.join(map(str, sorted(per_cell)))} "
-                 "prompts per cell", fontsize=10, wrap=True)
+    fig.suptitle(
+        (title + ": " if title else "") + f"accuracy by key depth, n={'/'.join(map(str, sorted(per_cell)))} "
+        "prompts per cell",
+        fontsize=10,
+        wrap=True,
+    )
     return fig
 
 
@@ -210,8 +235,14 @@ def _perplexity(report: Mapping, title: str):
     _panel_title(overall, "overall; n = blocks", missing)
     if report["differences"]:
         longest = max(b["tokens"] for b in report["books"])
-        _differences(axes[2], report, "first N tokens of each book; all: whole books",
-                     "perplexity difference (95 % interval)", "blocks", all_at=longest)
+        _differences(
+            axes[2],
+            report,
+            "first N tokens of each book; all: whole books",
+            "perplexity difference (95 % interval)",
+            "blocks",
+            all_at=longest,
+        )
     _legend_below(fig, ax)
     fig.suptitle(title or "Streaming perplexity", wrap=True)
     return fig
@@ -226,15 +257,22 @@ def ruler(report: Mapping, path, title: str = "") -> pathlib.Path:
 
 def _ruler(report: Mapping, title: str):
     fig, axes = _figure(3, width=4.8, height=4.4)
-    _with_intervals(axes[0], report["average"], report["prompts"], "average score over tasks (95 % interval)",
-                    "average over tasks", offset=0.04)
+    _with_intervals(
+        axes[0],
+        report["average"],
+        report["prompts"],
+        "average score over tasks (95 % interval)",
+        "average over tasks",
+        offset=0.04,
+    )
     axes[0].set_ylim(-0.02, 1.02)
     if report["differences"]:
         _differences(axes[1], report, "context length (tokens)", "score difference (95 % interval)", "prompts")
     labels = list(report["policies"])
     tasks = list(dict.fromkeys(t for v in report["scores"].values() for t in v))
-    grid = np.array([[np.mean([e["value"] for e in report["scores"][label][task].values()]) for label in labels]
-                     for task in tasks])
+    grid = np.array(
+        [[np.mean([e["value"] for e in report["scores"][label][task].values()]) for label in labels] for task in tasks]
+    )
     fig.colorbar(_heat_map(axes[2], grid, fontsize=7), ax=axes[2], label="score (RULER string match, 0-1)")
     axes[2].set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     axes[2].set_yticks(range(len(tasks)), tasks, fontsize=8)
@@ -258,15 +296,19 @@ def _attention_maps(images: Mapping[str, np.ndarray], length: int, title: str):
     fig, axes = _figure(len(images), width=5.0, height=4.6, layout="compressed")
     for ax, (label, image) in zip(axes, images.items()):
         common = dict(extent=(0, length, length, 0), interpolation="nearest")
-        ax.imshow(np.where(np.isposinf(image), 1.0, np.nan), cmap=ListedColormap(["#f4a582"]), vmin=0, vmax=1,
-                  **common)
-        shown = ax.imshow(np.where(np.isfinite(image), image, np.nan), cmap="viridis", vmin=low,
-                          vmax=max(high, low + 1e-6), **common)
+        ax.imshow(np.where(np.isposinf(image), 1.0, np.nan), cmap=ListedColormap(["#f4a582"]), vmin=0, vmax=1, **common)
+        shown = ax.imshow(
+            np.where(np.isfinite(image), image, np.nan), cmap="viridis", vmin=low, vmax=max(high, low + 1e-6), **common
+        )
         ax.set_xlabel("key position")
         ax.set_ylabel("query position")
         ax.set_title(label, fontsize=9, wrap=True)
     if finite.size:
         fig.colorbar(shown, ax=list(axes), label="log10 EMA score of a held key")
-    fig.suptitle(title + ("\n" if title else "") + "salmon: visible keys without a score (the query's own chunk, "
-                 "or a policy that keeps none)", fontsize=9, wrap=True)
+    fig.suptitle(
+        title + ("\n" if title else "") + "salmon: visible keys without a score (the query's own chunk, "
+        "or a policy that keeps none)",
+        fontsize=9,
+        wrap=True,
+    )
     return fig

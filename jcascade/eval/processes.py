@@ -72,7 +72,7 @@ def mine(rows, model):
     if len(rows) % n:
         raise ValueError(f"a batch of {len(rows)} rows does not split over {n} processes: use a multiple of {n}")
     part = len(rows) // n
-    return rows[i * part: (i + 1) * part]
+    return rows[i * part : (i + 1) * part]
 
 
 def gather_batches(parts: list, model) -> list:
@@ -88,8 +88,14 @@ def gather_batches(parts: list, model) -> list:
     stacked = jax.tree.map(lambda *batches: np.stack(batches), *parts)  # leaves [batches, rows / N, ...]
     as_bytes = jax.tree.map(lambda x: x.reshape(*x.shape[:2], -1).view(np.uint8), stacked)
     everyone = multihost_utils.process_allgather(as_bytes, tiled=False)  # leaves [N, batches, rows / N, bytes]
-    return [jax.tree.map(lambda rows, x: np.asarray(rows[:, b]).reshape(-1, rows.shape[3]).view(x.dtype).reshape(
-        -1, *x.shape[2:]), everyone, stacked) for b in range(len(parts))]
+    return [
+        jax.tree.map(
+            lambda rows, x: np.asarray(rows[:, b]).reshape(-1, rows.shape[3]).view(x.dtype).reshape(-1, *x.shape[2:]),
+            everyone,
+            stacked,
+        )
+        for b in range(len(parts))
+    ]
 
 
 def built_once(build: Callable[[object], object], units: Sequence, model) -> list:
@@ -105,13 +111,16 @@ def built_once(build: Callable[[object], object], units: Sequence, model) -> lis
     n, i = jax.process_count(), jax.process_index()
     mine = np.frombuffer(pickle.dumps([build(u) for u in units[i::n]]), np.uint8)
     if len(mine) >= 2**31:
-        raise ValueError(f"built_once: {len(units[i::n])} items take {len(mine)} bytes pickled, over the 2 GiB "
-                         "one exchange takes; build fewer at once")
+        raise ValueError(
+            f"built_once: {len(units[i::n])} items take {len(mine)} bytes pickled, over the 2 GiB "
+            "one exchange takes; build fewer at once"
+        )
     sizes = multihost_utils.process_allgather(np.array(len(mine), np.int32))  # [N]
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[: len(mine)] = mine
-    shares = [pickle.loads(row[:size].tobytes())
-              for row, size in zip(multihost_utils.process_allgather(padded), sizes)]  # [N, most]
+    shares = [
+        pickle.loads(row[:size].tobytes()) for row, size in zip(multihost_utils.process_allgather(padded), sizes)
+    ]  # [N, most]
     return [shares[j % n][j // n] for j in range(len(units))]
 
 
@@ -130,12 +139,17 @@ def launch(command: list[str], processes: int, log=print) -> int:
         raise ValueError(f"processes must be an int >= 2, got {processes!r}")
     address = f"localhost:{_free_port()}"
     errors = {i: tempfile.TemporaryFile() for i in range(1, processes)}  # process 0 writes to the terminal
-    stop = lambda signum, _: sys.exit(128 + signum)  # noqa: E731  (so that `finally` stops the processes)
+    stop = lambda signum, _: sys.exit(128 + signum)  # so that `finally` stops the processes
     handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    started = [subprocess.Popen([sys.executable, *command], env=os.environ | {ENV: f"{i}/{processes}",
-                                                                            "JAX_COORDINATOR_ADDRESS": address},
-                                stdout=None if i == 0 else subprocess.DEVNULL, stderr=errors.get(i))
-               for i in range(processes)]
+    started = [
+        subprocess.Popen(
+            [sys.executable, *command],
+            env=os.environ | {ENV: f"{i}/{processes}", "JAX_COORDINATOR_ADDRESS": address},
+            stdout=None if i == 0 else subprocess.DEVNULL,
+            stderr=errors.get(i),
+        )
+        for i in range(processes)
+    ]
     try:
         while True:
             codes = [p.poll() for p in started]
@@ -144,8 +158,10 @@ def launch(command: list[str], processes: int, log=print) -> int:
                 code = codes[failed] if codes[failed] > 0 else 128 - codes[failed]
                 if failed:
                     errors[failed].seek(0)
-                    log(f"process {failed} of {processes} failed (exit code {code}):\n"
-                        + errors[failed].read().decode(errors="backslashreplace")[-4000:])
+                    log(
+                        f"process {failed} of {processes} failed (exit code {code}):\n"
+                        + errors[failed].read().decode(errors="backslashreplace")[-4000:]
+                    )
                 return code
             if all(code == 0 for code in codes):
                 return 0

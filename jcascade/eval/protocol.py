@@ -44,8 +44,18 @@ def padded(rows: Sequence[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarr
     return tokens, np.array([len(ids) for ids in rows], np.int32)
 
 
-def generate(model, policy, prompts: Sequence[np.ndarray], question_starts: Sequence[int], protocol: str, *,
-             width: int, question_width: int, max_new_tokens: int, eos_id: int | None) -> np.ndarray:
+def generate(
+    model,
+    policy,
+    prompts: Sequence[np.ndarray],
+    question_starts: Sequence[int],
+    protocol: str,
+    *,
+    width: int,
+    question_width: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+) -> np.ndarray:
     """Greedy continuations int32 [B, max_new_tokens] of B prompts (int [n_b] each, n_b <= width) under `protocol`.
     query-aware: the prompts, right-padded to [B, width], are `jc.generate`'s tokens. query-agnostic: each
     prompt[:question_start] is its row's context ([B, width] with context_lengths) and prompt[question_start:]
@@ -62,9 +72,14 @@ def generate(model, policy, prompts: Sequence[np.ndarray], question_starts: Sequ
     starts = [int(q) for q in question_starts]
     bad = [q for p, q in zip(prompts, starts) if not 0 < q < len(p) or len(p) - q > question_width]
     if bad or len(starts) != len(prompts):
-        raise ValueError(f"question_starts must split each prompt into a context and a question of at most "
-                         f"question_width={question_width} tokens, got {starts}")
+        raise ValueError(
+            f"question_starts must split each prompt into a context and a question of at most "
+            f"question_width={question_width} tokens, got {starts}"
+        )
     context, context_lengths = padded([p[:q] for p, q in zip(prompts, starts)], width)
     questions, lengths = padded([p[q:] for p, q in zip(prompts, starts)], question_width)
-    return np.asarray(jc.generate(model, questions, policy, lengths=lengths, context=context,
-                                  context_lengths=context_lengths, **options))
+    return np.asarray(
+        jc.generate(
+            model, questions, policy, lengths=lengths, context=context, context_lengths=context_lengths, **options
+        )
+    )

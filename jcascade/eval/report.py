@@ -59,7 +59,7 @@ def policy_specs(policies, context_lengths: Sequence[int] = ()) -> dict:
     as `passkey.sweep` and `ruler.sweep` take): {label: spec}, or {label: {str(length): spec}} for a function,
     at each of `context_lengths`. Specs are `jcascade.policies.spec`'s (parse_policy reads each back, so a run
     can be replayed from its JSON); a value that is already a str (a spec read from a report) is kept."""
-    write = lambda policy: policy if isinstance(policy, str) else spec(policy)  # noqa: E731
+    write = lambda policy: policy if isinstance(policy, str) else spec(policy)
     if not callable(policies):
         return {label: write(policy) for label, policy in policies.items()}
     if not context_lengths:
@@ -72,14 +72,17 @@ def _check_results(results, kind: type, made_by: str, empty_ok: bool = False) ->
     """`results` as a list: a sequence of `kind` (what `made_by` returns), non-empty unless `empty_ok`, else a
     TypeError or ValueError naming the argument."""
     if isinstance(results, str | bytes | Mapping) or not isinstance(results, Sequence):
-        raise TypeError(f"results must be a sequence of {kind.__name__} (as {made_by} returns), got "
-                        f"{type(results).__name__}")
+        raise TypeError(
+            f"results must be a sequence of {kind.__name__} (as {made_by} returns), got {type(results).__name__}"
+        )
     if not results and not empty_ok:
         raise ValueError(f"results is empty: a report needs at least one {kind.__name__} (as {made_by} returns)")
     strangers = [r for r in results if not isinstance(r, kind)]
     if strangers:
-        raise TypeError(f"results must hold {kind.__name__}s (as {made_by} returns), got a "
-                        f"{type(strangers[0]).__name__}: {strangers[0]!r:.80}")
+        raise TypeError(
+            f"results must hold {kind.__name__}s (as {made_by} returns), got a "
+            f"{type(strangers[0]).__name__}: {strangers[0]!r:.80}"
+        )
     return list(results)
 
 
@@ -131,8 +134,9 @@ def baseline_label(policies: Mapping, baseline: str | None) -> str:
     return baseline
 
 
-def passkey(results: Sequence[passkey_eval.PasskeyResult], policies, *, baseline: str | None = None,
-            run: Mapping | None = None) -> dict:
+def passkey(
+    results: Sequence[passkey_eval.PasskeyResult], policies, *, baseline: str | None = None, run: Mapping | None = None
+) -> dict:
     """The report of a passkey sweep (`passkey.sweep`; policies as swept, written by `policy_specs`): accuracy per
     policy and context length, per depth bucket, paired differences to `baseline` (default: the first
     policy) per length and over all, a verdict per policy, retention when recorded, every trial. run: what
@@ -147,47 +151,70 @@ def passkey(results: Sequence[passkey_eval.PasskeyResult], policies, *, baseline
         **dict(run or {}),
         "policies": policies,
         "baseline": baseline,
-        "prompts": {str(n): sum(1 for r in results if r.policy == baseline and r.context_length == n)
-                    for n in _lengths(results)},
+        "prompts": {
+            str(n): sum(1 for r in results if r.policy == baseline and r.context_length == n) for n in _lengths(results)
+        },
         "accuracy": _estimates(passkey_eval.estimates(results)),
-        "accuracy_by_bucket": {label: {str(n): {str(b): a for b, a in t.items()} for n, t in v.items()}
-                               for label, v in by_bucket.items()},
+        "accuracy_by_bucket": {
+            label: {str(n): {str(b): a for b, a in t.items()} for n, t in v.items()} for label, v in by_bucket.items()
+        },
         "differences": _estimates(differences),
         "verdicts": {label: stats.verdict_word(d["all"], "better") for label, d in differences.items()},
         "retention": _estimates(passkey_eval.retention_estimates(results)) if retained else None,
-        "retention_by_layer": ({label: {str(n): layers for n, layers in v.items()}
-                                for label, v in passkey_eval.retention_by_layer(results).items()} if retained else None),
+        "retention_by_layer": (
+            {
+                label: {str(n): layers for n, layers in v.items()}
+                for label, v in passkey_eval.retention_by_layer(results).items()
+            }
+            if retained
+            else None
+        ),
         "results": [dataclasses.asdict(r) for r in results],
     }
 
 
 def _grid(table: Mapping, counts: Mapping[str, int], labels: Sequence[str]) -> list[str]:
     """Rows: context lengths with their n; columns: policies' "value [low, high]"."""
-    cells = {(label, n): _estimate(table[label][n]).format() if n in table.get(label, {}) else "-"
-             for label in labels for n in counts}
+    cells = {
+        (label, n): _estimate(table[label][n]).format() if n in table.get(label, {}) else "-"
+        for label in labels
+        for n in counts
+    }
     width = max(len(text) for text in [*labels, *cells.values()]) + 2
     rows = ["context".rjust(7) + "n".rjust(6) + "".join(label.rjust(width) for label in labels)]
-    return rows + [f"{int(n):7d}{count:6d}" + "".join(cells[label, n].rjust(width) for label in labels)
-                   for n, count in counts.items()]
+    return rows + [
+        f"{int(n):7d}{count:6d}" + "".join(cells[label, n].rjust(width) for label in labels)
+        for n, count in counts.items()
+    ]
 
 
 def passkey_text(report: Mapping) -> str:
     """The printed tables of a passkey report: accuracy with 95 % intervals and n per context length, by key
     depth, retention (if recorded), then the paired differences and verdicts."""
     labels, counts = list(report["policies"]), report["prompts"]
-    lines = ["per-digit accuracy (random digits: 0.10) [95 % interval], n prompts per policy and length:",
-             *_grid(report["accuracy"], counts, labels)]
+    lines = [
+        "per-digit accuracy (random digits: 0.10) [95 % interval], n prompts per policy and length:",
+        *_grid(report["accuracy"], counts, labels),
+    ]
     buckets = len(next(iter(next(iter(report["accuracy_by_bucket"].values())).values())))
     per_cell = "/".join(sorted({str(n // buckets) for n in counts.values()}))
-    lines += ["", f"by key depth (n={per_cell} per cell):".ljust(30) + " ".join(
-        f"{100 * b // buckets}-{100 * (b + 1) // buckets}%".rjust(7) for b in range(buckets))]
+    lines += [
+        "",
+        f"by key depth (n={per_cell} per cell):".ljust(30)
+        + " ".join(f"{100 * b // buckets}-{100 * (b + 1) // buckets}%".rjust(7) for b in range(buckets)),
+    ]
     for label, by_length in report["accuracy_by_bucket"].items():
         for n, cells in by_length.items():
-            lines.append(f"{label[:21]:>21} {int(n):7d}  " + " ".join(f"{cells.get(str(b), np.nan):7.2f}"
-                                                                   for b in range(buckets)))
+            lines.append(
+                f"{label[:21]:>21} {int(n):7d}  "
+                + " ".join(f"{cells.get(str(b), np.nan):7.2f}" for b in range(buckets))
+            )
     if report.get("retention"):
-        lines += ["", "key tokens the question sees (mean over layers and KV heads; 1 = all held):",
-                  *_grid(report["retention"], counts, labels)]
+        lines += [
+            "",
+            "key tokens the question sees (mean over layers and KV heads; 1 = all held):",
+            *_grid(report["retention"], counts, labels),
+        ]
     lines += ["", *difference_lines(report, "accuracy")]
     return "\n".join(lines)
 
@@ -205,8 +232,14 @@ def difference_lines(report: Mapping, measure: str) -> list[str]:
     return lines
 
 
-def perplexity(results: Sequence[perplexity_eval.BookPerplexity], policies: Mapping[str, object], *,
-               skipped: Sequence[str] = (), baseline: str | None = None, run: Mapping | None = None) -> dict:
+def perplexity(
+    results: Sequence[perplexity_eval.BookPerplexity],
+    policies: Mapping[str, object],
+    *,
+    skipped: Sequence[str] = (),
+    baseline: str | None = None,
+    run: Mapping | None = None,
+) -> dict:
     """The report of `perplexity.perplexity`: per policy over all books (with the position curve), per book,
     paired differences to `baseline` (default: the first policy) over the first N tokens and whole
     streams, and a verdict per policy (lower perplexity is better)."""
@@ -222,8 +255,9 @@ def perplexity(results: Sequence[perplexity_eval.BookPerplexity], policies: Mapp
         "summary": perplexity_eval.summary(list(results)),
         "differences": _estimates(differences),
         "verdicts": {label: stats.verdict_word(d["all"], "worse") for label, d in differences.items()},
-        "books": [dataclasses.asdict(r) | {"perplexity": r.perplexity, "interval": r.interval().as_dict()}
-                  for r in results],
+        "books": [
+            dataclasses.asdict(r) | {"perplexity": r.perplexity, "interval": r.interval().as_dict()} for r in results
+        ],
     }
 
 
@@ -233,14 +267,20 @@ def perplexity_text(report: Mapping) -> str:
     labels, summary = list(report["policies"]), report["summary"]
     cells = {(b["book"], b["policy"]): _estimate(b["interval"]).format(n=True) for b in report["books"]}
     books = list(dict.fromkeys(b["book"] for b in report["books"]))
-    rows = [(book[:27], next(b["tokens"] for b in report["books"] if b["book"] == book), [cells[book, k] for k in labels])
-            for book in books]
-    rows.append(("all", summary[labels[0]]["tokens"], [_estimate(summary[k]["interval"]).format(n=True) for k in labels]))
+    rows = [
+        (book[:27], next(b["tokens"] for b in report["books"] if b["book"] == book), [cells[book, k] for k in labels])
+        for book in books
+    ]
+    rows.append(
+        ("all", summary[labels[0]]["tokens"], [_estimate(summary[k]["interval"]).format(n=True) for k in labels])
+    )
     width = max(len(text) for text in [*labels, *(c for row in rows for c in row[2])]) + 2
     lines = ["book".ljust(28) + "tokens".rjust(9) + "".join(label.rjust(width) for label in labels)]
     lines += [name.ljust(28) + f"{tokens:9d}" + "".join(c.rjust(width) for c in row) for name, tokens, row in rows]
-    lines += [f"(perplexity [95 % interval] n=blocks of {report['books'][0]['block']} tokens: a bootstrap over "
-              "blocks)", ""]
+    lines += [
+        f"(perplexity [95 % interval] n=blocks of {report['books'][0]['block']} tokens: a bootstrap over blocks)",
+        "",
+    ]
     if report["skipped"]:
         lines += [f"skipped (not longer than the largest cache): {', '.join(report['skipped'])}", ""]
     return "\n".join(lines + difference_lines(report, "perplexity"))
@@ -264,8 +304,10 @@ def ruler(results: Sequence, policies, *, baseline: str | None = None, run: Mapp
     for (label, task, n), mine in cells.items():
         scores.setdefault(label, {}).setdefault(task, {})[n] = stats.mean([r.score for r in mine], bounds=(0, 1))
     average, differences = {}, {}
-    by_prompt = {label: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == label}
-                 for label in policies}
+    by_prompt = {
+        label: {(r.task, r.context_length, r.index): r.score for r in results if r.policy == label}
+        for label in policies
+    }
     for label, mine in by_prompt.items():
         if label != baseline:
             stats.shared_units(mine, by_prompt[baseline], label, baseline, "prompt")
@@ -277,15 +319,20 @@ def ruler(results: Sequence, policies, *, baseline: str | None = None, run: Mapp
             shared = [k for k in keys if k in by_prompt[baseline]]
             if label != baseline and shared:
                 differences.setdefault(label, {})[n] = stats.paired_difference(
-                    [mine[k] for k in shared], [by_prompt[baseline][k] for k in shared], bounds=(0, 1),
-                    strata=[k[:2] if n == "all" else k[0] for k in shared])
+                    [mine[k] for k in shared],
+                    [by_prompt[baseline][k] for k in shared],
+                    bounds=(0, 1),
+                    strata=[k[:2] if n == "all" else k[0] for k in shared],
+                )
     return {
         **dict(run or {}),
         "policies": policies,
         "baseline": baseline,
         "prompts": {str(n): sum(1 for r in results if r.policy == baseline and r.context_length == n) for n in lengths},
-        "scores": {label: {task: {str(n): e.as_dict() for n, e in t.items()} for task, t in v.items()}
-                   for label, v in scores.items()},
+        "scores": {
+            label: {task: {str(n): e.as_dict() for n, e in t.items()} for task, t in v.items()}
+            for label, v in scores.items()
+        },
         "average": _estimates(average),
         "differences": _estimates(differences),
         "verdicts": {label: stats.verdict_word(d["all"], "better") for label, d in differences.items()},
@@ -297,8 +344,11 @@ def ruler_text(report: Mapping) -> str:
     """The printed tables of a RULER report: the average over tasks per length and policy (95 % interval, n
     prompts), each task's score per policy (pooled over lengths), then the paired differences and verdicts."""
     labels = list(report["policies"])
-    lines = ["RULER average over tasks (string_match_all, 0-1) [95 % interval], n prompts per policy and length:",
-             *_grid(report["average"], report["prompts"], labels), ""]
+    lines = [
+        "RULER average over tasks (string_match_all, 0-1) [95 % interval], n prompts per policy and length:",
+        *_grid(report["average"], report["prompts"], labels),
+        "",
+    ]
     tasks = list(dict.fromkeys(t for v in report["scores"].values() for t in v))
     width = max(len(label) for label in labels) + 2
     n = "/".join(sorted({str(e["n"]) for v in report["scores"].values() for t in v.values() for e in t.values()}))
@@ -313,14 +363,19 @@ def attention_map(maps: Mapping, policies: Mapping[str, object], *, run: Mapping
     """The report of `attention_map.record` per policy (label -> AttentionMap): what each cache holds."""
     from jcascade.eval import attention_map as amap
 
-    return {**dict(run or {}), "policies": policy_specs(policies),
-            "maps": {label: amap.summary(m, getattr(policies[label], "sinks", 0)) for label, m in maps.items()}}
+    return {
+        **dict(run or {}),
+        "policies": policy_specs(policies),
+        "maps": {label: amap.summary(m, getattr(policies[label], "sinks", 0)) for label, m in maps.items()},
+    }
 
 
 def attention_map_text(report: Mapping) -> str:
-    return "\n".join(f"  {label}: before the last chunk (position {s['last_chunk_start']}) the cache holds "
-                     f"{s['held']} tokens, the oldest past the sinks at position {s['oldest_non_sink']}"
-                     for label, s in report["maps"].items())
+    return "\n".join(
+        f"  {label}: before the last chunk (position {s['last_chunk_start']}) the cache holds "
+        f"{s['held']} tokens, the oldest past the sinks at position {s['oldest_non_sink']}"
+        for label, s in report["maps"].items()
+    )
 
 
 def summary(report: Mapping) -> dict:

@@ -52,20 +52,30 @@ from jcascade.eval.texts import distinct
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
-NIAH = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "
-        "about the {kind} afterwards.\n{context}\nWhat are all the special magic {kind} for {query} mentioned in the "
-        "provided text?")
+NIAH = (
+    "Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "
+    "about the {kind} afterwards.\n{context}\nWhat are all the special magic {kind} for {query} mentioned in the "
+    "provided text?"
+)
 NIAH_PREFIX = " The special magic {kind} for {query} mentioned in the provided text are"
-VT = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-      "Question: Find all variables that are assigned the value {query} in the text above.")
-VT_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {count} variables are "
-             "assgined the value {query}, they are: ")  # sic: RULER's spelling, kept so that prompts match
-CWE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
-       "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?")
+VT = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above."
+)
+VT_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, {count} variables are "
+    "assgined the value {query}, they are: "
+)  # sic: RULER's spelling, kept so that prompts match
+CWE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
+    "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"
+)
 CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
-FWE = ("Read the following coded text and track the frequency of each coded word. Find the three most frequently "
-       "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
-       "What are the three most frequently appeared words in the above coded text?")
+FWE = (
+    "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+    "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
+    "What are the three most frequently appeared words in the above coded text?"
+)
 FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 ZETA_2 = math.pi**2 / 6  # sum of k^-2, fwe's Zipf normaliser for alpha = 2
 
@@ -140,8 +150,9 @@ def string_match_all(output: str, answers: Sequence[str]) -> float:
     if not isinstance(output, str):
         raise TypeError(f"output must be the generated text (a str), got {type(output).__name__}")
     if isinstance(answers, str | bytes) or not isinstance(answers, Sequence):
-        raise TypeError(f"answers must be a sequence of expected strings (e.g. [{answers!r:.40}]), got "
-                        f"{type(answers).__name__}")
+        raise TypeError(
+            f"answers must be a sequence of expected strings (e.g. [{answers!r:.40}]), got {type(answers).__name__}"
+        )
     if not answers:
         raise ValueError("answers must name at least one expected string")
     if not all(isinstance(a, str) for a in answers):
@@ -183,15 +194,22 @@ def _niah(task: Task, units: int, rng: np.random.Generator, lists: dict, prose: 
     values_kind = task.values
     num_keys = max(task.num_keys, task.num_queries)
     keys = [_value(keys_kind, rng, lists["adjective"], lists["noun"]) for _ in range(num_keys)]
-    values = [[_value(values_kind, rng, lists["adjective"], lists["noun"]) for _ in range(task.num_values)]
-              for _ in keys]
+    values = [
+        [_value(values_kind, rng, lists["adjective"], lists["noun"]) for _ in range(task.num_values)] for _ in keys
+    ]
     needles = [NEEDLE.format(kind=values_kind, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
     rng.shuffle(needles)
     if task.haystack == "prose":
         haystack, sep = prose[:units], " "
     elif task.haystack == "needle":
-        haystack = [NEEDLE.format(kind=values_kind, key=_value(keys_kind, rng, lists["adjective"], lists["noun"]),
-                                  value=_value(values_kind, rng, lists["adjective"], lists["noun"])) for _ in range(units)]
+        haystack = [
+            NEEDLE.format(
+                kind=values_kind,
+                key=_value(keys_kind, rng, lists["adjective"], lists["noun"]),
+                value=_value(values_kind, rng, lists["adjective"], lists["noun"]),
+            )
+            for _ in range(units)
+        ]
         sep = "\n"
     else:
         haystack, sep = [NOISE] * units, "\n"
@@ -201,7 +219,9 @@ def _niah(task: Task, units: int, rng: np.random.Generator, lists: dict, prose: 
     query = keys[asked[0]] if len(asked) == 1 else ", ".join(keys[i] for i in asked[:-1]) + ", and " + keys[asked[-1]]
     template, prefix, kind = NIAH, NIAH_PREFIX, values_kind
     if task.num_queries * task.num_values == 1:  # RULER asks for one value in the singular
-        template, prefix = (t.replace("Some", "A").replace("are all", "is").replace("are", "is") for t in (NIAH, NIAH_PREFIX))
+        template, prefix = (
+            t.replace("Some", "A").replace("are all", "is").replace("are", "is") for t in (NIAH, NIAH_PREFIX)
+        )
         kind = values_kind[:-1]
     head = template.format(kind=kind, context="", query=query).split("\n")[0] + "\n"
     text = template.format(kind=kind, context=context, query=query)
@@ -229,8 +249,11 @@ def _vt_instance(units: int, rng: np.random.Generator, name_length: int):
 
 def _vt(task: Task, units: int, rng: np.random.Generator, lists: dict, prose, context_length: int):
     example_context, _, example_value, example_names = _vt_instance(8, rng, 3)
-    example = (VT.format(context=example_context, query=example_value)
-               + VT_PREFIX.format(count=5, query=example_value) + " ".join(example_names))
+    example = (
+        VT.format(context=example_context, query=example_value)
+        + VT_PREFIX.format(count=5, query=example_value)
+        + " ".join(example_names)
+    )
     context, placed, value, names = _vt_instance(units, rng, 5)
     head = example + "\n\n" + VT.format(context="", query=value).split("\n\n")[0] + "\n\n"
     text = example + "\n\n" + VT.format(context=context, query=value)
@@ -250,8 +273,11 @@ def _cwe(task: Task, units: int, rng: np.random.Generator, lists: dict, prose, c
     vocabulary = lists["cwe"]
     short = context_length < 4096  # RULER's smaller lists below 4K tokens
     example_context, example_answers = _cwe_list(20 if short else 40, rng, vocabulary, *((3, 1) if short else (10, 3)))
-    example = (CWE.format(context=example_context) + CWE_PREFIX
-               + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_answers)))
+    example = (
+        CWE.format(context=example_context)
+        + CWE_PREFIX
+        + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_answers))
+    )
     context, answers = _cwe_list(max(units, 11), rng, vocabulary, *((6, 1) if short else (30, 3)))
     return example + "\n" + CWE.format(context=context), CWE_PREFIX, answers, ()
 
@@ -282,12 +308,17 @@ class Generator:
         if prose is not None and not isinstance(prose, str):
             raise TypeError(f"prose must be text (a str; decode bytes first) or None, got {type(prose).__name__}")
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("tokenizer: RULER's prompts find where their question starts from the tokenizer's "
-                             "character offsets, which only a fast (Rust-backed) Hugging Face tokenizer gives")
+            raise ValueError(
+                "tokenizer: RULER's prompts find where their question starts from the tokenizer's "
+                "character offsets, which only a fast (Rust-backed) Hugging Face tokenizer gives"
+            )
         self.tokenizer = tokenizer
         nouns, adjectives = words("noun"), words("adjective")
-        self.lists = {"noun": nouns, "adjective": adjectives,
-                      "cwe": sorted(set(nouns) | set(adjectives) | set(words("verb")))}
+        self.lists = {
+            "noun": nouns,
+            "adjective": adjectives,
+            "cwe": sorted(set(nouns) | set(adjectives) | set(words("verb"))),
+        }
         self.prose = sentences(prose) if prose is not None else None
         if self.prose == []:
             raise ValueError("prose: the prose haystack holds no text (an empty book?)")
@@ -298,9 +329,12 @@ class Generator:
         characters end after the start of the question (the text's last line) in the templated prompt."""
         tok = self.tokenizer
         chat = bool(getattr(tok, "chat_template", None))
-        head = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                       tokenize=False) if chat else text
-        at = head.rindex(text[text.rindex("\n") + 1:])  # the question, at the end of the user message
+        head = (
+            tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            if chat
+            else text
+        )
+        at = head.rindex(text[text.rindex("\n") + 1 :])  # the question, at the end of the user message
         encoded = tok(head + prefix, add_special_tokens=not chat, return_offsets_mapping=True)
         start = next(i for i, (_, end) in enumerate(encoded["offset_mapping"]) if end > at)
         return np.asarray(encoded["input_ids"], np.int32), start
@@ -310,7 +344,9 @@ class Generator:
         draws depend on the seed, length, index and task alone, the same for every unit count)."""
         spec = TASKS[task]
         rng = np.random.default_rng([seed, context_length, index, list(TASKS).index(task)])
-        text, prefix, answers, needles = _GENERATORS[spec.family](spec, units, rng, self.lists, self.prose, context_length)
+        text, prefix, answers, needles = _GENERATORS[spec.family](
+            spec, units, rng, self.lists, self.prose, context_length
+        )
         ids, question_start = self._prompt(text, prefix)
         return Sample(task, context_length, index, text, prefix, ids, answers, needles, question_start)
 
@@ -331,12 +367,16 @@ class Generator:
         build = functools.partial(self.build, task, context_length, index, seed)
         best = build(1)
         if len(best.prompt) > budget:
-            raise ValueError(f"context_length={context_length} is too short for {task}: its smallest prompt takes "
-                             f"{len(best.prompt)} tokens + {spec.tokens_to_generate} to generate")
+            raise ValueError(
+                f"context_length={context_length} is too short for {task}: its smallest prompt takes "
+                f"{len(best.prompt)} tokens + {spec.tokens_to_generate} to generate"
+            )
         # The units that exist: the prose's sentences, cwe's words; else as many as `budget` tokens can hold: each
         # unit adds a token (a sentence, a line; fwe's a coded word every ZETA_2 = 1.64 units), so a prompt of
         # more would not fit, and no text built here is longer.
-        haystack = "sentences of the prose" if spec.needs_prose else "words of cwe's list" if spec.family == "cwe" else ""
+        haystack = (
+            "sentences of the prose" if spec.needs_prose else "words of cwe's list" if spec.family == "cwe" else ""
+        )
         most = len(self.prose) if spec.needs_prose else len(self.lists["cwe"]) if haystack else 2 * budget + 2
         # The largest unit count whose prompt fits (prompt tokens grow with units, so it is one count, whatever
         # the search's path): `low` units fit, `high` do not (None: not found yet). The first guess is the last
@@ -368,9 +408,11 @@ class Generator:
                 high = units
         self._last_units[task, context_length] = low
         if not best.answers:
-            raise ValueError(f"context_length={context_length} is too short for {task}: its largest prompt "
-                             f"({len(best.prompt)} tokens) holds too few words to define the answers (fwe: three "
-                             "coded words each more frequent than every other); use a longer context")
+            raise ValueError(
+                f"context_length={context_length} is too short for {task}: its largest prompt "
+                f"({len(best.prompt)} tokens) holds too few words to define the answers (fwe: three "
+                "coded words each more frequent than every other); use a longer context"
+            )
         return best
 
     @staticmethod
@@ -382,20 +424,36 @@ class Generator:
         budget, filled = context_length - spec.tokens_to_generate, tokens[most]
         per_unit = (filled - tokens[1]) / (most - 1) if most > 1 else 0
         if not haystack:
-            raise ValueError(f"{task} at context_length={context_length}: the search for the prompt's size cannot "
-                             f"converge: {most} units make a prompt of {filled} tokens (1 unit: {tokens[1]}), still "
-                             f"under the {budget} it may take; the tokenizer folds the units' text")
+            raise ValueError(
+                f"{task} at context_length={context_length}: the search for the prompt's size cannot "
+                f"converge: {most} units make a prompt of {filled} tokens (1 unit: {tokens[1]}), still "
+                f"under the {budget} it may take; the tokenizer folds the units' text"
+            )
         if budget - filled >= per_unit:
-            raise ValueError(f"{task} at context_length={context_length}: all {most} {haystack} make a prompt of "
-                             f"{filled} tokens + {spec.tokens_to_generate} to generate, short of the "
-                             f"{context_length} asked; use shorter contexts"
-                             + (" or a longer prose text (--book)" if spec.needs_prose else ""))
+            raise ValueError(
+                f"{task} at context_length={context_length}: all {most} {haystack} make a prompt of "
+                f"{filled} tokens + {spec.tokens_to_generate} to generate, short of the "
+                f"{context_length} asked; use shorter contexts"
+                + (" or a longer prose text (--book)" if spec.needs_prose else "")
+            )
 
 
 # ---- evaluation: every policy at one budget ------------------------------------------------------------------
 
-POLICIES = ("full", "sink", "cascade", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "adakv",
-            "expectedattention", "kvzip", "kvzip-head")  # the names `policies_at` knows
+POLICIES = (
+    "full",
+    "sink",
+    "cascade",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "tova",
+    "knorm",
+    "adakv",
+    "expectedattention",
+    "kvzip",
+    "kvzip-head",
+)  # the names `policies_at` knows
 DEFAULT_POLICIES = POLICIES[:6]  # the command's default grid
 
 
@@ -408,7 +466,7 @@ def _names(text: str, known, what: str) -> list[str]:
 
 
 def task_list(text: str) -> list[str]:
-    """"niah_single_1,vt" -> the task names; "all" -> every task. Raises ValueError naming the known ones, or
+    """ "niah_single_1,vt" -> the task names; "all" -> every task. Raises ValueError naming the known ones, or
     a task given twice (n counts each task's prompts once)."""
     return list(TASKS) if text.strip() == "all" else _names(text, TASKS, "tasks")
 
@@ -427,8 +485,9 @@ def policy_list(text: str) -> list:
         raise ValueError(f"{e}, or a spec NAME:FIELD=VALUE,...") from None
 
 
-def policy_grid(policies: Sequence, budgets: Sequence[float], tokenizer=None,
-                kv_dtypes: Sequence[str] = ("model",)) -> Callable[[int], dict[str, object]]:
+def policy_grid(
+    policies: Sequence, budgets: Sequence[float], tokenizer=None, kv_dtypes: Sequence[str] = ("model",)
+) -> Callable[[int], dict[str, object]]:
     """A sweep's policies as a function of the context length (`sweep`'s `policies`), in the order given: each
     name of `POLICIES` at every budget and KV storage format (`policies_at`: scaled with the budget and the
     length), each policy object as it is at every length (labelled by `Policy.label`, as `report.labelled`).
@@ -443,26 +502,36 @@ def policy_grid(policies: Sequence, budgets: Sequence[float], tokenizer=None,
     def at(context_length: int) -> dict[str, object]:
         fixed, grid = iter(given), {}
         for entry in policies:
-            mine = (dict([next(fixed)]) if not isinstance(entry, str) else
-                    {k: v for b in budgets for d in kv_dtypes
-                     for k, v in policies_at([entry], b, context_length, tokenizer, d).items()})
+            mine = (
+                dict([next(fixed)])
+                if not isinstance(entry, str)
+                else {
+                    k: v
+                    for b in budgets
+                    for d in kv_dtypes
+                    for k, v in policies_at([entry], b, context_length, tokenizer, d).items()
+                }
+            )
             if set(mine) & set(grid):
-                raise ValueError(f"policies: two policies are labelled {sorted(set(mine) & set(grid))[0]!r}; "
-                                 "each label names one policy")
+                raise ValueError(
+                    f"policies: two policies are labelled {sorted(set(mine) & set(grid))[0]!r}; "
+                    "each label names one policy"
+                )
             grid |= mine
         return grid
+
     return at
 
 
 def kv_dtype_list(text: str) -> list[str]:
-    """"model,int8" -> KV storage formats (`jcascade.pallas_kernels.quantization.KV_DTYPES`), each once."""
+    """ "model,int8" -> KV storage formats (`jcascade.pallas_kernels.quantization.KV_DTYPES`), each once."""
     from jcascade.pallas_kernels.quantization import KV_DTYPES
 
     return _names(text, KV_DTYPES, "kv_dtypes")
 
 
 def budget_list(text: str) -> list[float]:
-    """"0.25,0.5" or "2048,4096" -> budgets (fractions of the context, or token counts), each once."""
+    """ "0.25,0.5" or "2048,4096" -> budgets (fractions of the context, or token counts), each once."""
     try:
         budgets = [float(b) for b in text.split(",")]
     except ValueError:
@@ -483,15 +552,16 @@ def budget_slots(budget: float, context_length: int) -> int:
     return slots
 
 
-def policies_at(names: Sequence[str], budget: float, context_length: int, tokenizer=None,
-                kv_dtype: str = "model") -> dict[str, object]:
+def policies_at(
+    names: Sequence[str], budget: float, context_length: int, tokenizer=None, kv_dtype: str = "model"
+) -> dict[str, object]:
     """{label: policy} for each policy name (`POLICIES`) keeping `budget_slots(budget, context_length)` KV slots
-    per KV head, stored as `kv_dtype` (the policies' field; labels name a format other than "model"): Sink 64
-    sinks + the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half recent; TOVA all of them;
-    SnapKV, PyramidKV, KNorm, ExpectedAttention and KVzip their budget (SnapKV's window 32, PyramidKV's 8; KVzip's
-    reconstruction prompts in `tokenizer`'s tokens, which it needs; `kvzip` ranks every layer and KV head's tokens
-    together, as the paper and kvpress do, `kvzip-head` keeps the budget in each KV head); AdaKV SnapKV's budget on average over a
-    layer's heads. Streaming policies prefill in chunks of half their slots (at most 2048); labels name the budget
+    per KV head, stored as `kv_dtype` (the policies' field; labels name a format other than "model"): Sink 64 sinks +
+    the rest as window; Cascade 64 sinks + 4 cascades; H2O half heavy, half recent; TOVA all of them; SnapKV, PyramidKV,
+    KNorm, ExpectedAttention and KVzip their budget (SnapKV's window 32, PyramidKV's 8; KVzip's reconstruction prompts
+    in `tokenizer`'s tokens, which it needs; `kvzip` ranks every layer and KV head's tokens together, as the paper and
+    kvpress do, `kvzip-head` keeps the budget in each KV head); AdaKV SnapKV's budget on average over a layer's heads.
+    Streaming policies prefill in chunks of half their slots (at most 2048); labels name the budget
     ("Cascade 25%", "Cascade 12.5%", "Cascade 2048"), so distinct budgets label apart. Each name once."""
     import jcascade as jc
     from jcascade.eval.report import with_format
@@ -502,19 +572,20 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
     slots = budget_slots(budget, context_length)
     tag = f"{budget * 100:g}%" if budget < 1 else str(int(budget))
     stride, kw = min(2048, slots // 2), {"kv_dtype": kv_dtype}
-    make = {"full": lambda: jc.Full(stride=2048, **kw),
-            "sink": lambda: jc.Sink(window=slots - 64, sinks=64, stride=stride, **kw),
-            "cascade": lambda: jc.Cascade(cache_size=(slots - 64) // 4 * 4, sinks=64, num_cascades=4, stride=stride,
-                                          **kw),
-            "h2o": lambda: jc.H2O(heavy=slots // 2, recent=slots - slots // 2, stride=stride, **kw),
-            "snapkv": lambda: jc.SnapKV(budget=slots, stride=2048, **kw),
-            "pyramidkv": lambda: jc.PyramidKV(budget=slots, stride=2048, **kw),
-            "tova": lambda: jc.TOVA(cache_size=slots, stride=stride, **kw),
-            "knorm": lambda: jc.KNorm(budget=slots, stride=2048, **kw),
-            "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048, **kw)),
-            "expectedattention": lambda: jc.ExpectedAttention(budget=slots, stride=2048, **kw),
-            "kvzip": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, allocation="global", stride=2048, **kw),
-            "kvzip-head": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, allocation="head", stride=2048, **kw)}
+    make = {
+        "full": lambda: jc.Full(stride=2048, **kw),
+        "sink": lambda: jc.Sink(window=slots - 64, sinks=64, stride=stride, **kw),
+        "cascade": lambda: jc.Cascade(cache_size=(slots - 64) // 4 * 4, sinks=64, num_cascades=4, stride=stride, **kw),
+        "h2o": lambda: jc.H2O(heavy=slots // 2, recent=slots - slots // 2, stride=stride, **kw),
+        "snapkv": lambda: jc.SnapKV(budget=slots, stride=2048, **kw),
+        "pyramidkv": lambda: jc.PyramidKV(budget=slots, stride=2048, **kw),
+        "tova": lambda: jc.TOVA(cache_size=slots, stride=stride, **kw),
+        "knorm": lambda: jc.KNorm(budget=slots, stride=2048, **kw),
+        "adakv": lambda: jc.AdaKV(jc.SnapKV(budget=slots, stride=2048, **kw)),
+        "expectedattention": lambda: jc.ExpectedAttention(budget=slots, stride=2048, **kw),
+        "kvzip": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, allocation="global", stride=2048, **kw),
+        "kvzip-head": lambda: jc.KVzip.for_tokenizer(tokenizer, slots, allocation="head", stride=2048, **kw),
+    }
     if any(n not in make for n in names):
         raise ValueError(f"policies must be among {list(make)}, got {list(names)}")
     distinct("policies", names)
@@ -522,8 +593,9 @@ def policies_at(names: Sequence[str], budget: float, context_length: int, tokeni
     return {with_format("Full" if n == "full" else f"{p.label.split()[0]} {tag}", p): p for n, p in policies.items()}
 
 
-def plan(generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int], samples: int,
-         seed: int = 0, model=None) -> dict[int, list[Sample]]:
+def plan(
+    generator: Generator, tasks: Sequence[str], context_lengths: Sequence[int], samples: int, seed: int = 0, model=None
+) -> dict[int, list[Sample]]:
     """{context_length: the `samples` samples of every task, task-major} of a sweep, all built, and so checked
     (`Generator.sample` raises for a prompt that cannot fill its context), before any model time is spent.
     Tasks and lengths are each given once (`texts.distinct`: n counts each unit once). Where `model` splits over
@@ -534,9 +606,11 @@ def plan(generator: Generator, tasks: Sequence[str], context_lengths: Sequence[i
     if unknown or not tasks:
         raise ValueError(f"tasks must be a non-empty list of {list(TASKS)}, got {list(tasks)}")
     tasks = distinct("tasks", tasks)
-    build = lambda unit: generator.sample(*unit, seed)  # noqa: E731
-    return {n: built_once(build, [(task, n, i) for task in tasks for i in range(samples)], model)
-            for n in check_context_lengths(context_lengths)}
+    build = lambda unit: generator.sample(*unit, seed)
+    return {
+        n: built_once(build, [(task, n, i) for task in tasks for i in range(samples)], model)
+        for n in check_context_lengths(context_lengths)
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,10 +624,21 @@ class RulerResult:
     score: float  # string_match_all(output, answers)
 
 
-def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
-          context_lengths: Sequence[int], *, tasks: Sequence[str], prose: str | None = None, samples: int = 50,
-          seed: int = 0, batch_size: int = 8, progress: Callable[[int], None] | None = None, checkpointing=None,
-          protocol: str = QUERY_AWARE) -> list[RulerResult]:
+def sweep(
+    model,
+    tokenizer,
+    policies: Mapping[str, object] | Callable[[int], Mapping[str, object]],
+    context_lengths: Sequence[int],
+    *,
+    tasks: Sequence[str],
+    prose: str | None = None,
+    samples: int = 50,
+    seed: int = 0,
+    batch_size: int = 8,
+    progress: Callable[[int], None] | None = None,
+    checkpointing=None,
+    protocol: str = QUERY_AWARE,
+) -> list[RulerResult]:
     """Every task x context length x policy on the same `samples` prompts per task (`Generator(tokenizer,
     prose)`: prose, the text of the prose haystack, for the tasks that need it), greedy as RULER decodes; the
     arguments as `passkey.sweep`'s. The prompts are built and checked first (`plan`: distinct tasks and
@@ -582,11 +667,18 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
     at = policies_by_length(policies, list(planned))
     check(protocol, [p for n in planned for p in at(n).values()], getattr(model, "config", None))
     units = [(label, task, n, i) for n in planned for label in at(n) for task in tasks for i in range(samples)]
-    key = lambda r: (r.policy, r.task, r.context_length, r.index)  # noqa: E731
+    key = lambda r: (r.policy, r.task, r.context_length, r.index)
     with progress_bar(progress, len(units), "RULER", "prompt") as progress:
         results = []
-        found = checkpointing.resume(batch_size=batch_size, protocol=protocol, prompts=prompts_sha256(
-            (s.prompt, s.question_start) for n in planned for s in planned[n])) if checkpointing is not None else None
+        found = (
+            checkpointing.resume(
+                batch_size=batch_size,
+                protocol=protocol,
+                prompts=prompts_sha256((s.prompt, s.question_start) for n in planned for s in planned[n]),
+            )
+            if checkpointing is not None
+            else None
+        )
         if found is not None:
             results = finished(found[1], units, RulerResult, key)
             progress(len(results))
@@ -599,23 +691,40 @@ def sweep(model, tokenizer, policies: Mapping[str, object] | Callable[[int], Map
                 for s, ids in zip(part, out):
                     ids = ids[: TASKS[s.task].tokens_to_generate]
                     text = tokenizer.decode(ids[ids >= 0], skip_special_tokens=True)
-                    results.append(RulerResult(label, s.task, length, s.index, len(s.prompt), text,
-                                               string_match_all(text, s.answers)))
+                    results.append(
+                        RulerResult(
+                            label, s.task, length, s.index, len(s.prompt), text, string_match_all(text, s.answers)
+                        )
+                    )
             pending.clear()
 
         for length, prompts in planned.items():
             question_width = max(len(s.prompt) - s.question_start for s in prompts)
             for label, policy in at(length).items():
                 for first in range(0, len(prompts), batch_size):
-                    part = prompts[first: first + batch_size]
+                    part = prompts[first : first + batch_size]
                     reached += len(part)
                     if reached <= done:
                         continue
                     rows = [part[i % len(part)] for i in range(batch_size)]
-                    pending.append((label, length, part, generate(
-                        model, policy, [s.prompt for s in rows], [s.question_start for s in rows], protocol,
-                        width=length, question_width=question_width, max_new_tokens=longest,
-                        eos_id=tokenizer.eos_token_id)))
+                    pending.append(
+                        (
+                            label,
+                            length,
+                            part,
+                            generate(
+                                model,
+                                policy,
+                                [s.prompt for s in rows],
+                                [s.question_start for s in rows],
+                                protocol,
+                                width=length,
+                                question_width=question_width,
+                                max_new_tokens=longest,
+                                eos_id=tokenizer.eos_token_id,
+                            ),
+                        )
+                    )
                     progress(len(part))
                     if checkpointing is not None and checkpointing.due(len(part) * length):
                         gather_pending()

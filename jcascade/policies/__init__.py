@@ -18,11 +18,35 @@ from jcascade.policies.recycled import Recycled
 from jcascade.policies.ring import RingPolicy
 from jcascade.policies.selection import ScorerPolicy, WindowSelection
 from jcascade.policies.snapkv import PyramidKV, SnapKV
+from jcascade.policies.spec import parse_policy, policy_classes, policy_names, spec
 from jcascade.policies.tova import TOVA
 from jcascade.policies.window import Full, Sink, SlidingWindow
-from jcascade.policies.spec import parse_policy, policy_classes, policy_names, spec
 
-__all__ = ["AdaKV", "Cascade", "ExpectedAttention", "Full", "H2O", "HeadReduced", "KNorm", "KVzip",
-           "Policy", "Positioned", "PyramidKV", "Recycled", "RingLayout", "RingPolicy", "ScorerPolicy", "Sink",
-           "SlidingWindow", "SnapKV", "Strided", "TOVA", "WindowSelection", "check_policy", "parse_policy",
-           "policy_classes", "policy_names", "spec"]
+__all__ = [
+    "AdaKV",
+    "Cascade",
+    "ExpectedAttention",
+    "Full",
+    "H2O",
+    "HeadReduced",
+    "KNorm",
+    "KVzip",
+    "Policy",
+    "Positioned",
+    "PyramidKV",
+    "Recycled",
+    "RingLayout",
+    "RingPolicy",
+    "ScorerPolicy",
+    "Sink",
+    "SlidingWindow",
+    "SnapKV",
+    "Strided",
+    "TOVA",
+    "WindowSelection",
+    "check_policy",
+    "parse_policy",
+    "policy_classes",
+    "policy_names",
+    "spec",
+]

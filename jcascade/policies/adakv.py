@@ -8,10 +8,10 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
+from jcascade.cache_state import CacheState
 from jcascade.policies.base import Reals
 from jcascade.policies.selection import WindowSelection, top_per_head, window_slots
 from jcascade.policies.snapkv import PyramidKV, SnapKV
-from jcascade.cache_state import CacheState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,10 @@ class AdaKV(WindowSelection):
     def __post_init__(self):
         super().__post_init__()
         if self.scorer.positions != "original":
-            raise ValueError("AdaKV.scorer must keep positions=\"original\": its heads hold different counts, so "
-                             f"slot ranks are no positions; got {self.scorer.positions!r}")
+            raise ValueError(
+                'AdaKV.scorer must keep positions="original": its heads hold different counts, so '
+                f"slot ranks are no positions; got {self.scorer.positions!r}"
+            )
 
     # the scorer's settings
     window = property(lambda self: self.scorer.window)

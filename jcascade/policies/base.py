@@ -39,9 +39,9 @@ from typing import Annotated, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade.rope import rotate_chunk
 from jcascade.cache_state import CacheState, Scores
 from jcascade.checks import CLOCK_LIMIT
+from jcascade.rope import rotate_chunk
 from jcascade.slot_order import rank_by_position
 
 
@@ -176,8 +176,9 @@ class Policy(abc.ABC):
         checked by init_cache, when the policy is not `bounded`; bounded policies ignore it)."""
 
     @abc.abstractmethod
-    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None,
-               lengths: jax.Array) -> CacheState:
+    def update(
+        self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None, lengths: jax.Array
+    ) -> CacheState:
         """The cache after a chunk: k, v [B, T, Hkv, D] un-rotated (the chunk attend just saw), scores what
         attend returned (checked by jc.update: `Scores` when keeps_scores, else None), lengths int32 [B]
         valid tokens per row (padding must leave a row untouched). Must add lengths to `state.seen`."""
@@ -194,8 +195,9 @@ class Policy(abc.ABC):
             return state.pos, state.seen
         return rank_by_position(state.pos), jnp.sum(state.pos[:, 0, :] >= 0, axis=-1).astype(jnp.int32)
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-               rope) -> tuple[jax.Array, Scores | None]:
+    def attend(
+        self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope
+    ) -> tuple[jax.Array, Scores | None]:
         """The chunk's queries q [B, T, Hq, D] against every held slot and causally against the chunk
         (k, v [B, T, Hkv, D] un-rotated); arguments checked by jc.attend. Returns out [B, T, Hq, D] and the
         score increments (`Scores`, or None when query_weights is None)."""
@@ -203,12 +205,26 @@ class Policy(abc.ABC):
         key_pos, start = self.key_positions(state)
         q, k = rotate_chunk(rope, q, k, start)
         out, _, inc_cache, inc_chunk = state.kernels.chunk_attention(
-            q, k, v, state.k, state.v, state.pos >= 0, key_pos, lengths, weights, self.head_reduction, rope,
-            layer=state.layer, k_scale=state.k_scale, v_scale=state.v_scale,
+            q,
+            k,
+            v,
+            state.k,
+            state.v,
+            state.pos >= 0,
+            key_pos,
+            lengths,
+            weights,
+            self.head_reduction,
+            rope,
+            layer=state.layer,
+            k_scale=state.k_scale,
+            v_scale=state.v_scale,
         )
         return out, None if inc_cache is None else Scores(cache=inc_cache, chunk=inc_chunk)
 
-    def step_branch(self, state: CacheState, chunk_len: int, lengths: jax.Array) -> tuple[jax.Array, tuple[Policy, ...]] | None:
+    def step_branch(
+        self, state: CacheState, chunk_len: int, lengths: jax.Array
+    ) -> tuple[jax.Array, tuple[Policy, ...]] | None:
         """A data-dependent branch that every layer of a model takes alike in a step, decided once per step
         instead of once per layer: None (the default), or (index, policies), an int32 scalar and the
         policies whose attend and update assume each branch; the model runs all its layers with
@@ -258,5 +274,7 @@ def check_policy(policy: object) -> None:
     if not isinstance(policy, Policy):
         from jcascade.policies.spec import policy_names
 
-        raise TypeError(f"policy must be one of jcascade's policies ({', '.join('jc.' + n for n in policy_names())}) "
-                        f"or another jcascade.Policy subclass, got {type(policy).__name__}")
+        raise TypeError(
+            f"policy must be one of jcascade's policies ({', '.join('jc.' + n for n in policy_names())}) "
+            f"or another jcascade.Policy subclass, got {type(policy).__name__}"
+        )

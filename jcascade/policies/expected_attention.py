@@ -9,10 +9,10 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
+from jcascade.cache_state import CacheState, Scores, cached_kv
 from jcascade.policies.base import NonNegative, Positive, Reals, last_queries
 from jcascade.policies.selection import ScorerPolicy
 from jcascade.rope import RoPE
-from jcascade.cache_state import CacheState, Scores, cached_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +51,13 @@ class ExpectedAttention(ScorerPolicy):
         """The newest chunk's expected attention replaces the old."""
         return jnp.where(live, increments, score)
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-               rope) -> tuple[jax.Array, Scores]:
+    def attend(
+        self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope
+    ) -> tuple[jax.Array, Scores]:
         if rope is not None and not isinstance(rope, RoPE):
-            raise ValueError(f"ExpectedAttention needs rope to be a jc.RoPE (its frequencies), got {type(rope).__name__}")
+            raise ValueError(
+                f"ExpectedAttention needs rope to be a jc.RoPE (its frequencies), got {type(rope).__name__}"
+            )
         out, _ = super().attend(state, q, k, v, lengths, rope)  # no query weights: no scores
         B, T, Hq, D = q.shape
         Hkv, cap = k.shape[2], state.pos.shape[-1]
@@ -82,11 +85,18 @@ class ExpectedAttention(ScorerPolicy):
         cached_k, cached_v = cached_kv(state)
         chunk_pos = state.seen[:, None] + jnp.arange(T)  # [B, T]
         rot = (lambda x, p: x) if rope is None else rope
-        keys = jnp.concatenate([rot(cached_k.astype(f32), state.pos),
-                                rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3)], axis=2)
+        keys = jnp.concatenate(
+            [rot(cached_k.astype(f32), state.pos), rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3)],
+            axis=2,
+        )
         values = jnp.concatenate([cached_v.astype(f32), v.astype(f32).transpose(0, 2, 1, 3)], axis=2)
-        positions = jnp.concatenate([state.pos, jnp.broadcast_to(
-            jnp.where(jnp.arange(T) < lengths[:, None], chunk_pos, -1)[:, None], (B, Hkv, T))], axis=2)  # [B, Hkv, S]
+        positions = jnp.concatenate(
+            [
+                state.pos,
+                jnp.broadcast_to(jnp.where(jnp.arange(T) < lengths[:, None], chunk_pos, -1)[:, None], (B, Hkv, T)),
+            ],
+            axis=2,
+        )  # [B, Hkv, S]
         highest = jax.lax.Precision.HIGHEST
         logits = jnp.einsum("bhgd,bhsd->bhgs", mean, keys, precision=highest) / jnp.sqrt(f32(D))
         if self.covariance:

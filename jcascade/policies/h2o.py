@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from jcascade.checks import CLOCK_LIMIT
+from jcascade.pallas_kernels.ring_insertion import compact, take
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import HeadReduced, Positions, Positive
 from jcascade.policies.ring import RingPolicy
-from jcascade.pallas_kernels.ring_insertion import compact, take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,10 @@ def keep_top_scores(field: str, layout: RingLayout, score, held, src, mu, valid)
     slots) if they and the arrivals are more than int32 indices address."""
     B, H, M = src.shape
     if layout.heavy + M > CLOCK_LIMIT:
-        raise ValueError(f"{field}={layout.heavy}: its heavy slots and the {M} tokens a chunk brings them are more than "
-                         f"the {CLOCK_LIMIT} that int32 indices address")
+        raise ValueError(
+            f"{field}={layout.heavy}: its heavy slots and the {M} tokens a chunk brings them are more than "
+            f"the {CLOCK_LIMIT} that int32 indices address"
+        )
     base, cap = layout.capacity - layout.heavy, layout.capacity
     residents = jnp.where(held[..., base:], score[..., base:], -jnp.inf)
     key = jnp.concatenate([residents, jnp.where(valid[:, None, :], mu, -jnp.inf)], -1)

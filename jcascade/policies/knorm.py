@@ -7,9 +7,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jcascade.cache_state import CacheState, cached_kv
 from jcascade.policies.base import Positioned
 from jcascade.policies.selection import ScorerPolicy
-from jcascade.cache_state import CacheState, cached_kv
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jcascade.cache_state import CacheState, Scores, cached_kv
 from jcascade.policies.base import NonNegative, Positive, Strided, TokenIds
 from jcascade.policies.selection import ScorerPolicy, keep_in_position_order, top_per_head
-from jcascade.cache_state import CacheState, Scores, cached_kv
 
 MARKED = -2.0  # the score of the held slots the current reconstruction chunk re-reads, until it scores them
 
@@ -58,17 +58,26 @@ class KVzip(ScorerPolicy):
     def for_tokenizer(cls, tokenizer, budget: int, **fields) -> KVzip:
         """KVzip with kvpress's reconstruction prompts in `tokenizer`'s tokens (a Hugging Face tokenizer)."""
         if not callable(getattr(tokenizer, "encode", None)):
-            raise TypeError("KVzip.for_tokenizer: tokenizer must be a Hugging Face tokenizer (its reconstruction "
-                            f"prompts are token ids), got {type(tokenizer).__name__}")
-        encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+            raise TypeError(
+                "KVzip.for_tokenizer: tokenizer must be a Hugging Face tokenizer (its reconstruction "
+                f"prompts are token ids), got {type(tokenizer).__name__}"
+            )
+        encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))
         opening, turn = "", "\n"  # kvpress's for a tokenizer without a chat template
         if getattr(tokenizer, "chat_template", None):
             marker = "\n" + "#" * 13
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "dummy context" + marker}],
-                                                 add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "dummy context" + marker}], add_generation_prompt=True, tokenize=False
+            )
             opening, turn = text.split("dummy context")[0], text.split(marker)[1]
-        return cls(budget=budget, instruction=encode(INSTRUCTION), continuation=encode(CONTINUATION),
-                   turn=encode(turn), skip=len(encode(opening)), **fields)
+        return cls(
+            budget=budget,
+            instruction=encode(INSTRUCTION),
+            continuation=encode(CONTINUATION),
+            turn=encode(turn),
+            skip=len(encode(opening)),
+            **fields,
+        )
 
     @property
     def label(self) -> str:
@@ -114,10 +123,11 @@ class KVzip(ScorerPolicy):
         width = head_width + len(self.turn) + min(self.chunk, S - self.skip)  # a chunk re-reads at most S - skip
         first = self.skip + c * self.chunk
         previous = jax.lax.dynamic_slice_in_dim(tokens, jnp.clip(first - overlap, 0, S - overlap), overlap, axis=1)
-        pad = lambda x: jnp.pad(x, ((0, 0), (0, head_width - x.shape[1])))  # noqa: E731
-        rows_of = lambda ids: jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (B, len(ids)))  # noqa: E731
-        head = jnp.where(c == 0, pad(rows_of(self.instruction)),
-                         pad(jnp.concatenate([rows_of(self.continuation), previous], axis=1)))
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, head_width - x.shape[1])))
+        rows_of = lambda ids: jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (B, len(ids)))
+        head = jnp.where(
+            c == 0, pad(rows_of(self.instruction)), pad(jnp.concatenate([rows_of(self.continuation), previous], axis=1))
+        )
         head_len = jnp.where(c == 0, len(self.instruction), len(self.continuation) + overlap)
         j = jnp.arange(width)
         in_chunk = j - head_len - len(self.turn)  # index into the chunk
@@ -149,7 +159,6 @@ class KVzip(ScorerPolicy):
         return kept if stacked else jax.tree.map(lambda x: x[0], kept)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Reconstruction(Strided):
     """KVzip's reconstruction pass as a policy: attends like Full (the cache is read, never written) and sets the
@@ -176,26 +185,40 @@ class _Reconstruction(Strided):
         read_pos = jnp.take_along_axis(state.pos, jnp.broadcast_to(read[:, None], (B, H, read.shape[1])), axis=2)
         rot = (lambda x, p: x) if rope is None else rope
         chunk_pos = state.seen[:, None] + jnp.arange(T)
-        keys = jnp.concatenate([rot(read_k, read_pos),  # only the keys scored are rotated
-                                rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3)], axis=2)
+        keys = jnp.concatenate(
+            [
+                rot(read_k, read_pos),  # only the keys scored are rotated
+                rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3),
+            ],
+            axis=2,
+        )
         sink_ok = (state.pos[:, :, sinks] >= 0) & (state.pos[:, :, sinks] < (start[:, None, None]))
-        window_ok = (jnp.take_along_axis(state.score, jnp.broadcast_to(slots[:, None], (B, H, window)), 2) == MARKED
-                     ) & (unclipped < cap)[:, None]
+        window_ok = (
+            jnp.take_along_axis(state.score, jnp.broadcast_to(slots[:, None], (B, H, window)), 2) == MARKED
+        ) & (unclipped < cap)[:, None]
         t = jnp.arange(T)
         chunk_ok = (t[None, :] <= t[:, None])[None] & (t < lengths[:, None])[:, None, :]  # [B, Tq, Tk]
         qr = rot(q.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3).reshape(B, H, Hq // H, T, D)
         logits = jnp.einsum("bhgtd,bhsd->bhgts", qr, keys, precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(f32(D))
-        ok = jnp.concatenate([jnp.broadcast_to(sink_ok[:, :, None, :], (B, H, T, len(sinks))),
-                              jnp.broadcast_to(window_ok[:, :, None, :], (B, H, T, window)),
-                              jnp.broadcast_to(chunk_ok[:, None], (B, H, T, T))], axis=-1)[:, :, None]
+        ok = jnp.concatenate(
+            [
+                jnp.broadcast_to(sink_ok[:, :, None, :], (B, H, T, len(sinks))),
+                jnp.broadcast_to(window_ok[:, :, None, :], (B, H, T, window)),
+                jnp.broadcast_to(chunk_ok[:, None], (B, H, T, T)),
+            ],
+            axis=-1,
+        )[:, :, None]
         logits = jnp.where(ok, logits, -jnp.inf)
         top = jnp.max(logits, axis=-1, keepdims=True)
         e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
         weights = e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30)
         weights = jnp.where((t < lengths[:, None])[:, None, None, :, None], weights, 0.0)
-        best = weights[..., len(sinks): len(sinks) + window].max(axis=(2, 3))  # [B, H, window]
-        scores = jnp.zeros((B, H, cap), f32).at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
-                                                 slots[:, None, :]].max(jnp.where(window_ok, best, 0.0))
+        best = weights[..., len(sinks) : len(sinks) + window].max(axis=(2, 3))  # [B, H, window]
+        scores = (
+            jnp.zeros((B, H, cap), f32)
+            .at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots[:, None, :]]
+            .max(jnp.where(window_ok, best, 0.0))
+        )
         return out, Scores(cache=scores, chunk=jnp.zeros((B, H, T), f32))
 
     def update(self, state: CacheState, k, v, scores: Scores, lengths) -> CacheState:

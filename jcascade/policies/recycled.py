@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import cache_state, checks
+from jcascade.cache_state import CacheState, Scores
 from jcascade.policies.base import OddPositive, Positioned, Positive, last_queries
 from jcascade.policies.selection import pool
 from jcascade.rope import rotate_chunk
-from jcascade.cache_state import CacheState, Scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +95,9 @@ class Recycled(Positioned):
         """1 for the last valid query."""
         return last_queries(lengths, chunk_len, 1)
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-               rope) -> tuple[jax.Array, Scores]:
+    def attend(
+        self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope
+    ) -> tuple[jax.Array, Scores]:
         """Full rows attend to the full region, the others to the recycled copies and the new tokens."""
         B, T, Hkv, _ = k.shape
         n = lengths
@@ -107,9 +108,23 @@ class Recycled(Positioned):
 
         def run(valid, key_pos, start, k_cache, v_cache, layer, w, first_slot=0):
             qr, kr = rotate_chunk(rope, q, k, start)
-            return state.kernels.chunk_attention(qr, kr, v, k_cache, v_cache, valid, key_pos, n, w, "max", rope,
-                                                 layer=layer, first_slot=first_slot, k_scale=state.k_scale,
-                                                 v_scale=state.v_scale)
+            return state.kernels.chunk_attention(
+                qr,
+                kr,
+                v,
+                k_cache,
+                v_cache,
+                valid,
+                key_pos,
+                n,
+                w,
+                "max",
+                rope,
+                layer=layer,
+                first_slot=first_slot,
+                k_scale=state.k_scale,
+                v_scale=state.v_scale,
+            )
 
         def full_attention():
             valid = (state.pos >= 0) & (slot < M)
@@ -128,14 +143,16 @@ class Recycled(Positioned):
         def with_full():
             out, inc_cache, inc_chunk = full_attention()
             pick = full[:, None, None]
-            return (jnp.where(pick[..., None], out, small), jnp.where(pick, inc_cache, 0.0),
-                    jnp.where(pick, inc_chunk, 0.0))
+            return (
+                jnp.where(pick[..., None], out, small),
+                jnp.where(pick, inc_cache, 0.0),
+                jnp.where(pick, inc_chunk, 0.0),
+            )
 
         out, inc_cache, inc_chunk = self._branch_on(jnp.any(full & (n > 0)), with_full, lambda: (small, *zeros))
         return out, Scores(cache=inc_cache, chunk=inc_chunk)
 
-    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores,
-               lengths: jax.Array) -> CacheState:
+    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores, lengths: jax.Array) -> CacheState:
         """Appends the chunk to the full region; full rows then take the attention of their last query as
         the full region's scores, re-select the top_k copies and empty the new-tokens region; the other
         rows append their token to the new-tokens region."""
@@ -166,7 +183,7 @@ class Recycled(Positioned):
             state = write(state, jnp.where(~full & (n > 0), recent + since, state.capacity)[:, None], chunk_score)
 
         def reselect(st):
-            held = (st.pos[..., :M] >= 0)
+            held = st.pos[..., :M] >= 0
             pooled = pool(st.score[..., :M], held, self.kernel, "max")
             top, idx = jax.lax.top_k(pooled, min(self.top_k, M))  # lower slot first on ties
             missing = self.top_k - idx.shape[-1]  # a full region smaller than top_k: pad with empty slots
@@ -176,15 +193,19 @@ class Recycled(Positioned):
             take = lambda x: jnp.take_along_axis(x, idx.reshape(*idx.shape, *(1,) * (x.ndim - 3)), axis=2)
             pick = full[:, None, None]
             region = slice(M, None)
-            new_pos = jnp.concatenate([jnp.where(chosen, take(st.pos), -1),
-                                       jnp.full((B, H, self.refresh_every), -1)], -1)
+            new_pos = jnp.concatenate(
+                [jnp.where(chosen, take(st.pos), -1), jnp.full((B, H, self.refresh_every), -1)], -1
+            )
             new_score = jnp.concatenate([take(st.score), jnp.zeros((B, H, self.refresh_every), jnp.float32)], -1)
             old_k, old_v = cache_state.cached_kv(st)
             new_k = jnp.concatenate([take(old_k), jnp.zeros_like(old_k[..., recent:, :])], -2)
             new_v = jnp.concatenate([take(old_v), jnp.zeros_like(old_v[..., recent:, :])], -2)
-            st = cache_state.write_kv(st, (slice(None), slice(None), region),
-                                jnp.where(pick[..., None], new_k, old_k[..., region, :]),
-                                jnp.where(pick[..., None], new_v, old_v[..., region, :]))
+            st = cache_state.write_kv(
+                st,
+                (slice(None), slice(None), region),
+                jnp.where(pick[..., None], new_k, old_k[..., region, :]),
+                jnp.where(pick[..., None], new_v, old_v[..., region, :]),
+            )
             return dataclasses.replace(
                 st,
                 score=st.score.at[..., region].set(jnp.where(pick, new_score, st.score[..., region])),

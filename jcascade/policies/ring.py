@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import checks, slot_order
+from jcascade.cache_state import CacheState, Scores, quantize_kv
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import Policy
-from jcascade.cache_state import CacheState, Scores, quantize_kv
 
 
 class RingPolicy(Policy):
@@ -25,15 +25,16 @@ class RingPolicy(Policy):
     def layout(self, capacity: int | None = None) -> RingLayout:
         """The slot layout; `capacity` sizes append caches (bounded layouts ignore it)."""
 
-    def accumulate(self, score: jax.Array, increments: jax.Array, live: jax.Array, n: jax.Array,
-                   layout: RingLayout) -> jax.Array:
+    def accumulate(
+        self, score: jax.Array, increments: jax.Array, live: jax.Array, n: jax.Array, layout: RingLayout
+    ) -> jax.Array:
         """docs/semantics.md §3 step 1 for policies that keep scores: the residents' scores f32 [B, H, cap] after a
         chunk, from their scores before, the chunk's increments f32 [B, H, cap] (attend's Scores.cache),
         live bool [B, H, cap] (held slots of rows with tokens in the chunk) and n int32 [B]."""
         raise NotImplementedError(f"{type(self).__name__} keeps scores but does not define accumulate")
 
     def place_evicted(self, layout: RingLayout, score, held, src, mu, valid):
-        """Layouts with heavy slots: where the last ring's evictees go (`pallas_kernels.ring_insertion.PlaceEvicted`)."""
+        """Layouts with heavy slots: where the last ring's evictees go (`ring_insertion.PlaceEvicted`)."""
         raise NotImplementedError(f"{type(self).__name__} has heavy slots but does not define place_evicted")
 
     def cache_slots(self, max_tokens: int | None) -> int:
@@ -62,8 +63,9 @@ class RingPolicy(Policy):
             return slot_order.rank_by_position(state.pos), slot_order.tokens_held(layout, state.seen)
         return slot_order.slot_ranks(layout, state.seen)[:, None, :], slot_order.tokens_held(layout, state.seen)
 
-    def update(self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None,
-               lengths: jax.Array) -> CacheState:
+    def update(
+        self, state: CacheState, k: jax.Array, v: jax.Array, scores: Scores | None, lengths: jax.Array
+    ) -> CacheState:
         """Step 1 (`accumulate`), then the ring insertion; append caches place each token at the row's
         first free slot (compression leaves fewer slots than tokens seen) and refuse to overflow."""
         layout = self.layout_for(state)
@@ -82,9 +84,22 @@ class RingPolicy(Policy):
         if state.k_scale is not None:  # a quantized cache: the chunk's codes and scales go in
             k, v, k_scale, v_scale = quantize_kv(state, k, v)
             scales = ((state.k_scale, state.v_scale), (k_scale, v_scale))
-        new_k, new_v, score, pos, scales = state.kernels.insert(layout, state.k, state.v, state.layer, score,
-                                                                state.pos, state.seen, k, v, chunk_score, placed,
-                                                                lengths, evicted, scales=scales)
+        new_k, new_v, score, pos, scales = state.kernels.insert(
+            layout,
+            state.k,
+            state.v,
+            state.layer,
+            score,
+            state.pos,
+            state.seen,
+            k,
+            v,
+            chunk_score,
+            placed,
+            lengths,
+            evicted,
+            scales=scales,
+        )
         state = dataclasses.replace(state, k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + lengths)
         return state if scales is None else dataclasses.replace(state, k_scale=scales[0], v_scale=scales[1])
 

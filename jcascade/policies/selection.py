@@ -13,9 +13,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jcascade.cache_state import CacheState
 from jcascade.policies.base import Positive, Strided, last_queries
 from jcascade.policies.ring import AppendPolicy
-from jcascade.cache_state import CacheState
 
 Pooling = Literal["max", "avg"]
 
@@ -55,10 +55,12 @@ def keep_in_position_order(state: CacheState, keep: jax.Array, capacity: int) ->
     B, H, _ = state.pos.shape
     dest = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, capacity)
     bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-    moved = lambda x, empty: jnp.full((B, H, capacity, *x.shape[3:]), empty, x.dtype).at[bi, hi, dest].set(  # noqa: E731
-        x, mode="drop")
-    state = dataclasses.replace(state, k=moved(state.k, 0), v=moved(state.v, 0), score=moved(state.score, 0),
-                                pos=moved(state.pos, -1))
+    moved = lambda x, empty: (
+        jnp.full((B, H, capacity, *x.shape[3:]), empty, x.dtype).at[bi, hi, dest].set(x, mode="drop")
+    )
+    state = dataclasses.replace(
+        state, k=moved(state.k, 0), v=moved(state.v, 0), score=moved(state.score, 0), pos=moved(state.pos, -1)
+    )
     if state.k_scale is None:
         return state
     return dataclasses.replace(state, k_scale=moved(state.k_scale, 0), v_scale=moved(state.v_scale, 0))
@@ -68,6 +70,7 @@ def compress_by_ranking(state: CacheState, ranking, budget: int, room: int) -> C
     """Per (row, KV head), the `budget` prompt tokens (the `state.seen` first slots) that `ranking(layer)` (f32
     [B, H, cap], larger kept) ranks highest, in position order in `budget + room` slots. state: one layer, or
     layers stacked on a leading axis."""
+
     def one(layer: CacheState) -> CacheState:
         slot = jnp.arange(layer.pos.shape[-1], dtype=jnp.int32)[None, None, :]
         prompt = slot < layer.seen[:, None, None]
@@ -154,7 +157,7 @@ class WindowSelection(AppendPolicy):
         order followed by empty slots. state: one layer, or L layers stacked on a leading axis (PyramidKV
         reads the layer index from that axis; a single layer counts as a bottom layer)."""
         capacity = self.kept_slots(state.pos.shape[-2]) + room
-        one = lambda s, layer, L: keep_in_position_order(s, self.keep(s, layer, L), capacity)  # noqa: E731
+        one = lambda s, layer, L: keep_in_position_order(s, self.keep(s, layer, L), capacity)
         if state.seen.ndim == 1:
             return one(state, 0, 1)
         L = state.seen.shape[0]

@@ -36,8 +36,10 @@ class SnapKVFields(WindowSelection, HeadReduced):
     def __post_init__(self):
         super().__post_init__()
         if self.window >= self.budget:
-            raise ValueError(f"{type(self).__name__}.window ({self.window}) must be < budget ({self.budget}): the "
-                             "budget includes the observation window")
+            raise ValueError(
+                f"{type(self).__name__}.window ({self.window}) must be < budget ({self.budget}): the "
+                "budget includes the observation window"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

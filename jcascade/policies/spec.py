@@ -34,15 +34,21 @@ def policy_classes() -> dict[str, type]:
     from jcascade import policies
 
     classes = (getattr(policies, name) for name in policies.__all__)
-    return {cls.__name__.lower(): cls for cls in classes
-            if isinstance(cls, type) and issubclass(cls, Policy) and not inspect.isabstract(cls)}
+    return {
+        cls.__name__.lower(): cls
+        for cls in classes
+        if isinstance(cls, type) and issubclass(cls, Policy) and not inspect.isabstract(cls)
+    }
 
 
 def policy_names(**attributes) -> list[str]:
     """The class names of the registered policies whose class attributes have the values given (e.g.
     `policy_names(needs_prompt=True)`), in the registry's order."""
-    return [cls.__name__ for cls in policy_classes().values()
-            if all(getattr(cls, name) == value for name, value in attributes.items())]
+    return [
+        cls.__name__
+        for cls in policy_classes().values()
+        if all(getattr(cls, name) == value for name, value in attributes.items())
+    ]
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -70,13 +76,15 @@ def _class(name: str, spec: str) -> type:
         except ImportError:
             cls = None
     if not (isinstance(cls, type) and issubclass(cls, Policy) and dataclasses.is_dataclass(cls)):
-        raise ValueError(f"policy {spec!r}: unknown policy {name!r}; known: {', '.join(classes)} (or module.Class "
-                         "of a dataclass policy)")
+        raise ValueError(
+            f"policy {spec!r}: unknown policy {name!r}; known: {', '.join(classes)} (or module.Class "
+            "of a dataclass policy)"
+        )
     return cls
 
 
 def _split(text: str, spec: str) -> list[str]:
-    """"a=1,b=x(c=2,d=(3,4))" -> ["a=1", "b=x(c=2,d=(3,4))"]: split at the commas outside parentheses."""
+    """ "a=1,b=x(c=2,d=(3,4))" -> ["a=1", "b=x(c=2,d=(3,4))"]: split at the commas outside parentheses."""
     parts, depth, start = [], 0, 0
     for i, char in enumerate(text):
         depth += {"(": 1, ")": -1}.get(char, 0)
@@ -134,11 +142,17 @@ def _policy(name: str, fields_text: str, spec: str):
         field, eq, text = item.partition("=")
         field = field.strip().replace("-", "_")
         if not eq or field not in fields:
-            raise ValueError(f"policy {spec!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}, "
-                             f"got {item!r}")
+            raise ValueError(
+                f"policy {spec!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}, got {item!r}"
+            )
         values[field] = _convert(cls, field, hints[field], text.strip(), spec)
-    missing = [f for f, spec_field in fields.items() if f not in values and spec_field.default is dataclasses.MISSING
-               and spec_field.default_factory is dataclasses.MISSING]
+    missing = [
+        f
+        for f, spec_field in fields.items()
+        if f not in values
+        and spec_field.default is dataclasses.MISSING
+        and spec_field.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ValueError(f"policy {spec!r}: {cls.__name__} needs {', '.join(f + '=...' for f in missing)}")
     try:

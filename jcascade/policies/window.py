@@ -7,10 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jcascade.cache_state import CacheState, Scores
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import NonNegative, Positioned, Positions, Positive, Strided
 from jcascade.policies.ring import AppendPolicy, RingPolicy
-from jcascade.cache_state import CacheState, Scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +24,9 @@ class Full(AppendPolicy, Strided):
 
     bounded = False
 
-    def attend(self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-               rope) -> tuple[jax.Array, Scores | None]:
+    def attend(
+        self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope
+    ) -> tuple[jax.Array, Scores | None]:
         out, scores = super().attend(state, q, k, v, lengths, rope)
         return jnp.where((state.seen > state.capacity)[:, None, None, None], jnp.nan, out), scores
 

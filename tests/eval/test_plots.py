@@ -22,9 +22,25 @@ POLICIES = {"Sink 1024": jc.Sink(window=1020, sinks=4), "Cascade 1024x4": jc.Cas
 def passkey_report(samples: int, lengths=(1024, 2048, 4096), buckets: int = 4) -> dict:
     """n = buckets x samples prompts per policy and length, with retention."""
     rng = np.random.default_rng(0)
-    results = [passkey.PasskeyResult(label, n, b, s, "12345", (b + 0.5) / buckets, n, "12345", float(rng.random()), 8,
-                                     rng.random((2, 1)).tolist())
-               for label in POLICIES for n in lengths for b in range(buckets) for s in range(samples)]
+    results = [
+        passkey.PasskeyResult(
+            label,
+            n,
+            b,
+            s,
+            "12345",
+            (b + 0.5) / buckets,
+            n,
+            "12345",
+            float(rng.random()),
+            8,
+            rng.random((2, 1)).tolist(),
+        )
+        for label in POLICIES
+        for n in lengths
+        for b in range(buckets)
+        for s in range(samples)
+    ]
     return report.passkey(results, POLICIES)
 
 
@@ -32,16 +48,32 @@ def perplexity_report(blocks: int, block: int = 64) -> dict:
     """One book of `blocks` blocks per policy."""
     rng = np.random.default_rng(0)
     tokens = blocks * block + 1
-    results = [perplexity.BookPerplexity("paradise_lost", label, tokens, 3.0, (3 + rng.random(blocks)).tolist(), block,
-                                         (3 + rng.random(blocks)).tolist(), block) for label in POLICIES]
+    results = [
+        perplexity.BookPerplexity(
+            "paradise_lost",
+            label,
+            tokens,
+            3.0,
+            (3 + rng.random(blocks)).tolist(),
+            block,
+            (3 + rng.random(blocks)).tolist(),
+            block,
+        )
+        for label in POLICIES
+    ]
     return report.perplexity(results, POLICIES)
 
 
 def ruler_report(samples: int, lengths=(1024, 2048), tasks=("niah_single_1", "vt", "cwe")) -> dict:
     """n = tasks x samples prompts per policy and length."""
     rng = np.random.default_rng(0)
-    results = [ruler.RulerResult(label, task, n, i, n, "", float(rng.random() > 0.5))
-               for label in POLICIES for task in tasks for n in lengths for i in range(samples)]
+    results = [
+        ruler.RulerResult(label, task, n, i, n, "", float(rng.random() > 0.5))
+        for label in POLICIES
+        for task in tasks
+        for n in lengths
+        for i in range(samples)
+    ]
     return report.ruler(results, {label: repr(p) for label, p in POLICIES.items()})
 
 
@@ -54,8 +86,10 @@ def attention_images(pixels: int = 32) -> dict[str, np.ndarray]:
     return {label: image for label in POLICIES}
 
 
-LONG = ("Sink vs Cascade: 64 sinks + 384 tokens each (Cascade: 2 cascades), prefill stride 192 "
-        "(/home/someone/models/SmolLM2-135M-Instruct, query-aware) ") * 2
+LONG = (
+    "Sink vs Cascade: 64 sinks + 384 tokens each (Cascade: 2 cascades), prefill stride 192 "
+    "(/home/someone/models/SmolLM2-135M-Instruct, query-aware) "
+) * 2
 
 FIGURES = {  # name: draw(title, few) -> Figure; few: fewer than 5 units behind some estimates
     "passkey": lambda title, few: plots._passkey(passkey_report(samples=1 if few else 2), title),
@@ -82,8 +116,11 @@ def texts(fig) -> list[str]:
 def test_titles_and_all_text_inside_the_figure(name, title):
     fig = FIGURES[name](title, False)
     renderer = drawn(fig)
-    titles = [t for t in fig.findobj(Text) if t.get_text() and (t.get_text() == fig.get_suptitle()
-                                                                 or any(t is ax.title for ax in fig.axes))]
+    titles = [
+        t
+        for t in fig.findobj(Text)
+        if t.get_text() and (t.get_text() == fig.get_suptitle() or any(t is ax.title for ax in fig.axes))
+    ]
     assert any(title.strip()[:20] in t.get_text() for t in titles)
     box = fig.bbox
     for t in titles:
@@ -92,7 +129,9 @@ def test_titles_and_all_text_inside_the_figure(name, title):
         assert box.y0 - 1 <= extent.y0 and extent.y1 <= box.y1 + 1, (t.get_text()[:40], extent, box)
     tight = fig.get_tightbbox(renderer)  # inches: every artist, labels and legends included
     assert 0 <= tight.x0 and 0 <= tight.y0 and tight.x1 <= fig.bbox_inches.x1 and tight.y1 <= fig.bbox_inches.y1, (
-        tight, fig.bbox_inches)
+        tight,
+        fig.bbox_inches,
+    )
 
 
 @pytest.mark.parametrize("name", ["passkey", "perplexity", "ruler"])
@@ -102,9 +141,16 @@ def test_a_missing_interval_is_said(name, few):
     drawn(fig)
     assert plots.NO_INTERVAL == "n < 5: no interval"
     assert any(plots.NO_INTERVAL in t for t in texts(fig)) == few
-    bars = [segment for ax in fig.axes for c in ax.collections if isinstance(c, LineCollection)
-            for segment in c.get_segments() if len(segment) == 2 and np.all(np.isfinite(segment))]
+    bars = [
+        segment
+        for ax in fig.axes
+        for c in ax.collections
+        if isinstance(c, LineCollection)
+        for segment in c.get_segments()
+        if len(segment) == 2 and np.all(np.isfinite(segment))
+    ]
     assert not any(np.allclose(*segment) for segment in bars)  # a missing interval is no bar, not a zero-width one
+
 
 def test_a_report_read_back_from_json_is_drawn_with_its_note(tmp_path):
     rep = json.loads(report.json_text(passkey_report(samples=1)))

@@ -11,18 +11,45 @@ import time
 
 import numpy as np
 import pytest
-
 import tiny
+
 from jcascade import cli
 from jcascade.eval import processes
 from jcascade.eval.checkpointing import Checkpointing
 
 # RULER: 4 batches of 2 rows (one a process), gathered every second batch (a checkpoint each 4K tokens); passkey:
 # batches of 4, 4 and 2 prompts, the last padded to 4 (process 1 computes its padding rows alone), with retention
-RULER = ["ruler", "--tasks", "niah_single_1,vt", "--policy", "cascade", "--budget", "0.25", "--min-length", "1K",
-         "--max-length", "1K", "--samples", "4", "--batch-size", "2"]
-PASSKEY = ["passkey", "--policy", "cascade:cache_size=32,sinks=4,stride=32", "--min-length", "128", "--max-length",
-           "128", "--samples", "2", "--retention", "--batch-size", "4"]
+RULER = [
+    "ruler",
+    "--tasks",
+    "niah_single_1,vt",
+    "--policy",
+    "cascade",
+    "--budget",
+    "0.25",
+    "--min-length",
+    "1K",
+    "--max-length",
+    "1K",
+    "--samples",
+    "4",
+    "--batch-size",
+    "2",
+]
+PASSKEY = [
+    "passkey",
+    "--policy",
+    "cascade:cache_size=32,sinks=4,stride=32",
+    "--min-length",
+    "128",
+    "--max-length",
+    "128",
+    "--samples",
+    "2",
+    "--retention",
+    "--batch-size",
+    "4",
+]
 
 
 def _one_device(argv, out):
@@ -33,8 +60,13 @@ def _one_device(argv, out):
 
 def _processes(argv, out, n=2):
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # one CPU device a process unless XLA_FLAGS says more
-    done = subprocess.run([sys.executable, "-m", "jcascade", *argv, "--processes", str(n), "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "jcascade", *argv, "--processes", str(n), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return done, (json.loads(next(out.glob("*.json")).read_text()) if done.returncode == 0 else None)
 
 
@@ -43,7 +75,7 @@ def test_ruler_and_passkey_over_two_processes_give_one_devices_results(model_dir
     ruler_done, ruler = _processes([*RULER, "--model", model_dir, "--checkpoint-every", "4096"], tmp_path / "ruler-2")
     assert ruler_done.returncode == 0, ruler_done.stderr[-3000:]
     expected = _one_device([*RULER, "--model", model_dir], tmp_path / "ruler-1")
-    key = lambda r: (r["policy"], r["task"], r["index"], r["output"], r["score"])  # noqa: E731
+    key = lambda r: (r["policy"], r["task"], r["index"], r["output"], r["score"])
     assert len(ruler["results"]) == 8 and list(map(key, ruler["results"])) == list(map(key, expected["results"]))
     assert len({r["output"] for r in expected["results"]}) > 4  # rows that differ: their order is checked
     assert not (tmp_path / "ruler-2" / "checkpoint-ruler").exists()  # its checkpoints, removed at the end
@@ -51,7 +83,7 @@ def test_ruler_and_passkey_over_two_processes_give_one_devices_results(model_dir
     passkey_done, passkey = _processes([*PASSKEY, "--model", model_dir], tmp_path / "passkey-2")
     assert passkey_done.returncode == 0, passkey_done.stderr[-3000:]
     expected = _one_device([*PASSKEY, "--model", model_dir], tmp_path / "passkey-1")
-    key = lambda r: (r["policy"], r["bucket"], r["sample"], r["answer"], r["retention"])  # noqa: E731
+    key = lambda r: (r["policy"], r["bucket"], r["sample"], r["answer"], r["retention"])
     assert len(passkey["results"]) == 10 and list(map(key, passkey["results"])) == list(map(key, expected["results"]))
 
 
@@ -87,15 +119,20 @@ def test_only_process_0_writes_results_and_checkpoints(monkeypatch, tmp_path):
 
 
 def test_a_failing_process_stops_the_others_and_its_error_is_shown():
-    fail_second = ("import os, sys, time\n"
-                   "if os.environ['JCASCADE_PROCESS'] == '1/3':\n"
-                   "    sys.exit('process 1 gives up')\n"
-                   "time.sleep(120)")
+    fail_second = (
+        "import os, sys, time\n"
+        "if os.environ['JCASCADE_PROCESS'] == '1/3':\n"
+        "    sys.exit('process 1 gives up')\n"
+        "time.sleep(120)"
+    )
     logged, start = [], time.perf_counter()
     assert processes.launch(["-c", fail_second], 3, logged.append) == 1
     assert time.perf_counter() - start < 60  # the two others, sleeping for 120 s, were stopped
-    assert len(logged) == 1 and logged[0].startswith("process 1 of 3 failed (exit code 1)") \
+    assert (
+        len(logged) == 1
+        and logged[0].startswith("process 1 of 3 failed (exit code 1)")
         and "process 1 gives up" in logged[0]
+    )
     assert processes.launch(["-c", "pass"], 2) == 0
     with pytest.raises(ValueError, match="processes must be an int >= 2, got 1"):
         processes.launch(["-c", "pass"], 1)

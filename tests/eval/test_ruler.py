@@ -2,22 +2,24 @@
 needles where the generator says, prompt lengths, and the scorer on hand-written outputs."""
 
 import collections
-import json
 import contextlib
+import json
 import math
 import re
 from unittest import mock
 
 import numpy as np
 import pytest
+import tiny
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-import tiny
 from jcascade.eval import ruler
 
-PROSE = " ".join(f"Sentence number {i} of the prose tells of the {w} river." for i, w in
-                 enumerate(["quiet", "broad", "cold", "winding", "dark"] * 400))
+PROSE = " ".join(
+    f"Sentence number {i} of the prose tells of the {w} river."
+    for i, w in enumerate(["quiet", "broad", "cold", "winding", "dark"] * 400)
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_samples_are_deterministic_by_seed(generator):
 def test_needles_sit_where_the_generator_says_and_hold_the_answers(generator, task):
     spec, s = ruler.TASKS[task], generator.sample(task, 2048, 1)
     for sentence, offset in s.needles:
-        assert s.text[offset: offset + len(sentence)] == sentence
+        assert s.text[offset : offset + len(sentence)] == sentence
     assert len(s.needles) == max(spec.num_keys, spec.num_queries) * spec.num_values
     question = s.text.rsplit("\n", 1)[1]
     asked = re.findall(r"for (.+?) is: (.+?)\.$", "\n".join(n for n, _ in s.needles), re.M)
@@ -109,24 +111,42 @@ def test_every_policy_keeps_the_budget():
     import jcascade as jc
 
     policies = ruler.policies_at(ruler.POLICIES, 0.25, 8192, tiny.tokenizer())  # 2048 slots, sinks and windows included
-    assert list(policies) == ["Full", "Sink 25%", "Cascade 25%", "H2O 25%", "SnapKV 25%", "PyramidKV 25%", "TOVA 25%",
-                              "KNorm 25%", "AdaKV-SnapKV 25%", "ExpectedAttention 25%", "KVzip 25%",
-                              "KVzip-head 25%"]
+    assert list(policies) == [
+        "Full",
+        "Sink 25%",
+        "Cascade 25%",
+        "H2O 25%",
+        "SnapKV 25%",
+        "PyramidKV 25%",
+        "TOVA 25%",
+        "KNorm 25%",
+        "AdaKV-SnapKV 25%",
+        "ExpectedAttention 25%",
+        "KVzip 25%",
+        "KVzip-head 25%",
+    ]
     for label, policy in policies.items():
         if label != "Full":
-            slots = policy.scorer.budget if isinstance(policy, jc.AdaKV) else policy.budget if isinstance(
-                policy, (jc.SnapKV, jc.PyramidKV, jc.KNorm, jc.ExpectedAttention, jc.KVzip)) else policy.cache_slots(None)
+            slots = (
+                policy.scorer.budget
+                if isinstance(policy, jc.AdaKV)
+                else policy.budget
+                if isinstance(policy, (jc.SnapKV, jc.PyramidKV, jc.KNorm, jc.ExpectedAttention, jc.KVzip))
+                else policy.cache_slots(None)
+            )
             assert slots == 2048, (label, slots)
     assert policies["KVzip 25%"].allocation == "global" and policies["KVzip-head 25%"].allocation == "head"
     assert ruler.policies_at(["sink"], 4096, 16384)["Sink 4096"].cache_slots(None) == 4096
     with pytest.raises(ValueError, match="kvzip needs the tokenizer"):
         ruler.policies_at(["kvzip"], 0.25, 8192)
     assert ruler.task_list("all") == list(ruler.TASKS) and ruler.budget_list("0.25,2048") == [0.25, 2048.0]
-    for call, match in [(lambda: ruler.budget_slots(0.01, 4096), "at least 128"),
-                        (lambda: ruler.task_list("niah_single_1,qa_1"), "tasks must be comma-separated names"),
-                        (lambda: ruler.policy_list("full,quest"), "policies must be"),
-                        (lambda: ruler.budget_list("0.25,-1"), "budgets must be"),
-                        (lambda: ruler.budget_list("half"), "budgets must be")]:
+    for call, match in [
+        (lambda: ruler.budget_slots(0.01, 4096), "at least 128"),
+        (lambda: ruler.task_list("niah_single_1,qa_1"), "tasks must be comma-separated names"),
+        (lambda: ruler.policy_list("full,quest"), "policies must be"),
+        (lambda: ruler.budget_list("0.25,-1"), "budgets must be"),
+        (lambda: ruler.budget_list("half"), "budgets must be"),
+    ]:
         with pytest.raises(ValueError, match=match):
             call()
 
@@ -135,8 +155,11 @@ def test_the_report_averages_tasks_and_pairs_prompts():
     from jcascade.eval import report
 
     def results(label, scores):  # 2 tasks x 10 prompts at one length
-        return [ruler.RulerResult(label, task, 4096, i, 4000, "", scores[t * 10 + i])
-                for t, task in enumerate(("vt", "cwe")) for i in range(10)]
+        return [
+            ruler.RulerResult(label, task, 4096, i, 4000, "", scores[t * 10 + i])
+            for t, task in enumerate(("vt", "cwe"))
+            for i in range(10)
+        ]
 
     full, cascade = [1.0] * 20, [1.0] * 10 + [0.0, 1.0] * 5
     rep = report.ruler(results("Full", full) + results("Cascade 25%", cascade), {"Full": "Full()", "Cascade 25%": "C"})
@@ -154,9 +177,17 @@ def test_outputs_cut_to_the_tasks_length_equal_generating_that_many(generator):
     import jcascade as jc
 
     model = tiny.model(len(generator.tokenizer))
-    policies = lambda n: {"Sink": jc.Sink(window=96, sinks=4, stride=128)}  # noqa: E731
-    both = ruler.sweep(model, generator.tokenizer, policies, [1024], tasks=["vt", "niah_single_1"], prose=PROSE,
-                       samples=2, batch_size=4)
+    policies = lambda n: {"Sink": jc.Sink(window=96, sinks=4, stride=128)}
+    both = ruler.sweep(
+        model,
+        generator.tokenizer,
+        policies,
+        [1024],
+        tasks=["vt", "niah_single_1"],
+        prose=PROSE,
+        samples=2,
+        batch_size=4,
+    )
     alone = ruler.sweep(model, generator.tokenizer, policies, [1024], tasks=["vt"], samples=2, batch_size=4)
     assert [r.output for r in both if r.task == "vt"] == [r.output for r in alone]
     assert len(both) == 4 and all(0 <= r.score <= 1 for r in both)
@@ -171,8 +202,7 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
     tokenizer = tiny.tokenizer()
     model = tiny.model(len(tokenizer))
     policies = {"Sink": jc.Sink(window=96, sinks=4, stride=128)}
-    sweep = lambda **kw: ruler.sweep(model, tokenizer, policies, [1024], tasks=["vt"], samples=6,  # noqa: E731
-                                     batch_size=2, **kw)
+    sweep = lambda **kw: ruler.sweep(model, tokenizer, policies, [1024], tasks=["vt"], samples=6, batch_size=2, **kw)
     whole = sweep()
     done = []
 
@@ -186,8 +216,16 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
     saved = load_stream(tmp_path)[1]
     assert len(saved["results"]) == 2  # stopped while recording the second batch
     with pytest.raises(ValueError, match=r"differs in \(saved, now\): batch_size \(2, 3\)\. Resume with"):
-        ruler.sweep(model, tokenizer, policies, [1024], tasks=["vt"], samples=6, batch_size=3,
-                    checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
+        ruler.sweep(
+            model,
+            tokenizer,
+            policies,
+            [1024],
+            tasks=["vt"],
+            samples=6,
+            batch_size=3,
+            checkpointing=Checkpointing(tmp_path, 1, {"run": 1}),
+        )
     with pytest.raises(ValueError, match=r"differs in \(saved, now\): protocol \(.query-aware., .query-agnostic.\)"):
         sweep(checkpointing=Checkpointing(tmp_path, 1, {"run": 1}), protocol="query-agnostic")
     resumed = sweep(checkpointing=Checkpointing(tmp_path, 1, {"run": 1}))
@@ -198,10 +236,12 @@ def test_a_sweep_cut_short_resumes_where_its_checkpoint_ends(tmp_path):
 
 
 def test_units_given_twice_are_refused_by_name():
-    for call, match in [(lambda: ruler.task_list("vt,niah_single_1,vt"), "tasks: 'vt' is given twice"),
-                        (lambda: ruler.policy_list("full,sink,full"), "policies: 'full' is given twice"),
-                        (lambda: ruler.budget_list("0.25,0.5,0.25"), "budgets: 0.25 is given twice"),
-                        (lambda: ruler.policies_at(["sink", "sink"], 0.25, 8192), "policies: 'sink' is given twice")]:
+    for call, match in [
+        (lambda: ruler.task_list("vt,niah_single_1,vt"), "tasks: 'vt' is given twice"),
+        (lambda: ruler.policy_list("full,sink,full"), "policies: 'full' is given twice"),
+        (lambda: ruler.budget_list("0.25,0.5,0.25"), "budgets: 0.25 is given twice"),
+        (lambda: ruler.policies_at(["sink", "sink"], 0.25, 8192), "policies: 'sink' is given twice"),
+    ]:
         with pytest.raises(ValueError, match=match):
             call()
     # distinct budgets get distinct labels (a dict of labels would otherwise keep one of them)
@@ -211,10 +251,12 @@ def test_units_given_twice_are_refused_by_name():
 
 def test_a_sweep_refuses_repeated_tasks_and_lengths_before_any_model_time(generator):
     """model=None: a sweep that reached the model would fail otherwise than with these ValueErrors."""
-    policies = lambda n: {"Full": None}  # noqa: E731
-    for tasks, lengths, match in [(["vt", "vt"], [1024], "tasks: 'vt' is given twice"),
-                                  (["vt"], [1024, 2048, 1024], "context_lengths: 1024 is given twice"),
-                                  (["vt"], [1024, 0], "context_lengths must be a non-empty list of ints >= 1")]:
+    policies = lambda n: {"Full": None}
+    for tasks, lengths, match in [
+        (["vt", "vt"], [1024], "tasks: 'vt' is given twice"),
+        (["vt"], [1024, 2048, 1024], "context_lengths: 1024 is given twice"),
+        (["vt"], [1024, 0], "context_lengths must be a non-empty list of ints >= 1"),
+    ]:
         with pytest.raises(ValueError, match=match):
             ruler.sweep(None, generator.tokenizer, policies, lengths, tasks=tasks, samples=1)
 
@@ -222,13 +264,23 @@ def test_a_sweep_refuses_repeated_tasks_and_lengths_before_any_model_time(genera
 def test_a_haystack_that_cannot_fill_the_context_is_refused_with_the_numbers():
     short = ruler.Generator(tiny.tokenizer(), PROSE[:2000])  # 35 sentences: about 1,400 tokens of prose
     assert len(short.sample("niah_single_2", 512, 0).prompt) > 512 - 128 - 60  # it fills a short context
-    with pytest.raises(ValueError, match=r"niah_single_2 at context_length=2048: all \d+ sentences of the prose "
-                                         r"make a prompt of \d+ tokens \+ 128 to generate, short of the 2048 asked"):
+    with pytest.raises(
+        ValueError,
+        match=r"niah_single_2 at context_length=2048: all \d+ sentences of the prose "
+        r"make a prompt of \d+ tokens \+ 128 to generate, short of the 2048 asked",
+    ):
         short.sample("niah_single_2", 2048, 0)
     # all lengths are checked before the first generate call (model=None would fail otherwise)
     with pytest.raises(ValueError, match="short of the 2048 asked"):
-        ruler.sweep(None, short.tokenizer, {"Full": None}, [512, 2048], tasks=["niah_single_1", "niah_single_2"],
-                    prose=PROSE[:2000], samples=1)
+        ruler.sweep(
+            None,
+            short.tokenizer,
+            {"Full": None},
+            [512, 2048],
+            tasks=["niah_single_1", "niah_single_2"],
+            prose=PROSE[:2000],
+            samples=1,
+        )
     few_words = ruler.Generator(tiny.tokenizer())
     few_words.lists["cwe"] = few_words.lists["cwe"][:40]
     with pytest.raises(ValueError, match=r"cwe at context_length=2048: all 40 words of cwe's list make a prompt"):
@@ -265,6 +317,7 @@ def _recorded_builds():
             out = originals[family](task, units, *rest)
             built.append((units, *out[:2]))
             return out
+
         return build
 
     with mock.patch.dict(ruler._GENERATORS, {f: recording(f) for f in originals}):
@@ -306,9 +359,17 @@ def test_the_prompt_is_the_largest_that_fits_whatever_the_search_saw_before(gene
 
 def test_a_search_that_cannot_converge_raises_with_the_numbers():
     """A tokenizer that drops every lowercase letter and "." (no unknown token): fwe's coded words add nothing."""
-    generator = ruler.Generator(tiny.tokenizer(chat=False, text="THE GRASS IS GREEN QUESTION WHAT ANSWER", byte_level=False))
-    with _recorded_builds(), pytest.raises(ValueError, match=r"fwe at context_length=1000: the search for the "
-                                                            r"prompt's size cannot converge: 1902 units make a prompt"):
+    generator = ruler.Generator(
+        tiny.tokenizer(chat=False, text="THE GRASS IS GREEN QUESTION WHAT ANSWER", byte_level=False)
+    )
+    with (
+        _recorded_builds(),
+        pytest.raises(
+            ValueError,
+            match=r"fwe at context_length=1000: the search for the "
+            r"prompt's size cannot converge: 1902 units make a prompt",
+        ),
+    ):
         generator.sample("fwe", 1000, 0)
 
 
@@ -319,8 +380,11 @@ def generators():
 
 @example(length=2048, task="niah_single_2", which="plain").via("the prose runs out")
 @example(length=300, task="fwe", which="plateau").via("units add no tokens")
-@given(length=st.one_of(st.integers(100, 600), st.integers(600, 3000)), task=st.sampled_from(["fwe", "cwe", "vt", "niah_single_1", "niah_multikey_2",
-                                                           "niah_single_2"]), which=st.sampled_from(["plain", "plateau"]))
+@given(
+    length=st.one_of(st.integers(100, 600), st.integers(600, 3000)),
+    task=st.sampled_from(["fwe", "cwe", "vt", "niah_single_1", "niah_multikey_2", "niah_single_2"]),
+    which=st.sampled_from(["plain", "plateau"]),
+)
 def test_the_prompt_search_is_bounded_and_finds_the_largest_prompt(generators, length, task, which):
     """Within 9 + 2 log2(most) tokenizations and never more units than `most` (the haystack's, or what the
     context can hold): the prompt with the most units that fits (one more does not, or the haystack ran out
@@ -329,8 +393,9 @@ def test_the_prompt_search_is_bounded_and_finds_the_largest_prompt(generators, l
     if spec.needs_prose and generator.prose is None:
         return
     budget = length - spec.tokens_to_generate
-    most = (len(generator.prose) if spec.needs_prose else len(generator.lists["cwe"]) if task == "cwe"
-            else 2 * budget + 2)
+    most = (
+        len(generator.prose) if spec.needs_prose else len(generator.lists["cwe"]) if task == "cwe" else 2 * budget + 2
+    )
     with _recorded_builds() as built:
         try:
             s = generator.sample(task, length, 0)
@@ -359,10 +424,13 @@ def test_the_question_starts_where_the_text_asks_it(generator, task, chat):
     if not chat:
         generator = ruler.Generator(tiny.tokenizer(chat=False), PROSE)
     tok, s = generator.tokenizer, generator.sample(task, 2048, 1)
-    head = tok.apply_chat_template([{"role": "user", "content": s.text}], add_generation_prompt=True,
-                                   tokenize=False) if chat else s.text
+    head = (
+        tok.apply_chat_template([{"role": "user", "content": s.text}], add_generation_prompt=True, tokenize=False)
+        if chat
+        else s.text
+    )
     assert s.prompt.tolist() == tok(head + s.answer_prefix, add_special_tokens=not chat)["input_ids"]
-    context, question = tok.decode(s.prompt[: s.question_start]), tok.decode(s.prompt[s.question_start:])
+    context, question = tok.decode(s.prompt[: s.question_start]), tok.decode(s.prompt[s.question_start :])
     assert context + question == tok.decode(s.prompt) and 0 < s.question_start < len(s.prompt)
     assert question.startswith("Question: " if ruler.TASKS[task].family != "niah" else ("What is ", "What are "))
     assert question.endswith(s.answer_prefix) and context.endswith("\n")
@@ -385,10 +453,20 @@ def test_the_protocols_agree_when_every_token_is_kept_and_differ_when_the_questi
 
     model = tiny.model(len(generator.tokenizer))
     full, snapkv = jc.Full(stride=128), jc.SnapKV(budget=128, window=8, stride=128)
-    policies = lambda n: {"Full": full, "SnapKV": snapkv}  # noqa: E731
-    sweeps = {protocol: ruler.sweep(model, generator.tokenizer, policies, [512], samples=2, batch_size=4,
-                                    tasks=["niah_single_1", "niah_multikey_2"], protocol=protocol)
-              for protocol in ("query-aware", "query-agnostic")}
+    policies = lambda n: {"Full": full, "SnapKV": snapkv}
+    sweeps = {
+        protocol: ruler.sweep(
+            model,
+            generator.tokenizer,
+            policies,
+            [512],
+            samples=2,
+            batch_size=4,
+            tasks=["niah_single_1", "niah_multikey_2"],
+            protocol=protocol,
+        )
+        for protocol in ("query-aware", "query-agnostic")
+    }
     aware, agnostic = ([r for r in sweeps[p] if r.policy == "Full"] for p in ("query-aware", "query-agnostic"))
     assert len(aware) == 4 and [r.output for r in agnostic] == [r.output for r in aware]
     assert [r.prompt_tokens for r in agnostic] == [r.prompt_tokens for r in aware]
@@ -400,31 +478,59 @@ def test_query_agnostic_refuses_what_cannot_be_a_frozen_context_before_any_model
     """model=None: a sweep that reached the model would fail otherwise."""
     import jcascade as jc
 
-    recycled = lambda n: {"Recycled": jc.Recycled(top_k=64, refresh_every=8, stride=32)}  # noqa: E731
+    recycled = lambda n: {"Recycled": jc.Recycled(top_k=64, refresh_every=8, stride=32)}
     with pytest.raises(ValueError, match="protocol query-agnostic does not support Recycled"):
-        ruler.sweep(None, generator.tokenizer, recycled, [512], tasks=["niah_single_1"], samples=1,
-                    protocol="query-agnostic")
+        ruler.sweep(
+            None, generator.tokenizer, recycled, [512], tasks=["niah_single_1"], samples=1, protocol="query-agnostic"
+        )
     from jcascade.eval import protocol
 
     for starts, width in (([0], 8), ([5], 8), ([2], 2)):  # an empty context or question, a question over its width
         with pytest.raises(ValueError, match="question_starts must split each prompt into a context and a question"):
-            protocol.generate(None, jc.Full(), [np.arange(5)], starts, "query-agnostic", width=8, question_width=width,
-                              max_new_tokens=1, eos_id=None)
+            protocol.generate(
+                None,
+                jc.Full(),
+                [np.arange(5)],
+                starts,
+                "query-agnostic",
+                width=8,
+                question_width=width,
+                max_new_tokens=1,
+                eos_id=None,
+            )
     with pytest.raises(ValueError, match="protocol must be one of query-aware, query-agnostic"):
         ruler.sweep(None, generator.tokenizer, recycled, [512], tasks=["niah_single_1"], samples=1, protocol="agnostic")
-    gemma = tiny.model(len(generator.tokenizer), architecture="gemma3", qk_norm=True, num_layers=2, sliding_window=24,
-                       layer_types=("sliding", "global"), rope_local_theta=10000.0)
+    gemma = tiny.model(
+        len(generator.tokenizer),
+        architecture="gemma3",
+        qk_norm=True,
+        num_layers=2,
+        sliding_window=24,
+        layer_types=("sliding", "global"),
+        rope_local_theta=10000.0,
+    )
     with pytest.raises(ValueError, match="not supported yet for models with sliding or linear layers"):
-        ruler.sweep(gemma, generator.tokenizer, {"Full": jc.Full()}, [512], tasks=["niah_single_1"], samples=1,
-                    protocol="query-agnostic")
+        ruler.sweep(
+            gemma,
+            generator.tokenizer,
+            {"Full": jc.Full()},
+            [512],
+            tasks=["niah_single_1"],
+            samples=1,
+            protocol="query-agnostic",
+        )
 
 
 def test_kvpress_compression_ratios_are_kept_fractions_labelled_apart():
     """kvpress's ratios 0.25 / 0.5 / 0.75 / 0.875 keep 1 - ratio: --budget 0.75,0.5,0.25,0.125."""
     budgets = ruler.budget_list("0.75,0.5,0.25,0.125")
     policies = {k: v for b in budgets for k, v in ruler.policies_at(["snapkv"], b, 4096).items()}
-    assert {k: v.budget for k, v in policies.items()} == {"SnapKV 75%": 3072, "SnapKV 50%": 2048, "SnapKV 25%": 1024,
-                                                          "SnapKV 12.5%": 512}
+    assert {k: v.budget for k, v in policies.items()} == {
+        "SnapKV 75%": 3072,
+        "SnapKV 50%": 2048,
+        "SnapKV 25%": 1024,
+        "SnapKV 12.5%": 512,
+    }
 
 
 # ---- one way to name and pass policies: specs or budget-scaled names, the same sweep API as passkey's -----------
@@ -441,8 +547,10 @@ def test_policy_option_takes_names_scaled_at_each_budget_and_specs_used_as_given
     assert list(grid(4096)) == ["Sink 25%", "Sink 50%", "SnapKV 300", "Full"]  # in the order given
     assert grid(4096)["Sink 25%"].cache_slots(None) == 1024 and grid(8192)["Sink 25%"].cache_slots(None) == 2048
     assert grid(4096)["SnapKV 300"] == grid(8192)["SnapKV 300"] == jc.SnapKV(budget=300)
-    for policies, match in [(["full", jc.Full(stride=64)], "two policies are labelled 'Full'"),
-                            (["sink", "sink"], "policies: 'sink' is given twice")]:
+    for policies, match in [
+        (["full", jc.Full(stride=64)], "two policies are labelled 'Full'"),
+        (["sink", "sink"], "policies: 'sink' is given twice"),
+    ]:
         with pytest.raises(ValueError, match=match):
             ruler.policy_grid(policies, [0.25])(4096)
 
@@ -450,12 +558,20 @@ def test_policy_option_takes_names_scaled_at_each_budget_and_specs_used_as_given
 def test_names_run_at_every_storage_format_labelled_apart():
     import jcascade as jc
 
-    grid = ruler.policy_grid(["full", "adakv", jc.Sink(window=300, kv_dtype="int8")], [0.25],
-                             kv_dtypes=ruler.kv_dtype_list("model,int8,float8_e4m3fn"))(4096)
+    grid = ruler.policy_grid(
+        ["full", "adakv", jc.Sink(window=300, kv_dtype="int8")],
+        [0.25],
+        kv_dtypes=ruler.kv_dtype_list("model,int8,float8_e4m3fn"),
+    )(4096)
     assert {k: p.kv_dtype for k, p in grid.items()} == {
-        "Full": "model", "Full int8": "int8", "Full float8_e4m3fn": "float8_e4m3fn",
-        "AdaKV-SnapKV 25%": "model", "AdaKV-SnapKV 25% int8": "int8",
-        "AdaKV-SnapKV 25% float8_e4m3fn": "float8_e4m3fn", "Sink 300 int8": "int8"}  # a spec keeps its own
+        "Full": "model",
+        "Full int8": "int8",
+        "Full float8_e4m3fn": "float8_e4m3fn",
+        "AdaKV-SnapKV 25%": "model",
+        "AdaKV-SnapKV 25% int8": "int8",
+        "AdaKV-SnapKV 25% float8_e4m3fn": "float8_e4m3fn",
+        "Sink 300 int8": "int8",
+    }  # a spec keeps its own
     assert grid["AdaKV-SnapKV 25% int8"].scorer == jc.SnapKV(budget=1024, stride=2048, kv_dtype="int8")
     for text, match in [("int8,int8", "kv_dtypes: 'int8' is given twice"), ("int4", "kv_dtypes must be .* among")]:
         with pytest.raises(ValueError, match=match):
@@ -467,9 +583,11 @@ def test_sweeps_take_policies_as_a_mapping_or_a_function_of_the_length_with_fixe
     import jcascade as jc
     from jcascade.eval import passkey
 
-    moving = lambda n: {f"Sink {n}": jc.Sink(window=n // 4)}  # noqa: E731
-    for sweep in (lambda p: ruler.sweep(None, generator.tokenizer, p, [1024, 2048], tasks=["vt"], samples=1),
-                  lambda p: passkey.sweep(None, generator.tokenizer, p, [512, 1024])):
+    moving = lambda n: {f"Sink {n}": jc.Sink(window=n // 4)}
+    for sweep in (
+        lambda p: ruler.sweep(None, generator.tokenizer, p, [1024, 2048], tasks=["vt"], samples=1),
+        lambda p: passkey.sweep(None, generator.tokenizer, p, [512, 1024]),
+    ):
         with pytest.raises(ValueError, match="the labels must be the same at every context length"):
             sweep(moving)
         with pytest.raises(ValueError, match=r"policies must be \{label: policy\} or a function"):
@@ -484,12 +602,17 @@ def test_the_report_of_a_sweep_holds_specs_that_read_back():
     from jcascade.eval import report
     from jcascade.policies import parse_policy
 
-    results = [ruler.RulerResult(label, "vt", n, i, n - 10, "", 1.0) for label in ("Full", "Sink 25%")
-               for n in (512, 1024) for i in range(5)]
+    results = [
+        ruler.RulerResult(label, "vt", n, i, n - 10, "", 1.0)
+        for label in ("Full", "Sink 25%")
+        for n in (512, 1024)
+        for i in range(5)
+    ]
     grid = ruler.policy_grid(["full", "sink"], [0.25])
     rep = report.ruler(results, grid)
-    assert {k: {int(n): parse_policy(v) for n, v in by_length.items()} for k, by_length in rep["policies"].items()} == \
-        {k: {n: grid(n)[k] for n in (512, 1024)} for k in ("Full", "Sink 25%")}
+    assert {k: {int(n): parse_policy(v) for n, v in by_length.items()} for k, by_length in rep["policies"].items()} == {
+        k: {n: grid(n)[k] for n in (512, 1024)} for k in ("Full", "Sink 25%")
+    }
     fixed = {"Full": jc.Full(), "Sink 25%": jc.Sink(window=64)}
     rep = report.ruler(results, fixed)
     assert {k: parse_policy(v) for k, v in json.loads(report.json_text(rep))["policies"].items()} == fixed

@@ -130,8 +130,9 @@ def test_perplexity_blocks_one_per_book_and_few_blocks():
     pooled = stats.mean(nll, weights=counts, transform=np.exp)
     assert (one_per_book.low, one_per_book.high) == (pooled.low, pooled.high)
     assert one_per_book.low < np.exp(nll.mean()) < one_per_book.high
-    d = stats.paired_difference(nll + rng.normal(0.05, 0.2, 8), nll, weights=counts,
-                                strata=[f"book{i}" for i in range(8)], transform=np.exp)
+    d = stats.paired_difference(
+        nll + rng.normal(0.05, 0.2, 8), nll, weights=counts, strata=[f"book{i}" for i in range(8)], transform=np.exp
+    )
     assert d.high - d.low > 0.1
     assert np.isnan(stats.mean(nll[:3], weights=counts[:3], transform=np.exp).low)  # 3 blocks: no interval
 
@@ -139,7 +140,8 @@ def test_perplexity_blocks_one_per_book_and_few_blocks():
 def test_verdicts():
     better = stats.Estimate(0.12, 0.05, 0.19, 120)
     assert stats.verdict(better, "Cascade", "Sink", "better") == (
-        "Cascade - Sink = 0.12 [0.05, 0.19] (n=120): Cascade is better (the 95 % interval excludes zero).")
+        "Cascade - Sink = 0.12 [0.05, 0.19] (n=120): Cascade is better (the 95 % interval excludes zero)."
+    )
     assert "Sink is better" in stats.verdict(better, "Cascade", "Sink", "worse")  # e.g. a perplexity difference
     assert stats.verdict_word(better, "worse") == "worse"
     assert "not distinguishable from zero" in stats.verdict(stats.Estimate(0.02, -0.01, 0.05, 50), "A", "B", "better")
@@ -147,16 +149,18 @@ def test_verdicts():
 
 
 def test_bad_input_is_rejected():
-    for call, match in [(lambda: stats.mean([]), "non-empty 1-D"),
-                        (lambda: stats.mean([1.0, np.nan]), "finite"),
-                        (lambda: stats.paired_difference([1.0, 2.0], [1.0]), "of 2 units"),
-                        (lambda: stats.mean([1.0, 2.0], weights=[1.0, 0.0]), "positive"),
-                        (lambda: stats.mean([1.0, 2.0], strata=[0]), "one label per unit"),
-                        (lambda: stats.blocks([1.0], 0), "block must be >= 1"),
-                        (lambda: stats.blocks([1.0], 2.0), "block must be an int"),
-                        (lambda: stats.blocks([1.0], True), "block must be an int"),
-                        (lambda: stats.mean(np.ones(6), bounds=(1, 0)), "bounds must be"),
-                        (lambda: stats.verdict(stats.Estimate(0, 0, 0, 9), "A", "B", "higher"), "higher_is")]:
+    for call, match in [
+        (lambda: stats.mean([]), "non-empty 1-D"),
+        (lambda: stats.mean([1.0, np.nan]), "finite"),
+        (lambda: stats.paired_difference([1.0, 2.0], [1.0]), "of 2 units"),
+        (lambda: stats.mean([1.0, 2.0], weights=[1.0, 0.0]), "positive"),
+        (lambda: stats.mean([1.0, 2.0], strata=[0]), "one label per unit"),
+        (lambda: stats.blocks([1.0], 0), "block must be >= 1"),
+        (lambda: stats.blocks([1.0], 2.0), "block must be an int"),
+        (lambda: stats.blocks([1.0], True), "block must be an int"),
+        (lambda: stats.mean(np.ones(6), bounds=(1, 0)), "bounds must be"),
+        (lambda: stats.verdict(stats.Estimate(0, 0, 0, 9), "A", "B", "higher"), "higher_is"),
+    ]:
         with pytest.raises(ValueError, match=match):
             call()
 
@@ -168,31 +172,34 @@ def test_bounds_and_arguments_are_checked_whatever_the_sample_size():
     for n in (3, 30):
         ones, half = np.ones(n), np.full(n, 0.5)
         for call, match in [
-                (lambda: stats.mean(ones * 1.5, bounds=(0, 1)), r"values must lie in bounds \[0, 1\], got \[1.5"),
-                (lambda: stats.mean(-ones, bounds=(0, 1)), "values must lie in bounds"),
-                (lambda: stats.paired_difference(half, ones * 2, bounds=(0, 1)), r"b must lie in bounds \[0, 1\]"),
-                (lambda: stats.paired_difference(half, half, bounds=(0, 1), transform=np.exp), "untransformed"),
-                (lambda: stats.mean(half, bounds=(0, np.inf)), "finite"),
-                (lambda: stats.mean(half, bounds=(np.nan, 1)), "bounds must be"),
-                (lambda: stats.mean(half, bounds=(0, 1, 2)), "bounds must be"),
-                (lambda: stats.mean(half, bounds=1), "bounds must be"),
-                (lambda: stats.mean(half, bounds=(0, 1), transform=np.exp), "untransformed"),
-                (lambda: stats.mean(half, transform="exp"), "transform must be callable"),
-                (lambda: stats.mean(half, strata=[0] * (n + 1)), f"one label per unit \\({n}\\)"),
-                (lambda: stats.mean(half, strata="ab" * n), "sequence of one label per unit"),
-                (lambda: stats.mean(half, strata=[[0]] * n), "hashable"),
-                (lambda: stats.paired_difference(half, ones[:-1]), f"of {n} units"),
-                (lambda: stats.mean(half, seed=-1), "seed must be >= 0"),
-                (lambda: stats.mean(half, seed=1.0), "seed must be an int"),
-                (lambda: stats.mean([]), "non-empty"),
-                (lambda: stats.mean(["a"] * n), "real numbers")]:
+            (lambda: stats.mean(ones * 1.5, bounds=(0, 1)), r"values must lie in bounds \[0, 1\], got \[1.5"),
+            (lambda: stats.mean(-ones, bounds=(0, 1)), "values must lie in bounds"),
+            (lambda: stats.paired_difference(half, ones * 2, bounds=(0, 1)), r"b must lie in bounds \[0, 1\]"),
+            (lambda: stats.paired_difference(half, half, bounds=(0, 1), transform=np.exp), "untransformed"),
+            (lambda: stats.mean(half, bounds=(0, np.inf)), "finite"),
+            (lambda: stats.mean(half, bounds=(np.nan, 1)), "bounds must be"),
+            (lambda: stats.mean(half, bounds=(0, 1, 2)), "bounds must be"),
+            (lambda: stats.mean(half, bounds=1), "bounds must be"),
+            (lambda: stats.mean(half, bounds=(0, 1), transform=np.exp), "untransformed"),
+            (lambda: stats.mean(half, transform="exp"), "transform must be callable"),
+            (lambda: stats.mean(half, strata=[0] * (n + 1)), f"one label per unit \\({n}\\)"),
+            (lambda: stats.mean(half, strata="ab" * n), "sequence of one label per unit"),
+            (lambda: stats.mean(half, strata=[[0]] * n), "hashable"),
+            (lambda: stats.paired_difference(half, ones[:-1]), f"of {n} units"),
+            (lambda: stats.mean(half, seed=-1), "seed must be >= 0"),
+            (lambda: stats.mean(half, seed=1.0), "seed must be an int"),
+            (lambda: stats.mean([]), "non-empty"),
+            (lambda: stats.mean(["a"] * n), "real numbers"),
+        ]:
             with pytest.raises(ValueError, match=match):
                 call()
-    for call, match in [(lambda: stats.wilson(1.5, 10), "p must be a proportion"),
-                        (lambda: stats.wilson(0.5, 0), "n must be a positive"),
-                        (lambda: stats.Estimate(0.5, 0.1, 0.9, -1), "Estimate.n must be >= 0"),
-                        (lambda: stats.Estimate(0.5, 0.1, 0.9, 2.5), "Estimate.n must be an int"),
-                        (lambda: stats.Estimate("0.5", 0.1, 0.9, 2), "Estimate.value must be a real number")]:
+    for call, match in [
+        (lambda: stats.wilson(1.5, 10), "p must be a proportion"),
+        (lambda: stats.wilson(0.5, 0), "n must be a positive"),
+        (lambda: stats.Estimate(0.5, 0.1, 0.9, -1), "Estimate.n must be >= 0"),
+        (lambda: stats.Estimate(0.5, 0.1, 0.9, 2.5), "Estimate.n must be an int"),
+        (lambda: stats.Estimate("0.5", 0.1, 0.9, 2), "Estimate.value must be a real number"),
+    ]:
         with pytest.raises(ValueError, match=match):
             call()
 

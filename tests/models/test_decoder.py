@@ -9,14 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 from flax import nnx
 
 import jcascade as jc
-import tiny
 
-
-GEMMA3 = dict(architecture="gemma3", qk_norm=True, layer_types=("sliding",) * 4 + ("global",) * 4, sliding_window=64,
-              rope_local_theta=10000.0)
+GEMMA3 = dict(
+    architecture="gemma3",
+    qk_norm=True,
+    layer_types=("sliding",) * 4 + ("global",) * 4,
+    sliding_window=64,
+    rope_local_theta=10000.0,
+)
 
 
 @pytest.mark.parametrize("family", [{}, GEMMA3], ids=["llama", "gemma3"])
@@ -40,8 +44,17 @@ def test_sliding_layers_get_a_window_cache_of_their_own():
     """Gemma 3's layer types: the global layers get the policy's cache, the sliding layers one of window - 1
     slots (the query itself makes the window), each stacked over its own layers; ragged rows equal each row
     alone, across the window."""
-    model = tiny.model(97, seed=2, architecture="gemma3", qk_norm=True, num_layers=3, sliding_window=8,
-                       layer_types=("sliding", "global", "sliding"), rope_local_theta=10000.0, query_scale=0.3)
+    model = tiny.model(
+        97,
+        seed=2,
+        architecture="gemma3",
+        qk_norm=True,
+        num_layers=3,
+        sliding_window=8,
+        layer_types=("sliding", "global", "sliding"),
+        rope_local_theta=10000.0,
+        query_scale=0.3,
+    )
     policy = jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8)
     global_cache, window_cache = model.init_cache(policy, 2)
     assert global_cache.k.shape == (1, 2, 2, 18, 8) and window_cache.k.shape == (2, 2, 2, 7, 8)
@@ -58,7 +71,7 @@ def _chunk_after_a_first_one(policy, seed=0, B=2, Hkv=2, G=2, D=8, T=6):
     """A cache under `policy` after a first 9-token chunk (row 1 holds 5 of them) and a second chunk's
     q [B, T, Hkv*G, D], k, v [B, T, Hkv, D] and lengths."""
     rng = np.random.default_rng(seed)
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     rope = jc.RoPE(10000.0)
     state = jc.init_cache(policy, B, Hkv, D, jnp.float32, max_tokens=16)
     q, k, v, lengths = normal(B, 9, Hkv * G, D), normal(B, 9, Hkv, D), normal(B, 9, Hkv, D), jnp.array([9, 5])
@@ -88,8 +101,13 @@ def test_window_attention_over_a_quantized_cache_reads_each_code_times_its_scale
     policy = jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=16, kv_dtype="int8")
     state, q, k, v, lengths, rope = _chunk_after_a_first_one(policy)
     assert state.k.dtype == jnp.int8
-    plain = dataclasses.replace(state, k=state.k.astype(jnp.float32) * state.k_scale[..., None],
-                                v=state.v.astype(jnp.float32) * state.v_scale[..., None], k_scale=None, v_scale=None)
+    plain = dataclasses.replace(
+        state,
+        k=state.k.astype(jnp.float32) * state.k_scale[..., None],
+        v=state.v.astype(jnp.float32) * state.v_scale[..., None],
+        k_scale=None,
+        v_scale=None,
+    )
     out, scores = window_attention(policy, state, q, k, v, lengths, rope, window=7)
     want_out, want = window_attention(dataclasses.replace(policy, kv_dtype="model"), plain, q, k, v, lengths, rope, 7)
     np.testing.assert_allclose(out, want_out, atol=1e-6)
@@ -109,8 +127,11 @@ def test_window_attention_sees_only_the_window():
     Hkv = k.shape[2]
     for b in range(B):
         start = int(state.seen[b])
-        held = [(int(p), np.asarray(state.k[b, :, s]), np.asarray(state.v[b, :, s]))
-                for s, p in enumerate(np.asarray(state.pos[b, 0])) if p >= 0]
+        held = [
+            (int(p), np.asarray(state.k[b, :, s]), np.asarray(state.v[b, :, s]))
+            for s, p in enumerate(np.asarray(state.pos[b, 0]))
+            if p >= 0
+        ]
         chunk = [(start + j, np.asarray(k[b, j]), np.asarray(v[b, j])) for j in range(int(lengths[b]))]
         for i in range(T):
             if i >= lengths[b]:
@@ -121,8 +142,9 @@ def test_window_attention_sees_only_the_window():
             for h in range(Hq):
                 g = h // (Hq // Hkv)
                 qr = np.asarray(rope(q[b, i, h][None, None], jnp.array([[p]])))[0, 0]
-                logits = np.array([qr @ np.asarray(rope(kk[g][None, None], jnp.array([[pos]])))[0, 0]
-                                   for pos, kk, _ in visible]) / np.sqrt(D)
+                logits = np.array(
+                    [qr @ np.asarray(rope(kk[g][None, None], jnp.array([[pos]])))[0, 0] for pos, kk, _ in visible]
+                ) / np.sqrt(D)
                 weights = np.exp(logits - logits.max())
                 want = (weights / weights.sum()) @ np.stack([vv[g] for _, _, vv in visible])
                 np.testing.assert_allclose(out[b, i, h], want, atol=1e-5)
@@ -133,14 +155,20 @@ def test_a_policy_of_the_sliding_layers_serves_them_with_the_window_still_applie
     the model whose window is 8 token by token (a chunk sees itself whole, as under any policy); a Cascade
     that keeps every token gives the trained window (the scores' path); the policy survives `nnx.split`
     (and `shard`: tests/models/test_sharding.py)."""
-    fields = dict(architecture="gemma3", qk_norm=True, num_layers=3, layer_types=("sliding", "global", "sliding"),
-                  rope_local_theta=10000.0, query_scale=0.3)
+    fields = dict(
+        architecture="gemma3",
+        qk_norm=True,
+        num_layers=3,
+        layer_types=("sliding", "global", "sliding"),
+        rope_local_theta=10000.0,
+        query_scale=0.3,
+    )
     model = tiny.model(97, seed=4, sliding_window=16, **fields)
     narrow = tiny.model(97, seed=4, sliding_window=8, **fields)
     policy = jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8)
     tokens = np.random.default_rng(5).integers(0, 97, (2, 40))
     lengths = np.array([40, 29])
-    score = lambda m, policy=policy: np.asarray(jc.score(m, tokens, policy, lengths=lengths))  # noqa: E731
+    score = lambda m, policy=policy: np.asarray(jc.score(m, tokens, policy, lengths=lengths))
     seven = model.with_sliding_policy(jc.SlidingWindow(window=7, positions="original"))
     by_token = jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=1)
     np.testing.assert_allclose(score(seven, by_token), score(narrow, by_token), atol=1e-4)
@@ -149,8 +177,9 @@ def test_a_policy_of_the_sliding_layers_serves_them_with_the_window_still_applie
     assert keeps_all.init_cache(policy, 2)[1].k.shape[3] == 50  # [layers, B, Hkv, slots, D]
     np.testing.assert_allclose(score(keeps_all), score(model), atol=1e-4)
     graph, state = nnx.split(seven)
-    np.testing.assert_allclose(np.asarray(jc.score((graph, state), tokens, policy, lengths=lengths)), score(seven),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(jc.score((graph, state), tokens, policy, lengths=lengths)), score(seven), atol=1e-4
+    )
     with pytest.raises(ValueError, match="sliding_policy must act while tokens stream"):
         model.with_sliding_policy(jc.SnapKV(budget=8, window=4))
     with pytest.raises(ValueError, match="has none"):

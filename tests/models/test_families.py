@@ -4,31 +4,60 @@ Full, Cascade and SnapKV, greedy generation included: test_loading.py; sharded: 
 
 import numpy as np
 import pytest
-
-import jcascade as jc
 import tiny
 
-QWEN3_5 = dict(architecture="qwen3_5", num_layers=3, qk_norm=True, head_dim=16, layer_types=("linear", "global", "linear"),
-               attention_output_gate=True, partial_rotary_factor=0.25, linear_key_heads=2, linear_value_heads=4,
-               linear_key_dim=8, linear_value_dim=8, linear_conv_kernel=4)
-GEMMA4 = dict(architecture="gemma4", num_layers=4, qk_norm=True, layer_types=("sliding", "global") * 2,
-              sliding_window=8, rope_local_theta=10000.0, query_scale=1.0, global_head_dim=16, k_eq_v=True,
-              kv_shared_layers=2, per_layer_input_size=4, per_layer_vocab_size=96, final_logit_softcapping=30.0,
-              partial_rotary_factor=0.25)
+import jcascade as jc
+
+QWEN3_5 = dict(
+    architecture="qwen3_5",
+    num_layers=3,
+    qk_norm=True,
+    head_dim=16,
+    layer_types=("linear", "global", "linear"),
+    attention_output_gate=True,
+    partial_rotary_factor=0.25,
+    linear_key_heads=2,
+    linear_value_heads=4,
+    linear_key_dim=8,
+    linear_value_dim=8,
+    linear_conv_kernel=4,
+)
+GEMMA4 = dict(
+    architecture="gemma4",
+    num_layers=4,
+    qk_norm=True,
+    layer_types=("sliding", "global") * 2,
+    sliding_window=8,
+    rope_local_theta=10000.0,
+    query_scale=1.0,
+    global_head_dim=16,
+    k_eq_v=True,
+    kv_shared_layers=2,
+    per_layer_input_size=4,
+    per_layer_vocab_size=96,
+    final_logit_softcapping=30.0,
+    partial_rotary_factor=0.25,
+)
 FAMILIES = {"qwen3_5": QWEN3_5, "gemma4": GEMMA4}
 # every policy at a budget that holds the whole text (40 tokens)
-KEEP_ALL = [jc.SlidingWindow(window=64, stride=16), jc.Sink(window=64, stride=16),
-            jc.Cascade(cache_size=64, sinks=2, num_cascades=2, stride=16), jc.H2O(heavy=32, recent=32, stride=16),
-            jc.TOVA(cache_size=64, stride=16), jc.SnapKV(budget=64, window=4, stride=16),
-            jc.PyramidKV(budget=64, window=4, stride=16), jc.AdaKV(jc.SnapKV(budget=64, window=4, stride=16)),
-            jc.KNorm(budget=64, stride=16), jc.ExpectedAttention(budget=64, window=4, future=16, sinks=2, stride=16),
-            jc.KVzip(budget=64, instruction=(1, 2, 3), continuation=(4,), turn=(5,), chunk=16, stride=16),
-            jc.Recycled(top_k=64, refresh_every=3, stride=16)]
+KEEP_ALL = [
+    jc.SlidingWindow(window=64, stride=16),
+    jc.Sink(window=64, stride=16),
+    jc.Cascade(cache_size=64, sinks=2, num_cascades=2, stride=16),
+    jc.H2O(heavy=32, recent=32, stride=16),
+    jc.TOVA(cache_size=64, stride=16),
+    jc.SnapKV(budget=64, window=4, stride=16),
+    jc.PyramidKV(budget=64, window=4, stride=16),
+    jc.AdaKV(jc.SnapKV(budget=64, window=4, stride=16)),
+    jc.KNorm(budget=64, stride=16),
+    jc.ExpectedAttention(budget=64, window=4, future=16, sinks=2, stride=16),
+    jc.KVzip(budget=64, instruction=(1, 2, 3), continuation=(4,), turn=(5,), chunk=16, stride=16),
+    jc.Recycled(top_k=64, refresh_every=3, stride=16),
+]
 
 
 def family_model(name: str) -> jc.CausalLM:
-    return tiny.model(96, seed=1, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4,
-                      **FAMILIES[name])
+    return tiny.model(96, seed=1, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4, **FAMILIES[name])
 
 
 def prompt_then_steps(model, policy, tokens, lengths):

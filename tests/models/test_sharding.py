@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec
-
-import jcascade as jc
 import test_families
 import tiny
-from jcascade import cli
+from jax.sharding import Mesh, PartitionSpec
 from jcascade.models import sharding
+
+import jcascade as jc
+from jcascade import cli
 
 pytestmark = pytest.mark.devices(8)
 
@@ -31,12 +31,17 @@ CACHE_SPEC = PartitionSpec(None, "data", "model", None, None)  # [layer, rows, K
 # of each cache layout (Cascade's rings, H2O's scores; AdaKV's prompt selection is SnapKV's, per head: Sink, TOVA
 # and KNorm act on each row and KV head alone as SnapKV does; tests/policies holds their rules). On the data-only
 # and model-only meshes, Cascade (a mesh axis of one device is the (2, 4) code path with that axis unsplit).
-POLICIES = {type(p).__name__: p for p in [
-    jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8), jc.H2O(heavy=6, recent=6, stride=8),
-    jc.Recycled(top_k=6, refresh_every=3, stride=16),
-    jc.AdaKV(jc.SnapKV(budget=12, window=4, stride=16)),
-    jc.KVzip(budget=12, instruction=(1, 2, 3), continuation=(4,), turn=(5,), chunk=16, stride=16),
-    jc.ExpectedAttention(budget=12, window=4, future=16, sinks=2, stride=16)]}
+POLICIES = {
+    type(p).__name__: p
+    for p in [
+        jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8),
+        jc.H2O(heavy=6, recent=6, stride=8),
+        jc.Recycled(top_k=6, refresh_every=3, stride=16),
+        jc.AdaKV(jc.SnapKV(budget=12, window=4, stride=16)),
+        jc.KVzip(budget=12, instruction=(1, 2, 3), continuation=(4,), turn=(5,), chunk=16, stride=16),
+        jc.ExpectedAttention(budget=12, window=4, future=16, sinks=2, stride=16),
+    ]
+}
 CASCADE = POLICIES["Cascade"]
 CASES = [((2, 4), name) for name in POLICIES] + [((8, 1), "Cascade"), ((1, 4), "Cascade")]
 
@@ -102,12 +107,22 @@ def test_sharded_generate_equals_one_device(model, sharded):
     np.testing.assert_array_equal(generate(sharded), generate(model))
 
 
-GEMMA3 = dict(architecture="gemma3", qk_norm=True, layer_types=("sliding", "global"), sliding_window=8,
-              rope_local_theta=10000.0, query_scale=0.3, sliding_policy=jc.H2O(heavy=3, recent=2, positions="original"))
+GEMMA3 = dict(
+    architecture="gemma3",
+    qk_norm=True,
+    layer_types=("sliding", "global"),
+    sliding_window=8,
+    rope_local_theta=10000.0,
+    query_scale=0.3,
+    sliding_policy=jc.H2O(heavy=3, recent=2, positions="original"),
+)
 
 
-@pytest.mark.parametrize("family", [dict(architecture="qwen2", qkv_bias=True), GEMMA3, test_families.QWEN3_5,
-                                    test_families.GEMMA4], ids=["qwen2", "gemma3", "qwen3_5", "gemma4"])
+@pytest.mark.parametrize(
+    "family",
+    [dict(architecture="qwen2", qkv_bias=True), GEMMA3, test_families.QWEN3_5, test_families.GEMMA4],
+    ids=["qwen2", "gemma3", "qwen3_5", "gemma4"],
+)
 def test_each_family_sharded_equals_one_device(family):
     """The weights a family adds (Qwen2's biases, Gemma 3's norms, Qwen3.5's q/k norms (Qwen3's), head_dim of its own
     and Gated DeltaNet (replicated, its states' rows over "data"), Gemma 4's global-layer weights and per-layer
@@ -128,8 +143,9 @@ def test_the_kernels_run_per_shard(model, sharded, backend):
     """The Pallas kernels (interpret mode) under shard_map: a generate runs the chunk kernels with scores (the
     prompt) and the decode ones, and equals one device's XLA attention (short inputs: interpret mode is slow)."""
     tokens, lengths = (x[[0, 3]] for x in inputs())  # one row per data shard, one of them shorter than the prompt
-    generate = lambda m, **kw: jc.generate(m, tokens[:, :16], CASCADE, max_new_tokens=3,  # noqa: E731
-                                           lengths=np.minimum(lengths, 16), **kw)
+    generate = lambda m, **kw: jc.generate(
+        m, tokens[:, :16], CASCADE, max_new_tokens=3, lengths=np.minimum(lengths, 16), **kw
+    )
     np.testing.assert_array_equal(generate(sharded.with_kernels(jc.Kernels(backend))), generate(model))
 
 
@@ -139,7 +155,7 @@ def test_shared_prefix_levels_run_per_shard_when_their_rows_allow(sharded):
     prompt = jax.tree.map(lambda x: x[0], sharded.init_cache(CASCADE, 1))  # layer 0 of a prompt's cache
     level = jax.tree.map(lambda x: x[None], jc.share_prefix(CASCADE, prompt))
     three_rows = jax.tree.map(lambda x: jnp.repeat(x, 3, axis=1), level)
-    requests = lambda batch: jc.init_cache(CASCADE, batch, 4, 16, num_layers=2)  # noqa: E731  a stacked cache
+    requests = lambda batch: jc.init_cache(CASCADE, batch, 4, 16, num_layers=2)  # a stacked cache
     assert sharding.layer_specs(requests(8), mesh_of((2, 4)), (level,)) is not None
     assert sharding.layer_specs(requests(6), mesh_of((3, 2)), (three_rows,)) is not None
     assert sharding.layer_specs(requests(8), mesh_of((2, 4)), (three_rows,)) is None
@@ -152,22 +168,28 @@ def test_num_samples_share_the_prompt_per_shard(model, sharded, backend, kv_dtyp
     one = inputs()[0][:1, :30]
     policy = dataclasses.replace(CASCADE, kv_dtype=kv_dtype)
     samples = dict(max_new_tokens=6, temperature=1.0, num_samples=4, rng=jax.random.key(3))  # 2 rows per data shard
-    np.testing.assert_array_equal(jc.generate(sharded.with_kernels(jc.Kernels(backend)), one, policy, **samples),
-                                  jc.generate(model, one, policy, **samples))
+    np.testing.assert_array_equal(
+        jc.generate(sharded.with_kernels(jc.Kernels(backend)), one, policy, **samples),
+        jc.generate(model, one, policy, **samples),
+    )
 
 
 def test_three_prompts_as_one_shared_level_per_shard(model):
     """A decode step of 6 rows over 3 prompts' caches as one shared-prefix level (2 rows each), on a (3, 2)
     mesh (prefix rows over "data", per shard) and on one device: the same hidden states."""
     tokens, lengths = (jnp.asarray(x) for x in inputs())
-    prompts, _, _ = jc.prefill(model, CASCADE, model.init_cache(CASCADE, 3), tokens[:3, :30],
-                               jnp.minimum(lengths[:3], 30))
+    prompts, _, _ = jc.prefill(
+        model, CASCADE, model.init_cache(CASCADE, 3), tokens[:3, :30], jnp.minimum(lengths[:3], 30)
+    )
     level = jax.vmap(lambda layer: jc.share_prefix(CASCADE, layer))(prompts)
     own = jc.Full(stride=CASCADE.stride)
 
     def step(m):
-        return jax.jit(lambda level: m(own, m.init_cache(own, 6, max_tokens=4), tokens[:6, 30:31], jnp.ones(6, jnp.int32),
-                                       (level,))[0])(level)
+        return jax.jit(
+            lambda level: m(
+                own, m.init_cache(own, 6, max_tokens=4), tokens[:6, 30:31], jnp.ones(6, jnp.int32), (level,)
+            )[0]
+        )(level)
 
     sharded = jc.models.shard(model, mesh_of((3, 2)))
     assert float(jnp.max(jnp.abs(step(model) - step(sharded)))) <= 1e-5
@@ -178,8 +200,11 @@ def test_a_sharded_decode_step_moves_no_cache(sharded):
     capacity = sharded.init_cache(CASCADE, 8).capacity
     tokens = jnp.asarray(inputs()[0])
     text = jax.jit(lambda t: jc.generate(sharded, t, CASCADE, max_new_tokens=4)).lower(tokens).compile().as_text()
-    gathers = [line.strip()[:200] for line in text.splitlines()
-               if re.search(r"all-gather(-start)?\(", line) and re.search(rf"\[[^\]]*\b{capacity}\b[^\]]*\]", line)]
+    gathers = [
+        line.strip()[:200]
+        for line in text.splitlines()
+        if re.search(r"all-gather(-start)?\(", line) and re.search(rf"\[[^\]]*\b{capacity}\b[^\]]*\]", line)
+    ]
     assert gathers == []
 
 
@@ -223,8 +248,11 @@ def test_heads_that_do_not_divide_are_replicated_with_a_warning():
     assert "replicated along it" in " ".join(str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("shape,heads", [((2, 4), dict(num_heads=6, num_kv_heads=3)), ((3, 2), {})],
-                         ids=["3 KV heads over model=4", "8 rows over data=3"])
+@pytest.mark.parametrize(
+    "shape,heads",
+    [((2, 4), dict(num_heads=6, num_kv_heads=3)), ((3, 2), {})],
+    ids=["3 KV heads over model=4", "8 rows over data=3"],
+)
 def test_rows_or_kv_heads_that_do_not_divide_run_per_shard_replicated(shape, heads):
     """Attention still runs under shard_map with the axis that does not divide replicated (each of its devices
     repeats the rows or heads it holds whole): specs for every layer, one device's log-probs."""
@@ -233,8 +261,9 @@ def test_rows_or_kv_heads_that_do_not_divide_run_per_shard_replicated(shape, hea
         model = tiny.model(96, seed=2, **TINY | heads)
         sharded = jc.models.shard(model, mesh_of(shape))
     specs = sharding.layer_specs(sharded.init_cache(CASCADE, 8, max_tokens=64), sharded.mesh)
-    assert specs is not None and specs["chunk"] == (PartitionSpec("data", None, None, None) if heads
-                                                    else PartitionSpec(None, None, "model", None))
+    assert specs is not None and specs["chunk"] == (
+        PartitionSpec("data", None, None, None) if heads else PartitionSpec(None, None, "model", None)
+    )
     np.testing.assert_allclose(scored(sharded, CASCADE), scored(model, CASCADE), rtol=1e-5, atol=1e-4)
 
 
@@ -259,22 +288,44 @@ def passkey(model_dir, tmp_path_factory):
                 return meshes[-1]
 
             real = sharding.device_mesh
-            with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(io.StringIO()), \
-                    contextlib.redirect_stdout(io.StringIO()):
+            with (
+                pytest.MonkeyPatch.context() as patch,
+                contextlib.redirect_stderr(io.StringIO()),
+                contextlib.redirect_stdout(io.StringIO()),
+            ):
                 patch.setattr(sharding, "device_mesh", device_mesh)
-                cli.main(["passkey", "--model", model_dir, "--policy", "cascade:cache_size=32,sinks=4,stride=32",
-                          "--min-length", "128", "--max-length", "128",
-                          "--samples", "1", "--out", str(out / str(len(done))), *option])
+                cli.main(
+                    [
+                        "passkey",
+                        "--model",
+                        model_dir,
+                        "--policy",
+                        "cascade:cache_size=32,sinks=4,stride=32",
+                        "--min-length",
+                        "128",
+                        "--max-length",
+                        "128",
+                        "--samples",
+                        "1",
+                        "--out",
+                        str(out / str(len(done))),
+                        *option,
+                    ]
+                )
             (mesh,) = meshes
             results = json.loads((out / str(len(done)) / "passkey.json").read_text())["results"]
-            done[key] = mesh and (mesh.shape["data"], mesh.shape["model"]), [(r["policy"], r["answer"]) for r in results]
+            done[key] = (
+                mesh and (mesh.shape["data"], mesh.shape["model"]),
+                [(r["policy"], r["answer"]) for r in results],
+            )
         return done[key]
 
     return run
 
 
-@pytest.mark.parametrize("option,mesh", [([], (8, 1)), (["--mesh", "data=2,model=2"], (2, 2))],
-                         ids=["default", "data=2,model=2"])
+@pytest.mark.parametrize(
+    "option,mesh", [([], (8, 1)), (["--mesh", "data=2,model=2"], (2, 2))], ids=["default", "data=2,model=2"]
+)
 def test_the_cli_on_a_mesh_answers_as_on_one_device(passkey, option, mesh):
     """jcascade passkey splits its rows over every device by default, or over the --mesh given: the same answers
     as on one device."""
@@ -286,12 +337,32 @@ def test_the_cli_on_a_mesh_answers_as_on_one_device(passkey, option, mesh):
 
 def test_ruler_on_a_mesh_answers_as_on_one_device(model_dir, tmp_path):
     """jcascade ruler splits each batch's rows over every device by default: the outputs of one device."""
+
     def outputs(*option):
         out = tmp_path / str(len(option))
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            cli.main(["ruler", "--model", model_dir, "--tasks", "niah_single_1,vt", "--policy", "cascade",
-                      "--budget", "0.25", "--min-length", "1K", "--max-length", "1K", "--samples", "6",
-                      "--out", str(out), *option])
+            cli.main(
+                [
+                    "ruler",
+                    "--model",
+                    model_dir,
+                    "--tasks",
+                    "niah_single_1,vt",
+                    "--policy",
+                    "cascade",
+                    "--budget",
+                    "0.25",
+                    "--min-length",
+                    "1K",
+                    "--max-length",
+                    "1K",
+                    "--samples",
+                    "6",
+                    "--out",
+                    str(out),
+                    *option,
+                ]
+            )
         results = json.loads((out / "ruler.json").read_text())["results"]
         return [(r["policy"], r["task"], r["index"], r["output"]) for r in results]
 

@@ -40,10 +40,10 @@ def score_and_generate(model, policy, tokens, lengths):
 @pytest.mark.slow
 def test_two_processes_give_the_one_process_result(tmp_path):
     import jax.numpy as jnp
+    import tiny
     from jax.sharding import PartitionSpec
 
     import jcascade as jc
-    import tiny
 
     model = tiny.model(96, **TINY)
     jc.save_converted(model, tmp_path / "model")
@@ -51,9 +51,17 @@ def test_two_processes_give_the_one_process_result(tmp_path):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    workers = [subprocess.Popen([sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / "model")],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=pathlib.Path(__file__).parent) for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / "model")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=pathlib.Path(__file__).parent,
+        )
+        for i in range(2)
+    ]
     outputs = [w.communicate(timeout=600) for w in workers]
     for w, (_, err) in zip(workers, outputs):
         assert w.returncode == 0, err[-3000:]
@@ -71,7 +79,7 @@ def test_two_processes_give_the_one_process_result(tmp_path):
 
 
 def worker(process: int, port: int, checkpoint: str):
-    """One of 2 processes: the multi-host recipe of docs/multi-device.md on a (2, 4) mesh over both processes' devices."""
+    """One of 2 processes: docs/multi-device.md's multi-host recipe on a (2, 4) mesh over both processes' devices."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -90,7 +98,8 @@ def worker(process: int, port: int, checkpoint: str):
         results[type(policy).__name__] = dict(
             score=np.asarray(multihost_utils.process_allgather(score, tiled=True)).tolist(),
             generate=np.asarray(multihost_utils.process_allgather(generated, tiled=True)).tolist(),
-            cache_spec=str(model.init_cache(policy, 8, max_tokens=64).k.sharding.spec))
+            cache_spec=str(model.init_cache(policy, 8, max_tokens=64).k.sharding.spec),
+        )
     print(json.dumps(results))
 
 

@@ -8,8 +8,10 @@ import numpy as np
 from jcascade import pallas_kernels as pk
 
 XLA = pk.Kernels("xla")
-SMALL = {"triton": pk.Kernels("triton", triton=pk.TritonConfig(16, 16, 16, 32, 16, decode_programs=8)),
-         "mosaic_tpu": pk.Kernels("mosaic_tpu", tpu=pk.TpuConfig(16, 32))}  # small blocks: interpret mode is slow
+SMALL = {
+    "triton": pk.Kernels("triton", triton=pk.TritonConfig(16, 16, 16, 32, 16, decode_programs=8)),
+    "mosaic_tpu": pk.Kernels("mosaic_tpu", tpu=pk.TpuConfig(16, 32)),
+}  # small blocks: interpret mode is slow
 
 
 def random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head_positions=False, weights=True):
@@ -18,7 +20,11 @@ def random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head_positions=False, wei
     lengths[0] = T
     w = rng.random((B, T)).astype(np.float32) * (np.arange(T)[None] < lengths[:, None])
     return dict(
-        q=f(B, T, Hq, D), k=f(B, T, Hkv, D), v=f(B, T, Hkv, D), k_cache=f(B, Hkv, S, D), v_cache=f(B, Hkv, S, D),
+        q=f(B, T, Hq, D),
+        k=f(B, T, Hkv, D),
+        v=f(B, T, Hkv, D),
+        k_cache=f(B, Hkv, S, D),
+        v_cache=f(B, Hkv, S, D),
         cache_valid=jnp.asarray(rng.random((B, Hkv, S)) < 0.8),
         cache_positions=jnp.asarray(rng.integers(0, 5000, (B, Hkv if per_head_positions else 1, S)), jnp.int32),
         lengths=jnp.asarray(lengths, jnp.int32),
@@ -44,8 +50,17 @@ LOWERING_SHAPES = [  # B, T, Hq, Hkv, D, S: the benchmark shapes, odd sizes, dec
 
 def abstract_inputs(B, T, Hq, Hkv, D, S):
     s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
-    return (s(B, T, Hq, D), s(B, T, Hkv, D), s(B, T, Hkv, D), s(B, Hkv, S, D), s(B, Hkv, S, D),
-            s(B, Hkv, S, dtype=jnp.bool_), s(B, 1, S, dtype=jnp.int32), s(B, dtype=jnp.int32), s(B, T, dtype=jnp.float32))
+    return (
+        s(B, T, Hq, D),
+        s(B, T, Hkv, D),
+        s(B, T, Hkv, D),
+        s(B, Hkv, S, D),
+        s(B, Hkv, S, D),
+        s(B, Hkv, S, dtype=jnp.bool_),
+        s(B, 1, S, dtype=jnp.int32),
+        s(B, dtype=jnp.int32),
+        s(B, T, dtype=jnp.float32),
+    )
 
 
 def h100_mesh():

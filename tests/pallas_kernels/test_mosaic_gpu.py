@@ -7,12 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jcascade as jc
 import tiny
-from jcascade import pallas_kernels as pk
 from kernel_inputs import LOWERING_SHAPES, abstract_inputs, assert_close, random_inputs
 
+import jcascade as jc
+from jcascade import pallas_kernels as pk
 
 MOSAIC_GPU_CASES = [  # B, T, Hq, Hkv, D, S, dtype, reduction: ragged rows, several key and query blocks
     (2, 100, 8, 2, 64, 150, jnp.bfloat16, "max"),  # group 4; a NaN key in row 0, KV head 1
@@ -62,8 +61,10 @@ def test_mosaic_gpu_prefix_kernel_equals_reference():
     P, R, Hq, Hkv, D, S = 2, 40, 8, 2, 64, 300
     keys = jax.random.split(jax.random.key(3), 4)
     valid = jax.random.bernoulli(keys[3], 0.7, (P, Hkv, S)).at[1, 0].set(False)
-    q, k, v = (jax.random.normal(key, shape).astype(jnp.bfloat16) for key, shape in
-               zip(keys, [(P, R, Hq, D), (P, Hkv, S, D), (P, Hkv, S, D)]))
+    q, k, v = (
+        jax.random.normal(key, shape).astype(jnp.bfloat16)
+        for key, shape in zip(keys, [(P, R, Hq, D), (P, Hkv, S, D), (P, Hkv, S, D)])
+    )
     k, v = (jnp.where(valid[..., None], x, 0) for x in (k, v))
     assert pk.mosaic_gpu.supports_prefix(q, k)
     want = pk.Kernels("xla").prefix_attention(q, k, v, valid, None, None)
@@ -79,7 +80,7 @@ def test_mosaic_gpu_prefix_kernel_equals_reference():
 def test_mosaic_gpu_prefix_kernel_lowers_for_gpu():
     """The prefix pass at the benchmark's shape (32K slots, 64 requests x 4 heads per KV head): one Mosaic GPU
     kernel, lowered for the GPU from the CPU."""
-    s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
     f = jax.jit(lambda q, k, v, valid: pk.mosaic_gpu.prefix_attention(q, k, v, valid))
     args = (s(1, 64, 32, 128), s(1, 8, 32768, 128), s(1, 8, 32768, 128), s(1, 8, 32768, dtype=jnp.bool_))
     assert f.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu_v2") == 1
@@ -92,7 +93,12 @@ def test_a_model_scores_alike_on_mosaic_gpu_and_xla():
     model = jc.CausalLM(model.config, {name: w.astype(jnp.bfloat16) for name, w in model.weights().items()})
     tokens = np.random.default_rng(0).integers(0, 97, (2, 120))
     policy = jc.Cascade(cache_size=64, sinks=4, stride=64)
-    logps = {backend: np.asarray(jc.score(model.with_kernels(jc.Kernels(backend, fallback=False)), tokens, policy,
-                                          lengths=np.array([120, 101])))
-             for backend in ("xla", "mosaic_gpu")}
+    logps = {
+        backend: np.asarray(
+            jc.score(
+                model.with_kernels(jc.Kernels(backend, fallback=False)), tokens, policy, lengths=np.array([120, 101])
+            )
+        )
+        for backend in ("xla", "mosaic_gpu")
+    }
     assert_close(logps["mosaic_gpu"], logps["xla"], jnp.bfloat16, "log-likelihoods")

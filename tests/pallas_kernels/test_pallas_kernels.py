@@ -1,5 +1,5 @@
-"""`Kernels.chunk_attention` (pallas_kernels/__init__.py): the Kernels value's checks, and every Pallas backend that runs
-on the CPU (Triton and Mosaic TPU, in interpret mode) against the XLA reference: outputs, log-sum-exp and
+"""`Kernels.chunk_attention` (pallas_kernels/__init__.py): the Kernels value's checks, and every Pallas backend that
+runs on the CPU (Triton and Mosaic TPU, in interpret mode) against the XLA reference: outputs, log-sum-exp and
 score increments, NaN patterns, a streamed cache through jc.attend, a model's stacked cache read at its layer.
 Mosaic GPU: test_mosaic_gpu.py; lowering for GPU and TPU: test_triton.py, test_mosaic_gpu.py, test_tpu.py."""
 
@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_inputs import SMALL, XLA, assert_close, random_inputs
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
-from kernel_inputs import SMALL, XLA, assert_close, random_inputs
 
 CASES = [  # B, T, Hq, Hkv, D, S, dtype, reduction, per-head positions
     (2, 23, 4, 4, 64, 45, jnp.float32, "max", False),  # group 1
@@ -25,7 +25,9 @@ CASES = [  # B, T, Hq, Hkv, D, S, dtype, reduction, per-head positions
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}G{c[2] // c[3]}D{c[4]}S{c[5]}-{jnp.dtype(c[6]).name}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}G{c[2] // c[3]}D{c[4]}S{c[5]}-{jnp.dtype(c[6]).name}"
+)
 def test_kernel_equals_reference(backend, case):
     B, T, Hq, Hkv, D, S, dtype, reduction, per_head = case
     rng = np.random.default_rng(hash(case) % 2**32)
@@ -102,10 +104,14 @@ def test_kernels_and_their_configs_are_checked():
         pk.Kernels("triton", triton=pk.TpuConfig())
     with pytest.raises(ValueError, match="Kernels.fallback must be a bool"):
         pk.Kernels("mosaic_gpu", fallback=1)
-    bad_configs = [(pk.TritonConfig, "block_k", 24, "a power of two >= 16"), (pk.TritonConfig, "num_warps", 0,
-                   "a positive int"), (pk.MosaicGpuConfig, "block_q", 96, "a positive multiple of 64"),
-                   (pk.MosaicGpuConfig, "stages", 1, "an int >= 2"), (pk.TpuConfig, "block_q", 12, "a positive multiple of 8"),
-                   (pk.TpuConfig, "block_k", 64.0, "a positive multiple of 8")]
+    bad_configs = [
+        (pk.TritonConfig, "block_k", 24, "a power of two >= 16"),
+        (pk.TritonConfig, "num_warps", 0, "a positive int"),
+        (pk.MosaicGpuConfig, "block_q", 96, "a positive multiple of 64"),
+        (pk.MosaicGpuConfig, "stages", 1, "an int >= 2"),
+        (pk.TpuConfig, "block_q", 12, "a positive multiple of 8"),
+        (pk.TpuConfig, "block_k", 64.0, "a positive multiple of 8"),
+    ]
     for cls, field, value, rule in bad_configs:
         with pytest.raises(ValueError, match=f"{cls.__name__}.{field} must be {rule}, got {value!r}"):
             cls(**{field: value})
@@ -131,8 +137,12 @@ def test_a_stacked_cache_is_read_at_its_layer(backend, T):
         others = jnp.asarray(rng.normal(size=(3, B, H, first + S, D)), jnp.float32)
         stacked[name] = others.at[1, :, :, first:].set(inputs[name])
     kernels = SMALL.get(backend, XLA)
-    run = jax.jit(lambda x, layer, first_slot: kernels.chunk_attention(**x, rope=jc.RoPE(10000.0), layer=layer,
-                                                                       first_slot=first_slot), static_argnums=2)
+    run = jax.jit(
+        lambda x, layer, first_slot: kernels.chunk_attention(
+            **x, rope=jc.RoPE(10000.0), layer=layer, first_slot=first_slot
+        ),
+        static_argnums=2,
+    )
     for got, want in zip(run(stacked, jnp.int32(1), first), run(inputs, None, 0)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="first_slot=6 plus the 45 slots of cache_valid must equal it"):

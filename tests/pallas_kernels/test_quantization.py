@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jcascade as jc
 import tiny
-from jcascade import pallas_kernels as pk
 from jcascade.pallas_kernels import quantization
 from kernel_inputs import SMALL, XLA, assert_close, random_inputs
+
+import jcascade as jc
+from jcascade import pallas_kernels as pk
 
 FORMATS = ["int8", "float8_e4m3fn"]
 
@@ -43,8 +43,9 @@ def quantized_inputs(inputs, fmt, layer_of=None):
     dtype = quantization.storage_dtype(fmt, jnp.float32)
     (k, k_scale), (v, v_scale) = (quantization.quantize(inputs[n], dtype) for n in ("k_cache", "v_cache"))
     q_dtype = inputs["q"].dtype
-    plain = inputs | dict(k_cache=quantization.dequantize(k, k_scale, q_dtype),
-                          v_cache=quantization.dequantize(v, v_scale, q_dtype))
+    plain = inputs | dict(
+        k_cache=quantization.dequantize(k, k_scale, q_dtype), v_cache=quantization.dequantize(v, v_scale, q_dtype)
+    )
     return inputs | dict(k_cache=k, v_cache=v, k_scale=k_scale, v_scale=v_scale), plain
 
 
@@ -55,8 +56,7 @@ def test_every_backend_reads_a_quantized_stacked_cache_as_the_reference_reads_it
     """Codes and scales in a model's stack [L, B, Hkv, C, D] read at a layer from a first slot: output, log-sum-exp
     and score increments (from the dequantized keys) equal the XLA reference on the dequantized slots."""
     rng = np.random.default_rng(T)
-    inputs, plain = quantized_inputs(random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True),
-                                     fmt)
+    inputs, plain = quantized_inputs(random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True), fmt)
     first = 7
     stacked = dict(inputs)
     for name in ("k_cache", "v_cache"):
@@ -65,8 +65,9 @@ def test_every_backend_reads_a_quantized_stacked_cache_as_the_reference_reads_it
     for name in ("k_scale", "v_scale"):  # the layer's own scales, all C slots
         stacked[name] = jnp.concatenate([jnp.ones((*inputs[name].shape[:2], first)), inputs[name]], axis=-1)
     rope = jc.RoPE(10000.0)
-    got = jax.jit(lambda x: SMALL.get(backend, XLA).chunk_attention(**x, rope=rope, layer=jnp.int32(1),
-                                                                    first_slot=first))(stacked)
+    got = jax.jit(
+        lambda x: SMALL.get(backend, XLA).chunk_attention(**x, rope=rope, layer=jnp.int32(1), first_slot=first)
+    )(stacked)
     want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6, err_msg=name)
@@ -76,8 +77,9 @@ def test_every_backend_reads_a_quantized_stacked_cache_as_the_reference_reads_it
 def test_the_triton_decode_dequantizes_bfloat16_queries_codes_in_registers(fmt):
     """bfloat16 queries: the decode kernel converts the codes exactly to bfloat16 and applies the scales to the
     logits and probabilities; it agrees with the reference on the dequantized cache to bfloat16's precision."""
-    inputs, plain = quantized_inputs(random_inputs(np.random.default_rng(5), 3, 1, 8, 2, 64, 70, jnp.bfloat16,
-                                                   per_head_positions=True), fmt)
+    inputs, plain = quantized_inputs(
+        random_inputs(np.random.default_rng(5), 3, 1, 8, 2, 64, 70, jnp.bfloat16, per_head_positions=True), fmt
+    )
     rope = jc.RoPE(10000.0)
     got = jax.jit(lambda x: SMALL["triton"].chunk_attention(**x, rope=rope))(inputs)
     want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
@@ -88,15 +90,17 @@ def test_the_triton_decode_dequantizes_bfloat16_queries_codes_in_registers(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rope", [jc.RoPE(10000.0), None], ids=["fused", "none"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_triton_decode_reads_a_stack_as_int16_pairs_as_the_reference_reads_it_dequantized(monkeypatch, fmt, rope,
-                                                                                             dtype):
+def test_the_triton_decode_reads_a_stack_as_int16_pairs_as_the_reference_reads_it_dequantized(
+    monkeypatch, fmt, rope, dtype
+):
     """The pairs path (`triton.as_pairs`: the same bytes as half as many int16 elements, taken by stacks of 2**31 to
     2**32 codes) on a small stack with every 8-bit array treated as unaddressable: each pair split into its two
     codes, the keys' halves rotated in even and odd columns, the values' columns put back in order; output,
     log-sum-exp and score increments equal the reference on the dequantized slots (the order of the sums aside)."""
     monkeypatch.setattr(pk.triton, "addresses_fit", lambda array: jnp.dtype(array.dtype).itemsize != 1)
-    inputs, plain = quantized_inputs(random_inputs(np.random.default_rng(6), 3, 1, 8, 2, 64, 70, dtype,
-                                                   per_head_positions=True), fmt)
+    inputs, plain = quantized_inputs(
+        random_inputs(np.random.default_rng(6), 3, 1, 8, 2, 64, 70, dtype, per_head_positions=True), fmt
+    )
     kernels = SMALL["triton"]
     assert kernels.quantized_decode_path(inputs["k_cache"], rope=rope) == "in place as pairs"
     text = jax.jit(lambda x: kernels.chunk_attention(**x, rope=rope)).lower(inputs).as_text()
@@ -141,32 +145,69 @@ def test_stacks_the_triton_kernels_cannot_address_by_the_byte_are_read_as_pairs(
         B x heads x slots x D codes."""
         stack, slot = s((layers, B, heads, slots, D), jnp.int8), s((B, heads, slots), jnp.float32)
         q, k = s((B, 1, 4 * heads, D), jnp.bfloat16), s((B, 1, heads, D), jnp.bfloat16)
-        attend = lambda *a, **kw: kernels.chunk_attention(*a, rope=jc.RoPE(5e5), layer=jnp.int32(0), **kw)  # noqa: E731
+        attend = lambda *a, **kw: kernels.chunk_attention(*a, rope=jc.RoPE(5e5), layer=jnp.int32(0), **kw)
         layout = pk.schedule.RingLayout(sinks=4, ring_size=slots - 4, num_rings=1)
-        insert = lambda *a, **kw: kernels.insert(layout, *a, **kw)  # noqa: E731
+        insert = lambda *a, **kw: kernels.insert(layout, *a, **kw)
         codes, scale = s((B, 1, heads, D), jnp.int8), s((B, 1, heads), jnp.float32)
-        programs = [jax.make_jaxpr(attend)(q, k, k, stack, stack, s((B, heads, slots), jnp.bool_),
-                                           s((B, heads, slots), jnp.int32), s((B,), jnp.int32), s((B, 1), jnp.float32),
-                                           k_scale=slot, v_scale=slot),
-                    jax.make_jaxpr(insert)(stack, stack, jnp.int32(0), slot, s((B, heads, slots), jnp.int32),
-                                           s((B,), jnp.int32), codes, codes, s((B, heads, 1), jnp.float32),
-                                           s((B,), jnp.int32), s((B,), jnp.int32), scales=((slot, slot), (scale, scale)))]
-        return {eqn.params["name"]: {(x.aval.shape, str(x.aval.dtype)) for x in eqn.invars
-                                     if x.aval.dtype in (jnp.int8, jnp.int16) and x.aval.ndim == 5}
-                for program in programs for eqn in equations(program.jaxpr) if eqn.primitive.name == "pallas_call"}
+        programs = [
+            jax.make_jaxpr(attend)(
+                q,
+                k,
+                k,
+                stack,
+                stack,
+                s((B, heads, slots), jnp.bool_),
+                s((B, heads, slots), jnp.int32),
+                s((B,), jnp.int32),
+                s((B, 1), jnp.float32),
+                k_scale=slot,
+                v_scale=slot,
+            ),
+            jax.make_jaxpr(insert)(
+                stack,
+                stack,
+                jnp.int32(0),
+                slot,
+                s((B, heads, slots), jnp.int32),
+                s((B,), jnp.int32),
+                codes,
+                codes,
+                s((B, heads, 1), jnp.float32),
+                s((B,), jnp.int32),
+                s((B,), jnp.int32),
+                scales=((slot, slot), (scale, scale)),
+            ),
+        ]
+        return {
+            eqn.params["name"]: {
+                (x.aval.shape, str(x.aval.dtype))
+                for x in eqn.invars
+                if x.aval.dtype in (jnp.int8, jnp.int16) and x.aval.ndim == 5
+            }
+            for program in programs
+            for eqn in equations(program.jaxpr)
+            if eqn.primitive.name == "pallas_call"
+        }
 
-    assert codes_read_by_kernels(1, 32768) == {"jcascade_decode": {((1, B, H, 32768, 128), "int8")},
-                                               "jcascade_decode_finish": set(),
-                                               "jcascade_insert_one": {((1, B, H, 32768, 128), "int8")}}
+    assert codes_read_by_kernels(1, 32768) == {
+        "jcascade_decode": {((1, B, H, 32768, 128), "int8")},
+        "jcascade_decode_finish": set(),
+        "jcascade_insert_one": {((1, B, H, 32768, 128), "int8")},
+    }
     for layers, slots in ((2, 16385), (1, 32785)):
         assert kernels.quantized_decode_path(s((layers, B, H, slots, 128), jnp.int8)) == "in place as pairs"
         pairs = {((layers, B, H, slots, 64), "int16")}
-        assert codes_read_by_kernels(layers, slots) == {"jcascade_decode": pairs, "jcascade_decode_finish": set(),
-                                                        "jcascade_insert_one": pairs}
+        assert codes_read_by_kernels(layers, slots) == {
+            "jcascade_decode": pairs,
+            "jcascade_decode_finish": set(),
+            "jcascade_insert_one": pairs,
+        }
     assert kernels.quantized_decode_path(s((1, B, 4 * H, 32785, 32), jnp.int8)) == "dequantized copy"
     assert codes_read_by_kernels(1, 32785, D=32, heads=4 * H) == {
-        "jcascade_decode": set(), "jcascade_decode_finish": set(),
-        "jcascade_insert_one": {((1, B, 4 * H, 32785, 16), "int16")}}
+        "jcascade_decode": set(),
+        "jcascade_decode_finish": set(),
+        "jcascade_insert_one": {((1, B, 4 * H, 32785, 16), "int16")},
+    }
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -181,27 +222,35 @@ def test_the_triton_insertion_writes_a_stack_as_int16_pairs_as_xla_writes_its_co
     xla = jc.init_cache(policy, B, H, D, jnp.float32)
     kernel = jc.init_cache(policy, B, H, D, jnp.float32, kernels=SMALL["triton"])
     zeros = jc.Scores(jnp.zeros((B, H, kernel.capacity)), jnp.zeros((B, H, 1)))
-    text = jax.jit(lambda s, k: jc.update(policy, s, k, k, zeros, jnp.ones((B,), jnp.int32))).lower(
-        kernel, jnp.zeros((B, 1, H, D))).as_text()
+    text = (
+        jax.jit(lambda s, k: jc.update(policy, s, k, k, zeros, jnp.ones((B,), jnp.int32)))
+        .lower(kernel, jnp.zeros((B, 1, H, D)))
+        .as_text()
+    )
     assert f"tensor<1x{B}x{H}x{kernel.capacity}x{D // 2}xi16>" in text  # the kernel's operand: the codes as pairs
     rng = np.random.default_rng(7)
     for _ in range(30):
         k = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.float32)
         lengths = jnp.asarray(rng.integers(0, 2, B), jnp.int32)
-        scores = jc.Scores(jnp.asarray(rng.choice([0.0, 0.25, 0.5], (B, H, xla.capacity)), jnp.float32),
-                           jnp.asarray(rng.choice([0.0, 0.5, 1.0], (B, H, 1)), jnp.float32))
+        scores = jc.Scores(
+            jnp.asarray(rng.choice([0.0, 0.25, 0.5], (B, H, xla.capacity)), jnp.float32),
+            jnp.asarray(rng.choice([0.0, 0.5, 1.0], (B, H, 1)), jnp.float32),
+        )
         xla, kernel = (update(policy, state, k, -k, scores, lengths) for state in (xla, kernel))
     for a, b in zip(jax.tree.leaves(xla), jax.tree.leaves(kernel)):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a),
-                                      np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1 else np.asarray(b))
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a),
+            np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1 else np.asarray(b),
+        )
     assert int(np.asarray(xla.seen).max()) > xla.capacity
 
 
 def test_mosaic_gpu_chunks_read_a_quantized_cache_dequantized():
     """Mosaic GPU (interpret mode, bfloat16, fallback=False so its own kernel runs) on int8 codes and scales
     against the XLA reference on the dequantized slots (not against itself)."""
-    inputs, plain = quantized_inputs(random_inputs(np.random.default_rng(4), 1, 64, 4, 2, 64, 64, jnp.bfloat16,
-                                                   weights=False), "int8")
+    inputs, plain = quantized_inputs(
+        random_inputs(np.random.default_rng(4), 1, 64, 4, 2, 64, 64, jnp.bfloat16, weights=False), "int8"
+    )
     got = pk.Kernels("mosaic_gpu", fallback=False).chunk_attention(**inputs)[:2]
     want = pk.reference.chunk_attention(**plain)[:2]
     for g, w, name in zip(got, want, ("out", "lse")):
@@ -219,8 +268,9 @@ def test_every_backend_reads_a_quantized_shared_prefix_as_the_reference_reads_it
     P, R, Hq, Hkv, D, S = 2, 5, 8, 2, 64, 70
     q = jnp.asarray(rng.normal(size=(P, R, Hq, D)), jnp.bfloat16)
     dtype = quantization.storage_dtype(fmt, jnp.float32)
-    (k, k_scale), (v, v_scale) = (quantization.quantize(jnp.asarray(rng.normal(size=(P, Hkv, S, D)), jnp.float32),
-                                                        dtype) for _ in range(2))
+    (k, k_scale), (v, v_scale) = (
+        quantization.quantize(jnp.asarray(rng.normal(size=(P, Hkv, S, D)), jnp.float32), dtype) for _ in range(2)
+    )
     valid = jnp.asarray(rng.random((P, Hkv, S)) < 0.8)
     positions = jnp.asarray(rng.integers(0, 1000, (P, Hkv, S)), jnp.int32)
     plain = [quantization.dequantize(c, scale, jnp.bfloat16) for c, scale in ((k, k_scale), (v, v_scale))]
@@ -238,14 +288,14 @@ def test_a_quantized_cache_is_shared_as_codes(fmt):
     rope = jc.RoPE(100.0)
     policy = jc.Full(stride=8, kv_dtype=fmt)
     k = jnp.asarray(np.random.default_rng(1).normal(size=(1, 6, 2, 16)), jnp.float32)
-    state = jc.update(policy, jc.init_cache(policy, 1, 2, 16, jnp.float32, max_tokens=8), k, -k, None,
-                      jnp.array([5]))
+    state = jc.update(policy, jc.init_cache(policy, 1, 2, 16, jnp.float32, max_tokens=8), k, -k, None, jnp.array([5]))
     held = np.asarray(state.pos >= 0)
     for prefix in (jc.share_prefix(policy, state), jc.share_prefix(policy, state, rope=rope)):
         assert prefix.rope is None and prefix.k.dtype == state.k.dtype
         for codes, stored in ((prefix.k, state.k), (prefix.v, state.v)):
-            np.testing.assert_array_equal(np.asarray(codes, np.float32),
-                                          np.where(held[..., None], np.asarray(stored, np.float32), 0))
+            np.testing.assert_array_equal(
+                np.asarray(codes, np.float32), np.where(held[..., None], np.asarray(stored, np.float32), 0)
+            )
         for scale, stored in ((prefix.k_scale, state.k_scale), (prefix.v_scale, state.v_scale)):
             np.testing.assert_array_equal(np.asarray(scale), np.where(held, np.asarray(stored), 0))
     floats = jc.share_prefix(policy, state, rope=rope, dtype=jnp.float32)
@@ -269,8 +319,11 @@ POLICIES = [  # each at cache pressure (48 tokens into fewer slots): the cascade
 ]
 
 
-@pytest.mark.parametrize("policy,fmt", [(p, "int8") for p in POLICIES] + [(POLICIES[0], "float8_e4m3fn")],
-                         ids=lambda x: x if isinstance(x, str) else type(x("model")).__name__)
+@pytest.mark.parametrize(
+    "policy,fmt",
+    [(p, "int8") for p in POLICIES] + [(POLICIES[0], "float8_e4m3fn")],
+    ids=lambda x: x if isinstance(x, str) else type(x("model")).__name__,
+)
 def test_scales_move_with_their_tokens(policy, fmt):
     """The same chunks (then single tokens) and the same scores into a cache in the model's dtype and into a
     quantized one (on the Triton kernels in interpret mode: the single-token insertion kernel moves the scales
@@ -279,8 +332,9 @@ def test_scales_move_with_their_tokens(policy, fmt):
     policies compress alike. (A scale is float32 whatever the codes: float8 once, on Cascade's moves.)"""
     plain, quantized = policy("model"), policy(fmt)
     B, H, D = 2, 2, 16
-    states = [jc.init_cache(p, B, H, D, jnp.float32, max_tokens=64, kernels=SMALL["triton"])
-              for p in (plain, quantized)]
+    states = [
+        jc.init_cache(p, B, H, D, jnp.float32, max_tokens=64, kernels=SMALL["triton"]) for p in (plain, quantized)
+    ]
     assert states[1].k.dtype == quantization.storage_dtype(fmt, jnp.float32) and states[1].k_scale is not None
 
     @jax.jit
@@ -309,7 +363,7 @@ def test_a_model_scores_with_a_quantized_cache():
     model = tiny.model(96, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4, scale=0.3)
     tokens = np.random.default_rng(0).integers(0, 96, (2, 40)).astype(np.int32)
     lengths = np.array([40, 31], np.int32)
-    score = lambda policy, **kw: np.asarray(jc.score(model, tokens, policy, lengths=lengths, **kw))  # noqa: E731
+    score = lambda policy, **kw: np.asarray(jc.score(model, tokens, policy, lengths=lengths, **kw))
     np.testing.assert_array_equal(score(jc.Full(stride=64, kv_dtype="int8")), score(jc.Full(stride=64)))
     plain = jc.Cascade(cache_size=24, sinks=2, num_cascades=2, stride=8)
     want = score(plain, prefix=24)
@@ -324,8 +378,15 @@ def test_a_gemma_model_stores_its_window_caches_in_the_policys_format():
     """Gemma 3's sliding layers keep their window caches in the policy's kv_dtype, as its global layers keep
     theirs: after a prompt longer than the window both hold int8 codes, scores lie nearer the model's dtype's in
     int8 than in float8, and a sliding policy cannot name a format of its own."""
-    model = tiny.model(96, architecture="gemma3", qk_norm=True, layer_types=("sliding", "global"), sliding_window=8,
-                       rope_local_theta=10000.0, scale=0.3)
+    model = tiny.model(
+        96,
+        architecture="gemma3",
+        qk_norm=True,
+        layer_types=("sliding", "global"),
+        sliding_window=8,
+        rope_local_theta=10000.0,
+        scale=0.3,
+    )
     tokens = np.random.default_rng(1).integers(0, 96, (2, 40)).astype(np.int32)
     lengths = np.array([40, 27], np.int32)
     plain = jc.Cascade(cache_size=24, sinks=2, num_cascades=2, stride=8)
@@ -334,8 +395,13 @@ def test_a_gemma_model_stores_its_window_caches_in_the_policys_format():
     assert global_cache.k.dtype == window_cache.k.dtype == jnp.int8
     assert window_cache.k_scale.shape == window_cache.pos.shape
     want = np.asarray(jc.score(model, tokens, plain, lengths=lengths, prefix=16))
-    error = {d: np.abs(np.asarray(jc.score(model, tokens, dataclasses.replace(plain, kv_dtype=d), lengths=lengths,
-                                           prefix=16)) - want).mean() for d in FORMATS}
+    error = {
+        d: np.abs(
+            np.asarray(jc.score(model, tokens, dataclasses.replace(plain, kv_dtype=d), lengths=lengths, prefix=16))
+            - want
+        ).mean()
+        for d in FORMATS
+    }
     assert 0 < error["int8"] < error["float8_e4m3fn"] < 0.2, error
     with pytest.raises(ValueError, match="sliding_policy's kv_dtype must be 'model', got 'int8'"):
         model.with_sliding_policy(jc.Sink(window=8, sinks=2, kv_dtype="int8"))
@@ -346,8 +412,9 @@ def test_the_xla_paths_memory_under_a_quantized_cache_stays_near_the_model_dtype
     4K: the XLA path held every query's logits of a 4K chunk). Scaled down (bfloat16, 4 rows of 2,048 tokens in one
     chunk), the compiled generate's temporaries in int8 are within 1.5x of the model dtype's, and neither holds the
     chunk's logits [B, Hq, T, S + T] at once."""
-    config = tiny.model(96, hidden_size=128, intermediate_size=128, num_heads=8, num_kv_heads=2, head_dim=64,
-                        num_layers=4).config
+    config = tiny.model(
+        96, hidden_size=128, intermediate_size=128, num_heads=8, num_kv_heads=2, head_dim=64, num_layers=4
+    ).config
     weights = jax.eval_shape(lambda: jc.CausalLM.random(config, jax.random.key(0), jnp.bfloat16).weights())
     tokens = jax.ShapeDtypeStruct((4, 2048), jnp.int32)
     temp = {}

@@ -4,10 +4,10 @@ a quantized one's codes. Against the reference in interpret mode: test_pallas_ke
 import jax
 import jax.numpy as jnp
 import pytest
+from kernel_inputs import LOWERING_SHAPES, abstract_inputs
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
-from kernel_inputs import LOWERING_SHAPES, abstract_inputs
 
 
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=str)

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_inputs import LOWERING_SHAPES, abstract_inputs, assert_close, h100_mesh, random_inputs
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
-from kernel_inputs import LOWERING_SHAPES, abstract_inputs, assert_close, h100_mesh, random_inputs
 
 ROPE = jc.RoPE(100.0)
 
@@ -19,7 +19,9 @@ def test_kernels_lower_for_gpu(shape):
     f = jax.jit(lambda *a: pk.triton.chunk_attention(*a, "max", jc.RoPE(500000.0)))
     with jax.sharding.use_abstract_mesh(h100_mesh()):
         text = f.trace(*abstract_inputs(*shape)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("xla.gpu.triton") == (2 if shape[1] == 1 else 3)  # decode: split-K + finish; chunk: forward + 2 scores
+    assert text.count("xla.gpu.triton") == (
+        2 if shape[1] == 1 else 3
+    )  # decode: split-K + finish; chunk: forward + 2 scores
 
 
 @pytest.mark.parametrize("stored", [jnp.int8, jnp.float8_e4m3fn])
@@ -29,8 +31,17 @@ def test_the_decode_lowers_for_gpu_on_a_stack_read_as_int16_pairs(stored):
     s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
     B, H, S, D = 64, 8, 32785, 128
     stack, slot = s(1, B, H, S, D, dtype=stored), s(B, H, S, dtype=jnp.float32)
-    args = (s(B, 1, 4 * H, D), s(B, 1, H, D), s(B, 1, H, D), stack, stack, s(B, H, S, dtype=jnp.bool_),
-            s(B, H, S, dtype=jnp.int32), s(B, dtype=jnp.int32), s(B, 1, dtype=jnp.float32))
+    args = (
+        s(B, 1, 4 * H, D),
+        s(B, 1, H, D),
+        s(B, 1, H, D),
+        stack,
+        stack,
+        s(B, H, S, dtype=jnp.bool_),
+        s(B, H, S, dtype=jnp.int32),
+        s(B, dtype=jnp.int32),
+        s(B, 1, dtype=jnp.float32),
+    )
     f = jax.jit(lambda *a, **kw: pk.triton.chunk_attention(*a, "max", jc.RoPE(500000.0), jnp.int32(0), **kw))
     with jax.sharding.use_abstract_mesh(h100_mesh()):
         text = f.trace(*args, k_scale=slot, v_scale=slot).lower(lowering_platforms=("cuda",)).as_text()
@@ -41,19 +52,28 @@ def test_the_decode_lowers_for_gpu_on_a_stack_read_as_int16_pairs(stored):
 def test_shared_prefix_kernel_lowers_for_gpu(stored):
     """In the model's dtype, or a quantized prefix's codes with their scales."""
     s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
-    args = (s(1, 64, 32, 128), s(1, 8, 32768, 128, dtype=stored), s(1, 8, 32768, 128, dtype=stored),
-            s(1, 8, 32768, dtype=jnp.bool_), s(1, 1, 32768, dtype=jnp.int32))
-    scales = {} if stored == jnp.bfloat16 else dict(k_scale=s(1, 8, 32768, dtype=jnp.float32),
-                                                    v_scale=s(1, 8, 32768, dtype=jnp.float32))
+    args = (
+        s(1, 64, 32, 128),
+        s(1, 8, 32768, 128, dtype=stored),
+        s(1, 8, 32768, 128, dtype=stored),
+        s(1, 8, 32768, dtype=jnp.bool_),
+        s(1, 1, 32768, dtype=jnp.int32),
+    )
+    scales = (
+        {}
+        if stored == jnp.bfloat16
+        else dict(k_scale=s(1, 8, 32768, dtype=jnp.float32), v_scale=s(1, 8, 32768, dtype=jnp.float32))
+    )
     f = jax.jit(lambda *a, **kw: pk.triton.prefix_attention(*a, jc.RoPE(500000.0), **kw))
     with jax.sharding.use_abstract_mesh(h100_mesh()):
         text = f.trace(*args, **scales).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("P, R, Hq, Hkv, D, S, dtype", [(1, 5, 8, 2, 64, 100, jnp.float32),
-                                                       (2, 37, 4, 4, 32, 70, jnp.float32),
-                                                       (1, 16, 8, 2, 64, 129, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "P, R, Hq, Hkv, D, S, dtype",
+    [(1, 5, 8, 2, 64, 100, jnp.float32), (2, 37, 4, 4, 32, 70, jnp.float32), (1, 16, 8, 2, 64, 129, jnp.bfloat16)],
+)
 def test_prefix_kernel_matches_the_reference(P, R, Hq, Hkv, D, S, dtype):
     keys = jax.random.split(jax.random.key(P * R + S), 4)
     q = jax.random.normal(keys[0], (P, R, Hq, D)).astype(dtype)

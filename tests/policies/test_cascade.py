@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from oracle import HEAD_DIM, CascadeOracle, random_scores, tagged_chunk
 
 import jcascade as jc
 from jcascade import slot_order
-from oracle import HEAD_DIM, CascadeOracle, random_scores, tagged_chunk
 
 UPDATE = jax.jit(jc.update, static_argnums=0)
 
@@ -30,7 +30,9 @@ def assert_matches_oracle(state, oracles, layout):
                 slots = slots[pos[b, h, slots] >= 0]
                 slots = slots[np.argsort(ranks[b, slots])]  # age order, oldest first
                 np.testing.assert_array_equal(pos[b, h, slots], [p for p, _ in ring], err_msg=f"ring {i}, {where}")
-                np.testing.assert_allclose(score[b, h, slots], [m for _, m in ring], rtol=1e-6, err_msg=f"ring {i} scores, {where}")
+                np.testing.assert_allclose(
+                    score[b, h, slots], [m for _, m in ring], rtol=1e-6, err_msg=f"ring {i} scores, {where}"
+                )
             valid = pos[b, h] >= 0
             # K/V travel with their tokens.
             np.testing.assert_array_equal(k[b, h, valid, 0], pos[b, h, valid], err_msg=f"k, {where}")
@@ -121,7 +123,9 @@ def test_chunk_equals_single_token_updates():
         zeros = jnp.zeros((B, H, chunked.capacity))
         chunked = UPDATE(policy, chunked, k, v, jc.Scores(zeros, jnp.asarray(decayed)))
         for j in range(T):
-            single = UPDATE(policy, single, k[:, j : j + 1], v[:, j : j + 1], jc.Scores(zeros, jnp.asarray(raw[..., j : j + 1])))
+            single = UPDATE(
+                policy, single, k[:, j : j + 1], v[:, j : j + 1], jc.Scores(zeros, jnp.asarray(raw[..., j : j + 1]))
+            )
     np.testing.assert_array_equal(chunked.pos, single.pos)
     np.testing.assert_array_equal(chunked.k, single.k)
     # Sink scores are never decayed nor used (docs/semantics.md §3): compare the rings'.

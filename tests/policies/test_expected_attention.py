@@ -4,10 +4,10 @@ statistics of the observation window's queries: the tokens each KV head keeps af
 import jax
 import numpy as np
 import pytest
-
-import jcascade as jc
 import tiny
 from oracle import np_rope, np_softmax_rows, random_qkv
+
+import jcascade as jc
 
 THETA = 100.0
 ATTEND = jax.jit(jc.attend, static_argnums=(0, 6))
@@ -45,8 +45,13 @@ def expected_reference(policy, q, k, v, length):
     return kept
 
 
-@pytest.mark.parametrize("policy", [jc.ExpectedAttention(budget=12, window=6, future=32, sinks=2),
-                                    jc.ExpectedAttention(budget=9, window=10, future=8, sinks=0)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        jc.ExpectedAttention(budget=12, window=6, future=32, sinks=2),
+        jc.ExpectedAttention(budget=9, window=10, future=8, sinks=0),
+    ],
+)
 def test_expected_attention_keeps_the_reference_selection(policy):
     B, S, Hq, Hkv, D = 3, 40, 4, 2, 8
     lengths = np.array([40, 29, 9])
@@ -60,7 +65,7 @@ def test_expected_attention_keeps_the_reference_selection(policy):
         _, scores = ATTEND(policy, state, q[:, sl], k[:, sl], v[:, sl], n, rope)
         state = UPDATE(policy, state, k[:, sl], v[:, sl], scores, n)
     at = np.clip(lengths[:, None] - window[:, None] + np.arange(policy.window)[None], 0, S - 1)
-    take = lambda x: np.take_along_axis(np.asarray(x), at[:, :, None, None], axis=1)  # noqa: E731
+    take = lambda x: np.take_along_axis(np.asarray(x), at[:, :, None, None], axis=1)
     _, scores = ATTEND(policy, state, take(q), take(k), take(v), window, rope)
     state = jc.compress(policy, UPDATE(policy, state, take(k), take(v), scores, window), room=1)
     pos = np.asarray(state.pos)
@@ -76,8 +81,11 @@ def test_expected_attention_through_a_model():
     policy = jc.ExpectedAttention(budget=16, window=8, stride=16)
     assert np.isfinite(np.asarray(jc.score(model, tokens, policy, prefix=40))).all()
     whole = jc.ExpectedAttention(budget=64, window=8, stride=16)
-    np.testing.assert_allclose(np.asarray(jc.score(model, tokens, whole, prefix=40)),
-                               np.asarray(jc.score(model, tokens, jc.Full(stride=16))), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jc.score(model, tokens, whole, prefix=40)),
+        np.asarray(jc.score(model, tokens, jc.Full(stride=16))),
+        atol=1e-5,
+    )
     assert jc.generate(model, tokens[:, :40], policy, max_new_tokens=4).shape == (2, 4)
     with pytest.raises(ValueError, match=r"ExpectedAttention.sinks \(4\) must be < budget \(4\)"):
         jc.ExpectedAttention(budget=4)

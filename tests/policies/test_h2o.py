@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+from oracle import HEAD_DIM, H2OOracle, random_scores, tagged_chunk
 
 import jcascade as jc
-from oracle import HEAD_DIM, H2OOracle, random_scores, tagged_chunk
 
 UPDATE = jax.jit(jc.update, static_argnums=0)
 

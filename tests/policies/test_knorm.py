@@ -2,10 +2,10 @@
 
 import jax.numpy as jnp
 import numpy as np
-
-import jcascade as jc
 import tiny
 from oracle import np_rope, np_softmax_rows
+
+import jcascade as jc
 
 
 def keys_unrotated(held: np.ndarray, new: np.ndarray) -> np.ndarray:

@@ -16,16 +16,25 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 61
-POLICY = jc.KVzip(budget=9, instruction=(1, 2, 3, 4), continuation=(5, 6), turn=(7, 8), chunk=12, overlap=3, sinks=2,
-                  skip=3, stride=8)
+POLICY = jc.KVzip(
+    budget=9, instruction=(1, 2, 3, 4), continuation=(5, 6), turn=(7, 8), chunk=12, overlap=3, sinks=2, skip=3, stride=8
+)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      rope_theta=100.0, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=100.0,
+        tie_word_embeddings=False,
+    )
     hf = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # sharper attention than the default initialisation gives, so scores are far from ties
         for name, parameter in hf.named_parameters():
@@ -47,7 +56,7 @@ def oracle_scores(hf, ids: list[int], policy) -> np.ndarray:
     scores = np.zeros((cfg.num_hidden_layers, H, L))
     for c, first in enumerate(range(policy.skip, L, policy.chunk)):
         end = min(first + policy.chunk, L)
-        head = policy.instruction if c == 0 else policy.continuation + tuple(ids[first - policy.overlap: first])
+        head = policy.instruction if c == 0 else policy.continuation + tuple(ids[first - policy.overlap : first])
         row = list(head) + list(policy.turn) + ids[first:end]
         sinks = min(policy.sinks, first)
         found, cache = {}, transformers.DynamicCache()
@@ -65,7 +74,7 @@ def oracle_scores(hf, ids: list[int], policy) -> np.ndarray:
             causal = torch.ones(len(row), len(row), dtype=torch.bool).tril()
             allowed = torch.cat([torch.ones(len(row), sinks + end - first, dtype=torch.bool), causal], dim=1)
             weights = torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-1)
-            found[module.layer_idx] = weights[..., sinks: sinks + end - first].amax(dim=(1, 2)).numpy()
+            found[module.layer_idx] = weights[..., sinks : sinks + end - first].amax(dim=(1, 2)).numpy()
 
         hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in hf.model.layers]
         with torch.no_grad():
@@ -94,11 +103,21 @@ def test_kvzip_scores_and_keeps_as_the_oracle(models):
     lengths = np.array([40, 23])  # after 3 skipped tokens, four chunks (the last partial) and two: ragged rows
     tokens = rng.integers(9, VOCAB, (2, 40))
     scored = POLICY.after_prompt(
-        model, generation._prompt(model, dataclasses.replace(POLICY, budget=64), jnp.asarray(tokens),
-                                  jnp.asarray(lengths), 0)[0], jnp.asarray(tokens), jnp.asarray(lengths))
-    held = {allocation: np.asarray(generation._prompt(model, dataclasses.replace(POLICY, allocation=allocation),
-                                                      jnp.asarray(tokens), jnp.asarray(lengths), 2)[0].pos)
-            for allocation in ("head", "global")}
+        model,
+        generation._prompt(model, dataclasses.replace(POLICY, budget=64), jnp.asarray(tokens), jnp.asarray(lengths), 0)[
+            0
+        ],
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+    )
+    held = {
+        allocation: np.asarray(
+            generation._prompt(
+                model, dataclasses.replace(POLICY, allocation=allocation), jnp.asarray(tokens), jnp.asarray(lengths), 2
+            )[0].pos
+        )
+        for allocation in ("head", "global")
+    }
     assert held["head"].shape[-1] == POLICY.budget + 2 and held["global"].shape[-1] == 40 + 2
     for b, n in enumerate(lengths):
         want = oracle_scores(hf, tokens[b, :n].tolist(), POLICY)
@@ -106,7 +125,8 @@ def test_kvzip_scores_and_keeps_as_the_oracle(models):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
         for allocation, pos in held.items():
             assert [[sorted(p[p >= 0].tolist()) for p in layer] for layer in pos[:, b]] == kept(
-                want, POLICY.sinks, POLICY.budget, allocation), allocation
+                want, POLICY.sinks, POLICY.budget, allocation
+            ), allocation
     counts = (held["global"] >= 0).sum(-1)  # [layers, rows, heads]: the heads keep different counts
     assert (counts.sum((0, 2)) == 2 * 2 * POLICY.budget).all() and counts.min() != counts.max()
 
@@ -137,13 +157,16 @@ def test_kvzip_for_tokenizer_builds_kvpress_prompts():
     assert tiny.tokenizer(chat=False).decode(plain.turn) == "\n" and plain.skip == 0
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(budget=0), "budget must be >= 1"),
-    (dict(budget=4, instruction=[1, 2]), "instruction must be a tuple of token ids"),
-    (dict(budget=4, turn=(1, -2)), "turn must be a tuple of token ids"),
-    (dict(budget=4, chunk=4, overlap=5), "overlap must be <= chunk"),
-    (dict(budget=4, allocation="layer"), "allocation must be one of"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(budget=0), "budget must be >= 1"),
+        (dict(budget=4, instruction=[1, 2]), "instruction must be a tuple of token ids"),
+        (dict(budget=4, turn=(1, -2)), "turn must be a tuple of token ids"),
+        (dict(budget=4, chunk=4, overlap=5), "overlap must be <= chunk"),
+        (dict(budget=4, allocation="layer"), "allocation must be one of"),
+    ],
+)
 def test_kvzip_refuses_bad_fields(fields, message):
     with pytest.raises(ValueError, match=message):
         jc.KVzip(**fields)

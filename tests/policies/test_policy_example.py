@@ -2,22 +2,25 @@
 defined outside the package runs through init_cache / attend / update, jc.score and jc.generate, and keeps what it
 says it keeps."""
 
+import doc_blocks
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 from hypothesis import given
 from hypothesis import strategies as st
 
-import doc_blocks
 import jcascade as jc
-import tiny
 
 
 def the_example() -> type:
     """The class the block of docs/policies.md that names this file defines."""
-    (block,) = [b for b in doc_blocks.python_blocks(doc_blocks.ROOT / "docs/policies.md")
-                if doc_blocks.run_elsewhere(b) == doc_blocks.ROOT / "tests/policies/test_policy_example.py"]
+    (block,) = [
+        b
+        for b in doc_blocks.python_blocks(doc_blocks.ROOT / "docs/policies.md")
+        if doc_blocks.run_elsewhere(b) == doc_blocks.ROOT / "tests/policies/test_policy_example.py"
+    ]
     assert len(block.code.splitlines()) < 60
     namespace = {"__name__": "policy_example"}
     block.run(namespace)
@@ -35,8 +38,12 @@ def expected_positions(seen: int, recent: int, landmarks: int, every: int) -> se
     return kept | set(older[: recent + landmarks - len(kept)])
 
 
-@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=12), st.integers(1, 6),
-       st.integers(1, 4), st.integers(2, 5))
+@given(
+    st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=12),
+    st.integers(1, 6),
+    st.integers(1, 4),
+    st.integers(2, 5),
+)
 def test_the_example_keeps_the_recent_tokens_and_the_newest_landmarks(chunks, recent, landmarks, every):
     policy = RecentAndEveryNth(recent=recent, landmarks=landmarks, every=every)
     state = jc.init_cache(policy, 2, 2, 4)
@@ -75,8 +82,10 @@ def test_the_example_runs_through_score_and_generate(model):
     roomy = RecentAndEveryNth(recent=96, landmarks=4, every=10, stride=16)  # everything fits: equals Full
     full = jc.score(model, tokens, jc.Full(stride=16), lengths=lengths)
     np.testing.assert_allclose(jc.score(model, tokens, roomy, lengths=lengths), full, atol=2e-5)
-    np.testing.assert_array_equal(jc.generate(model, tokens[:, :40], roomy, max_new_tokens=8),
-                                  jc.generate(model, tokens[:, :40], jc.Full(stride=16), max_new_tokens=8))
+    np.testing.assert_array_equal(
+        jc.generate(model, tokens[:, :40], roomy, max_new_tokens=8),
+        jc.generate(model, tokens[:, :40], jc.Full(stride=16), max_new_tokens=8),
+    )
 
     tight = RecentAndEveryNth(recent=8, landmarks=4, every=10, stride=16)
     logps = np.asarray(jc.score(model, tokens, tight, lengths=lengths))
@@ -92,5 +101,10 @@ def test_the_example_is_validated_and_hashable():
     assert hash(RecentAndEveryNth(4, 2)) == hash(RecentAndEveryNth(4, 2))
     with pytest.raises(ValueError, match="keeps no scores"):
         state = jc.init_cache(RecentAndEveryNth(4, 2), 1, 1, 2)
-        jc.update(RecentAndEveryNth(4, 2), state, jnp.zeros((1, 1, 1, 2)), jnp.zeros((1, 1, 1, 2)),
-                  jc.Scores(cache=jnp.zeros((1, 1, 6)), chunk=jnp.zeros((1, 1, 1))))
+        jc.update(
+            RecentAndEveryNth(4, 2),
+            state,
+            jnp.zeros((1, 1, 1, 2)),
+            jnp.zeros((1, 1, 1, 2)),
+            jc.Scores(cache=jnp.zeros((1, 1, 6)), chunk=jnp.zeros((1, 1, 1))),
+        )

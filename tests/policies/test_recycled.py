@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jcascade as jc
 import tiny
 from oracle import assert_decode_steps_match_xla, np_pool, np_rope, np_softmax_rows, random_qkv
+
+import jcascade as jc
 
 THETA = 100.0
 ROPE = jc.RoPE(THETA)
@@ -59,7 +59,9 @@ def recycled_reference(policy, q, k, v, prompt_len, steps):
     return np.array(outs)
 
 
-@pytest.mark.parametrize("policy", [jc.Recycled(top_k=6, refresh_every=4), jc.Recycled(top_k=5, refresh_every=3, kernel=3)])
+@pytest.mark.parametrize(
+    "policy", [jc.Recycled(top_k=6, refresh_every=4), jc.Recycled(top_k=5, refresh_every=3, kernel=3)]
+)
 def test_recycled_attends_to_the_reference_sets(policy):
     B, S, Hq, Hkv, D, steps = 2, 40, 4, 2, 8, 10
     lengths = np.array([30, 21])
@@ -90,15 +92,23 @@ def test_decode_steps_through_the_triton_kernels_match_xla():
     policy = jc.Recycled(top_k=6, refresh_every=2)
     state = jc.init_cache(policy, B, Hkv, D, max_tokens=S)
     n = jnp.asarray(lengths - 5, jnp.int32)
-    _, scores = ATTEND(policy, state, q[:, :S - 5], k[:, :S - 5], v[:, :S - 5], n, ROPE)
-    state = UPDATE(policy, state, k[:, :S - 5], v[:, :S - 5], scores, n)
+    _, scores = ATTEND(policy, state, q[:, : S - 5], k[:, : S - 5], v[:, : S - 5], n, ROPE)
+    state = UPDATE(policy, state, k[:, : S - 5], v[:, : S - 5], scores, n)
     assert_decode_steps_match_xla(policy, state, q, k, v, lengths, ROPE, ATTEND, UPDATE)  # recycled, full, recycled
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny.model(97, seed=0, scale=0.2, hidden_size=64, intermediate_size=96, num_layers=3,
-                      head_dim=16, max_position_embeddings=512)
+    return tiny.model(
+        97,
+        seed=0,
+        scale=0.2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +137,15 @@ def test_recycled_decides_a_decode_step_once_for_all_layers(model):
     tokens = np.random.default_rng(7).integers(0, 97, (2, 60))
     lengths = np.array([60, 47])
     policy, per_layer = (cls(top_k=12, refresh_every=3, stride=16) for cls in (jc.Recycled, RecycledPerLayer))
-    np.testing.assert_array_equal(jc.generate(model, tokens[:, :40], policy, max_new_tokens=10),
-                                  jc.generate(model, tokens[:, :40], per_layer, max_new_tokens=10))
-    np.testing.assert_allclose(jc.score(model, tokens, policy, lengths=lengths, prefix=40),
-                               jc.score(model, tokens, per_layer, lengths=lengths, prefix=40), atol=1e-6)
+    np.testing.assert_array_equal(
+        jc.generate(model, tokens[:, :40], policy, max_new_tokens=10),
+        jc.generate(model, tokens[:, :40], per_layer, max_new_tokens=10),
+    )
+    np.testing.assert_allclose(
+        jc.score(model, tokens, policy, lengths=lengths, prefix=40),
+        jc.score(model, tokens, per_layer, lengths=lengths, prefix=40),
+        atol=1e-6,
+    )
 
     def conds_in_layer_loop(p):
         state = model.init_cache(p, 2, max_tokens=64)

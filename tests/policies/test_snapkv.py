@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 from hypothesis import given
 from hypothesis import strategies as st
+from oracle import assert_decode_steps_match_xla, np_pool, np_rope, np_softmax_rows, random_qkv
 
 import jcascade as jc
-import tiny
-from oracle import assert_decode_steps_match_xla, np_pool, np_rope, np_softmax_rows, random_qkv
 
 THETA = 100.0
 ROPE = jc.RoPE(THETA)
@@ -65,8 +65,10 @@ def snapkv_reference(policy, q, k, length, layer=0, num_layers=1):
     budget = reference_kept_prefix(policy, length, layer, num_layers)
     if budget is None:
         return [list(range(length))] * k.shape[1]
-    return [sorted(np.argsort(-pooled, kind="stable")[:budget].tolist()) + list(range(length - w, length))
-            for pooled in pooled_reference(policy, q, k, length)]
+    return [
+        sorted(np.argsort(-pooled, kind="stable")[:budget].tolist()) + list(range(length - w, length))
+        for pooled in pooled_reference(policy, q, k, length)
+    ]
 
 
 def adakv_reference(policy, q, k, length):
@@ -82,8 +84,10 @@ def adakv_reference(policy, q, k, length):
     for h in range(Hkv):
         ranked[h, np.argsort(-pooled[h], kind="stable")[: int(policy.floor * budget)]] = np.inf
     chosen = np.argsort(-ranked.reshape(-1), kind="stable")[: Hkv * budget]
-    return [sorted((chosen[chosen // pooled.shape[1] == h] % pooled.shape[1]).tolist()) + list(range(length - w, length))
-            for h in range(Hkv)]
+    return [
+        sorted((chosen[chosen // pooled.shape[1] == h] % pooled.shape[1]).tolist()) + list(range(length - w, length))
+        for h in range(Hkv)
+    ]
 
 
 def dense_attention(q, keys, vals, key_pos, q_pos):
@@ -146,9 +150,13 @@ def test_snapkv_keeps_the_reference_selection_and_attends_to_it(policy):
     for b in range(B):
         held = [pos[b, h] >= 0 for h in range(Hkv)]
         assert all(pos[b, h][held[h]][-1] == lengths[b] for h in range(Hkv))  # the new token, last
-        want = dense_attention(np.asarray(q1[b, 0], np.float64), [ck[b, h][held[h]] for h in range(Hkv)],
-                               [cv[b, h][held[h]] for h in range(Hkv)], [pos[b, h][held[h]] for h in range(Hkv)],
-                               lengths[b])
+        want = dense_attention(
+            np.asarray(q1[b, 0], np.float64),
+            [ck[b, h][held[h]] for h in range(Hkv)],
+            [cv[b, h][held[h]] for h in range(Hkv)],
+            [pos[b, h][held[h]] for h in range(Hkv)],
+            lengths[b],
+        )
         np.testing.assert_allclose(np.asarray(out[b, 0]), want, atol=2e-5)
 
 
@@ -171,8 +179,14 @@ def test_pyramidkv_compresses_each_layer_to_its_budget():
     for layer in range(L):
         q, k, v = random_qkv(jax.random.key(10 + layer), B, S, Hq, Hkv, D)
         layers.append(snapkv_prompt(policy, q, k, v, lengths, stride=20))
-        refs.append([snapkv_reference(policy, np.asarray(q[b], np.float64), np.asarray(k[b], np.float64),
-                                      lengths[b], layer, L) for b in range(B)])
+        refs.append(
+            [
+                snapkv_reference(
+                    policy, np.asarray(q[b], np.float64), np.asarray(k[b], np.float64), lengths[b], layer, L
+                )
+                for b in range(B)
+            ]
+        )
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     state = jc.compress(policy, stacked, room=0)
     pos = np.asarray(state.pos)
@@ -230,7 +244,7 @@ def test_adakv_shares_a_layers_budget_across_its_heads(floor):
     assert counts.sum() == Hkv * 14 and (len(set(counts.tolist())) > 1) == (floor < 1)
     if floor == 1.0:
         snap = jc.compress(policy.scorer, snapkv_prompt(policy.scorer, q, k, v, lengths, stride=16), room=2)
-        held = lambda s: [sorted(p[p >= 0].tolist()) for p in np.asarray(s.pos).reshape(-1, s.pos.shape[-1])]  # noqa: E731
+        held = lambda s: [sorted(p[p >= 0].tolist()) for p in np.asarray(s.pos).reshape(-1, s.pos.shape[-1])]
         assert held(state) == held(snap)
     resident, allocated = jc.cache_occupancy(state)
     assert resident == int((pos >= 0).sum()) and allocated == B * Hkv * state.capacity
@@ -243,8 +257,11 @@ def test_adakv_through_a_model_keeps_pyramid_budgets_per_layer():
     logps = np.asarray(jc.score(model, tokens, policy, prefix=40))
     assert np.isfinite(logps).all()
     whole = jc.AdaKV(jc.SnapKV(budget=64, window=4, stride=16))  # a prompt shorter than the budget: kept whole
-    np.testing.assert_allclose(np.asarray(jc.score(model, tokens, whole, prefix=40)),
-                               np.asarray(jc.score(model, tokens, jc.Full(stride=16))), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jc.score(model, tokens, whole, prefix=40)),
+        np.asarray(jc.score(model, tokens, jc.Full(stride=16))),
+        atol=1e-5,
+    )
     assert jc.generate(model, tokens[:, :40], policy, max_new_tokens=4).shape == (2, 4)
     with pytest.raises(ValueError, match="AdaKV.scorer must be a jc.SnapKV or jc.PyramidKV"):
         jc.AdaKV(jc.H2O(heavy=4, recent=4))

@@ -22,21 +22,70 @@ NON_DEFAULT = {
     "full": dict(stride=96, kv_dtype="int8"),
     "slidingwindow": dict(window=12, positions="original", stride=33, kv_dtype="float8_e4m3fn"),
     "sink": dict(window=12, sinks=3, positions="original", stride=7, kv_dtype="int8"),
-    "cascade": dict(cache_size=24, sinks=5, num_cascades=3, gamma=0.1 + 0.2, head_reduction="mean",
-                    positions="original", stride=17, kv_dtype="float8_e4m3fn"),
+    "cascade": dict(
+        cache_size=24,
+        sinks=5,
+        num_cascades=3,
+        gamma=0.1 + 0.2,
+        head_reduction="mean",
+        positions="original",
+        stride=17,
+        kv_dtype="float8_e4m3fn",
+    ),
     "h2o": dict(heavy=3, recent=5, head_reduction="max", positions="original", stride=9, kv_dtype="int8"),
     "tova": dict(cache_size=6, head_reduction="max", positions="cache", stride=11, kv_dtype="float8_e4m3fn"),
-    "snapkv": dict(budget=40, window=5, kernel=3, pooling="avg", head_reduction="max", positions="cache", stride=13,
-                   kv_dtype="int8"),
-    "pyramidkv": dict(budget=30, window=4, beta=7, kernel=5, pooling="avg", head_reduction="max", positions="cache",
-                      stride=19, kv_dtype="float8_e4m3fn"),
-    "adakv": dict(scorer=jc.PyramidKV(budget=30, window=4, beta=7, kernel=5, pooling="avg", head_reduction="max",
-                                      stride=19, kv_dtype="int8"), floor=1 / 3),
+    "snapkv": dict(
+        budget=40,
+        window=5,
+        kernel=3,
+        pooling="avg",
+        head_reduction="max",
+        positions="cache",
+        stride=13,
+        kv_dtype="int8",
+    ),
+    "pyramidkv": dict(
+        budget=30,
+        window=4,
+        beta=7,
+        kernel=5,
+        pooling="avg",
+        head_reduction="max",
+        positions="cache",
+        stride=19,
+        kv_dtype="float8_e4m3fn",
+    ),
+    "adakv": dict(
+        scorer=jc.PyramidKV(
+            budget=30, window=4, beta=7, kernel=5, pooling="avg", head_reduction="max", stride=19, kv_dtype="int8"
+        ),
+        floor=1 / 3,
+    ),
     "knorm": dict(budget=5, positions="cache", stride=21, kv_dtype="float8_e4m3fn"),
-    "expectedattention": dict(budget=9, window=3, future=100, sinks=2, covariance=False, value_norm=False,
-                              epsilon=1e-7, stride=23, kv_dtype="int8"),
-    "kvzip": dict(budget=7, instruction=(1, 22, 333), continuation=(0,), turn=(4, 5), chunk=64, overlap=3, sinks=2,
-                  skip=6, allocation="global", stride=29, kv_dtype="float8_e4m3fn"),
+    "expectedattention": dict(
+        budget=9,
+        window=3,
+        future=100,
+        sinks=2,
+        covariance=False,
+        value_norm=False,
+        epsilon=1e-7,
+        stride=23,
+        kv_dtype="int8",
+    ),
+    "kvzip": dict(
+        budget=7,
+        instruction=(1, 22, 333),
+        continuation=(0,),
+        turn=(4, 5),
+        chunk=64,
+        overlap=3,
+        sinks=2,
+        skip=6,
+        allocation="global",
+        stride=29,
+        kv_dtype="float8_e4m3fn",
+    ),
     "recycled": dict(top_k=3, refresh_every=5, kernel=3, positions="cache", stride=31, kv_dtype="int8"),
 }
 
@@ -55,8 +104,12 @@ def test_every_concrete_policy_class_is_registered():
     while todo:
         for sub in todo.pop().__subclasses__():
             todo.append(sub)
-            if (sub.__module__.startswith("jcascade.policies") and not sub.__name__.startswith("_")
-                    and not inspect.isabstract(sub) and dataclasses.is_dataclass(sub)):
+            if (
+                sub.__module__.startswith("jcascade.policies")
+                and not sub.__name__.startswith("_")
+                and not inspect.isabstract(sub)
+                and dataclasses.is_dataclass(sub)
+            ):
                 found.add(sub)
     assert found and found <= set(policy_classes().values()), found - set(policy_classes().values())
 
@@ -88,8 +141,11 @@ def test_every_list_of_policies_in_a_message_is_the_registry_s():
     assert listed(str(error.value)) == names
     with pytest.raises(ValueError) as error:
         perplexity.check_streaming(jc.KNorm(budget=4))
-    assert listed(str(error.value)) == [n for n in names if not getattr(jc, n).needs_prompt] == \
-        ["Cascade", "Full", "H2O", "Sink", "SlidingWindow", "TOVA"]
+    assert (
+        listed(str(error.value))
+        == [n for n in names if not getattr(jc, n).needs_prompt]
+        == ["Cascade", "Full", "H2O", "Sink", "SlidingWindow", "TOVA"]
+    )
     k = jnp.zeros((1, 2, 1, 8))
     with pytest.raises(ValueError) as error:
         jc.attend_shared(jc.H2O(heavy=2, recent=2), None, k, k, k, [])
@@ -114,7 +170,7 @@ def test_a_spec_writes_a_policy_s_own_fields_then_head_reduction_positions_strid
 
 
 def _top_level(text: str) -> list[str]:
-    """"name:a=1,b=x(c=2,d=3)" -> ["a=1", "b=x(c=2,d=3)"]."""
+    """ "name:a=1,b=x(c=2,d=3)" -> ["a=1", "b=x(c=2,d=3)"]."""
     return re.split(r",(?![^()]*\))", text.partition(":")[2])
 
 
@@ -128,7 +184,8 @@ def test_every_registered_policy_round_trips_with_every_field_off_its_default():
         assert text.startswith(name + ":") and parse_policy(text) == policy, text
     assert spec(jc.AdaKV(jc.SnapKV(budget=512, window=32), floor=0.25)) == (
         "adakv:scorer=snapkv(budget=512,window=32,kernel=7,pooling=max,head_reduction=mean,positions=original,"
-        "stride=4096,kv_dtype=model),floor=0.25")
+        "stride=4096,kv_dtype=model),floor=0.25"
+    )
     assert spec(jc.KVzip(budget=4, turn=(7,))).startswith("kvzip:budget=4,instruction=(),continuation=(),turn=(7),")
 
 
@@ -140,8 +197,12 @@ def values(hint) -> st.SearchStrategy:
     if origin is tuple:
         return st.lists(st.integers(0, 2**31 - 1), max_size=4).map(tuple)
     if hint in (int, float, bool, str):
-        return {int: st.integers(0, 4096), float: st.floats(0, 1) | st.floats(allow_nan=False, allow_infinity=False),
-                bool: st.booleans(), str: st.sampled_from(["cache", "original"])}[hint]
+        return {
+            int: st.integers(0, 4096),
+            float: st.floats(0, 1) | st.floats(allow_nan=False, allow_infinity=False),
+            bool: st.booleans(),
+            str: st.sampled_from(["cache", "original"]),
+        }[hint]
     return st.sampled_from(args if args else [hint]).flatmap(policies)
 
 
@@ -156,6 +217,7 @@ def policies(cls) -> st.SearchStrategy:
             return cls(**NON_DEFAULT[name] | {f: data(values(hints[f])) for f in fields})
         except ValueError:
             reject()
+
     return draw()
 
 
@@ -180,13 +242,15 @@ def test_specs_that_do_not_read_back_are_refused_by_name():
         spec(jc.Recycled(top_k=2, refresh_every=2, _branch="full"))  # internal state: no spec
     with pytest.raises(ValueError, match="expected a dataclass policy"):
         spec("full")
-    for text, match in [("adakv:scorer=snapkv(budget=64", "unbalanced parentheses"),
-                        ("adakv:scorer=snapkv(budget=64))", "unbalanced parentheses"),
-                        ("adakv:scorer=snapkv(budget=64)x", "AdaKV.scorer must be a policy, NAME or NAME"),
-                        ("adakv:scorer=full", "AdaKV.scorer must be a jc.SnapKV or jc.PyramidKV"),
-                        ("adakv:floor=0.5", "AdaKV needs scorer=..."),
-                        ("kvzip:budget=4,turn=7", r"KVzip.turn must be token ids in parentheses"),
-                        ("kvzip:budget=4,turn=(7,-1)", r"KVzip.turn must be token ids \(ints >= 0\)"),
-                        ("os.path:stride=4", "unknown policy 'os.path'")]:
+    for text, match in [
+        ("adakv:scorer=snapkv(budget=64", "unbalanced parentheses"),
+        ("adakv:scorer=snapkv(budget=64))", "unbalanced parentheses"),
+        ("adakv:scorer=snapkv(budget=64)x", "AdaKV.scorer must be a policy, NAME or NAME"),
+        ("adakv:scorer=full", "AdaKV.scorer must be a jc.SnapKV or jc.PyramidKV"),
+        ("adakv:floor=0.5", "AdaKV needs scorer=..."),
+        ("kvzip:budget=4,turn=7", r"KVzip.turn must be token ids in parentheses"),
+        ("kvzip:budget=4,turn=(7,-1)", r"KVzip.turn must be token ids \(ints >= 0\)"),
+        ("os.path:stride=4", "unknown policy 'os.path'"),
+    ]:
         with pytest.raises(ValueError, match=match):
             parse_policy(text)

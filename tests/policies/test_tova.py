@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jcascade as jc
 import tiny
 from oracle import np_softmax_rows
+
+import jcascade as jc
 
 ATTEND = jax.jit(jc.attend, static_argnums=0)
 UPDATE = jax.jit(jc.update, static_argnums=0)
@@ -37,8 +37,9 @@ def test_tova_keeps_what_the_newest_query_attends_to_most(T):
                 if not n:
                     continue
                 candidates = sorted(held[b][h]) + [int(seen[b]) + j for j in range(n)]
-                logits = np.stack([[q[b, n - 1, h * G + g] @ keys[b][h][p] / np.sqrt(D) for p in candidates]
-                                   for g in range(G)])
+                logits = np.stack(
+                    [[q[b, n - 1, h * G + g] @ keys[b][h][p] / np.sqrt(D) for p in candidates] for g in range(G)]
+                )
                 attention = np_softmax_rows(logits).mean(0)
                 held[b][h] = set(np.asarray(candidates)[np.argsort(-attention, kind="stable")[:C]].tolist())
             seen[b] += n

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import HEAD_DIM, random_scores, sink_window_positions, tagged_chunk
 
 import jcascade as jc
-from oracle import HEAD_DIM, random_scores, sink_window_positions, tagged_chunk
 
 UPDATE = jax.jit(jc.update, static_argnums=0)
 
