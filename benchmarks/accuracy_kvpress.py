@@ -40,8 +40,8 @@ import math
 import pathlib
 import subprocess
 import tempfile
-import time
 
+import harness
 from eval_tables import load
 from parity_kvpress import kvpress_python, policies_for
 
@@ -59,13 +59,16 @@ METHODS = {
 }  # jcascade method: the kvpress press it is compared with
 
 # The kvpress side, run by the venv's python: argv = model.gguf prompts.json kept protocol presses dtype out.json
+# benchmarks/ (the folder of the timing harness)
 KVPRESS_SIDE = r'''
-import json, pathlib, sys, time
+import json, pathlib, sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from kvpress import (AdaKVPress, ExpectedAttentionPress, KnormPress, KVzipPress, PyramidKVPress, SnapKVPress,
                      StreamingLLMPress, TOVAPress)
 from kvpress.presses import kvzip_press
+sys.path.insert(0, sys.argv[8])  # the benchmarks' timing harness (it needs no JAX)
+import harness
 
 gguf, run, kept, protocol = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
 prompts, eos_id = run["prompts"], run["eos_id"]  # jcascade's end token: both sides stop at the same one
@@ -109,11 +112,9 @@ result = {}
 for name in wanted:
     for n_kept in [int(k) for k in kept.split(",")] if presses[name] else [0]:
         answer(prompts[0], presses[name], n_kept)  # warm-up, not timed
-        torch.cuda.synchronize() if device == "cuda" else None
-        start = time.perf_counter()
-        ids = [answer(p, presses[name], n_kept) for p in prompts]
-        torch.cuda.synchronize() if device == "cuda" else None
-        result[f"{name}@{n_kept}"] = {"ids": ids, "seconds": time.perf_counter() - start}
+        ids, seconds = harness.time_once(lambda: [answer(p, presses[name], n_kept) for p in prompts],
+                                         sync=harness.TORCH)
+        result[f"{name}@{n_kept}"] = {"ids": ids, "seconds": seconds}
         print(f"kvpress {name} kept {n_kept}: {len(prompts) / result[f'{name}@{n_kept}']['seconds']:.2f} prompts/s",
               flush=True)
 json.dump(result, open(out, "w"))
@@ -178,13 +179,11 @@ def main():
     a = p.parse_args()
     if a.table:
         return table(a.table)
-    import jax
     import numpy as np
     from jcascade.models import packaged
 
     import jcascade as jc
     from jcascade.eval import ruler, stats, texts
-    from jcascade.eval.report import json_text
 
     tasks, methods, kept = a.tasks.split(","), a.methods.split(","), [int(k) for k in a.kept.split(",")]
     if any(m not in METHODS for m in methods):
@@ -230,6 +229,7 @@ def main():
                 ",".join(dict.fromkeys(METHODS[m] for m in methods)),
                 a.dtype,
                 str(pathlib.Path(tmp) / "kvpress.json"),
+                str(pathlib.Path(harness.__file__).parent),
             ],
             check=True,
         )
@@ -238,9 +238,8 @@ def main():
     runs = [(m, k) for m in methods for k in ([0] if m == "full" else kept)]
     rows, detail, strata = [], {}, [s.task for s in samples]
     out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for method, n in runs:
-        done = []  # (time, prompts) after each batch
+        done, since_start = [], harness.Stopwatch()  # (seconds, prompts) after each batch
         results = ruler.sweep(
             model,
             tokenizer,
@@ -251,7 +250,7 @@ def main():
             samples=a.samples,
             batch_size=batch_size,
             protocol=a.protocol,
-            progress=lambda k: done.append((time.perf_counter(), k)),
+            progress=lambda k: done.append((since_start.elapsed(), k)),
         )
         assert [(r.task, r.index) for r in results] == [(s.task, s.index) for s in samples]
         prompts_per_s = sum(k for _, k in done[1:]) / (done[-1][0] - done[0][0]) if len(done) > 1 else math.nan
@@ -277,27 +276,21 @@ def main():
             )
         )
         detail[f"{method}@{n}"] = {"jcascade": [r.output for r in results], "kvpress": answers}
-        out.write_text(
-            json_text(
-                {  # after each method: a run cut short keeps what it measured
-                    "benchmark": "accuracy_kvpress",
-                    "date": time.strftime("%Y-%m-%d"),
-                    "model": name,
-                    "device": jax.devices()[0].device_kind,
-                    "jax": jax.__version__,
-                    "dtype": a.dtype,
-                    "protocol": a.protocol,
-                    "length": a.length,
-                    "kept": kept,
-                    "tasks": tasks,
-                    "samples": a.samples,
-                    "batch_size": batch_size,
-                    "answers": detail,
-                    "rows": [
-                        {k: v.as_dict() if isinstance(v, stats.Estimate) else v for k, v in r.items()} for r in rows
-                    ],
-                }
-            )
+        harness.write_json(
+            out,
+            {  # after each method: a run cut short keeps what it measured
+                "benchmark": "accuracy_kvpress",
+                "model": name,
+                "dtype": a.dtype,
+                "protocol": a.protocol,
+                "length": a.length,
+                "kept": kept,
+                "tasks": tasks,
+                "samples": a.samples,
+                "batch_size": batch_size,
+                "answers": detail,
+                "rows": [{k: v.as_dict() if isinstance(v, stats.Estimate) else v for k, v in r.items()} for r in rows],
+            },
         )
     table([str(out)])
     print(f"wrote {out}")

@@ -21,11 +21,10 @@ process 0 prints and writes.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
-import time
 
+import harness
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -33,14 +32,14 @@ from jax.sharding import Mesh
 from jcascade.models import sharding
 
 import jcascade as jc
-from jcascade.cli import count
+from jcascade.cli.options import count
 from jcascade.eval import processes, ruler, stats, texts
 
 
 def sweep(model, tokenizer, prose, tasks, length, names, budget, samples, rows) -> tuple[list, int, float]:
     """(the sweep's results, the prompts timed, their seconds): from the end of the first batch to the sweep's
     return (over processes: process 0's first batch, and every process's rows gathered)."""
-    ends = []
+    ends, since_start = [], harness.Stopwatch()
     out = ruler.sweep(
         model,
         tokenizer,
@@ -50,13 +49,13 @@ def sweep(model, tokenizer, prose, tasks, length, names, budget, samples, rows) 
         prose=prose,
         samples=samples,
         batch_size=rows,
-        progress=lambda n: ends.append((n, time.perf_counter())),
+        progress=lambda n: ends.append((n, since_start.elapsed())),
     )
     if len(ends) < 2:
         raise SystemExit(
             f"--samples {samples}: one batch of {rows} rows holds every prompt, so none is timed; use more samples"
         )
-    return out, sum(n for n, _ in ends[1:]), time.perf_counter() - ends[0][1]
+    return out, sum(n for n, _ in ends[1:]), since_start.elapsed() - ends[0][1]
 
 
 def main():
@@ -129,9 +128,6 @@ def main():
     runs, one_outputs, one_scores = {}, None, None
     result = dict(
         benchmark="data_parallel",
-        device=jax.devices()[0].device_kind,
-        jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d"),
         processes=a.processes,
         model=path.name if path else "tiny random",
         length=a.length,
@@ -153,9 +149,7 @@ def main():
             multihost_utils.sync_global_devices("one device")
             continue
         run = (model, tokenizer, prose, tasks, a.length, names, a.budget, a.samples, rows)
-        t0 = time.perf_counter()
-        sweep(*run)
-        compile_s = time.perf_counter() - t0
+        _, compile_s = harness.time_once(sweep, *run)
         results, timed, seconds = sweep(*run)
         if alone:
             multihost_utils.sync_global_devices("one device")
@@ -184,8 +178,7 @@ def main():
             flush=True,
         )
         if a.out:  # after each mesh: a run stopped later keeps what it measured
-            pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            pathlib.Path(a.out).write_text(json.dumps(result, indent=2))
+            harness.write_json(a.out, result)
     if not first:
         return
     one = runs["data=1,model=1"]

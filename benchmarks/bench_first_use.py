@@ -8,23 +8,14 @@ the first call's seconds (compilation included) and the median of --iters calls 
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import statistics
-import time
 
+import harness
 import jax
 import numpy as np
 
 import jcascade as jc
 
 QUESTION = "What is the capital of France? Answer in one short sentence."
-
-
-def seconds(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 def main():
@@ -62,21 +53,20 @@ def main():
     print(f"{'policy':<34}{'stride':>8}{'first call (s)':>16}{'after (s)':>12}")
     for label, policy in policies.items():
         call = lambda: jc.generate(model, prompt, policy, max_new_tokens=args.new, eos_id=tokenizer.eos_token_id)
-        first = seconds(call)
-        after = statistics.median(seconds(call) for _ in range(args.iters))
+        _, first = harness.time_once(call)
+        after = harness.time_it(call, warmup=0, repeats=args.iters).median
         rows.append(dict(policy=label, stride=policy.stride, first_call_s=round(first, 3), after_s=round(after, 3)))
         print(f"{label:<34}{policy.stride:>8}{first:>16.2f}{after:>12.3f}", flush=True)
     if args.out:
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                dict(
-                    device=device, prompt_tokens=int(prompt.shape[1]), new_tokens=args.new, iters=args.iters, rows=rows
-                ),
-                indent=2,
-            )
-            + "\n"
+        harness.write_json(
+            args.out,
+            dict(
+                benchmark="first_use",
+                prompt_tokens=int(prompt.shape[1]),
+                new_tokens=args.new,
+                iters=args.iters,
+                rows=rows,
+            ),
         )
 
 

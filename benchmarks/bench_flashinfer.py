@@ -19,7 +19,8 @@ request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
 
 Two timings per method: wall = median ms per call with a device sync after each call (host dispatch included);
 device = ms per call inside one loop of --loop calls (a jitted fori_loop for jcascade, one CUDA graph for
-FlashInfer; CUDA events around a plain loop where a graph cannot be captured), i.e. launch gaps but no host.
+FlashInfer; a plain loop where a graph cannot be captured), i.e. launch gaps but no host per call: the loop is
+timed whole, from its one launch to the sync after it, by the same harness (benchmarks/harness.py) on both sides.
 GB/s counts the K/V bytes a replicated decode must read (with a quantized cache's scales); the 8-bit rows compare
 with FlashInfer's fp8 decode. Each library runs in its own process (the caches of
 B = 256 take 34 GB each); a third process checks that the outputs agree on the same inputs (batches 8 and 64:
@@ -35,11 +36,11 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+import harness
 
 HQ, HKV, D, PAGE, THETA = 32, 8, 128, 16, 500000.0
 
@@ -65,14 +66,8 @@ def jcascade_rows(a) -> list[dict]:
     policy, rope = jc.Full(), jc.RoPE(THETA)
     key = jax.random.key(0)
 
-    def wall_ms(fn, *args):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(a.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
+    def wall_ms(fn, *args) -> float:
+        return 1e3 * harness.time_it(fn, *args, repeats=a.iters).median
 
     def device_ms(step, *args):
         """ms per call of step(q, *args) inside one jitted loop; q moves with the loop so nothing is hoisted."""
@@ -175,20 +170,12 @@ def jcascade_rows(a) -> list[dict]:
 def torch_timers(a):
     import torch
 
-    def wall_ms(fn):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(a.iters):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
+    def wall_ms(fn) -> float:
+        return 1e3 * harness.time_it(fn, repeats=a.iters, sync=harness.TORCH).median
 
     def device_ms(fn) -> tuple[float, str]:
-        """ms per call over a CUDA graph of a.loop calls (or events around a plain loop if capture fails)."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        """ms per call over a CUDA graph of a.loop calls (or a plain loop of them if capture fails), the median of 5
+        replays."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -202,23 +189,14 @@ def torch_timers(a):
                     fn()
             run, how = graph.replay, "cuda graph"
         except Exception as e:  # any capture failure: time without a graph, and say so
-            print(f"   graph capture failed ({type(e).__name__}: {e}); timing with events", flush=True)
+            print(f"   graph capture failed ({type(e).__name__}: {e}); timing a plain loop", flush=True)
 
             def run():
                 for _ in range(a.loop):
                     fn()
 
-            how = "events"
-        run()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / a.loop)
-        return statistics.median(times), how
+            how = "plain loop"
+        return 1e3 * harness.time_it(run, sync=harness.TORCH).median / a.loop, how
 
     return wall_ms, device_ms
 
@@ -522,7 +500,6 @@ def main():
     # the parent touches no device: each library runs in its own process, with the memory to itself
     result = dict(
         benchmark="flashinfer_side_by_side",
-        date=time.strftime("%Y-%m-%d"),
         shape=dict(prefix=shapes(a.tiny)[0], own=shapes(a.tiny)[1], heads=[HQ, HKV, D], page=PAGE),
         iters=a.iters,
         loop=a.loop,
@@ -531,7 +508,7 @@ def main():
         failures={},
     )
     out = pathlib.Path(a.out or "benchmarks/results/flashinfer.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    device = None  # named by the peers
     for peer in peers:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [
@@ -556,14 +533,14 @@ def main():
                 result["failures"][peer] = f"exit {done.returncode}"
                 continue
             got = json.loads(pathlib.Path(f.name).read_text())
-        result["device"] = got["device"]
+        device = got["device"]
         if peer == "agree":
             result["agreement"] = got["result"]
         else:
             result["rows"] += got["result"]
-        out.write_text(json.dumps(result, indent=2))
+        harness.write_json(out, result, device=device)
     print(
-        f"\n{result.get('device')}: one decode step, {result['shape']['prefix']}-token prefix + "
+        f"\n{device}: one decode step, {result['shape']['prefix']}-token prefix + "
         f"{result['shape']['own']} own tokens per request; ratio = device time over FlashInfer's best decode "
         "(replicated cache) or its cascade (shared prefix)"
     )

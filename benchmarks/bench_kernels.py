@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
-import statistics
-import time
 import warnings
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,18 +39,6 @@ from jcascade import pallas_kernels as pk
 
 HQ, HKV, D = 32, 8, 128
 DT = jnp.bfloat16
-
-
-def timed(f, *args, iters=5, warmup=1) -> float:
-    """Median seconds of f(*args) (blocking), after warm-up calls (compilation included there)."""
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def rand(key, shape, dtype=DT):
@@ -92,7 +78,7 @@ def bench_chunk(a, cudnn):
         g = jax.jit(lambda: kernels.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, None, "max", None))
         row = dict(implementation=kernels.backend, config=str(getattr(kernels, kernels.backend)))
         try:
-            t_scores, t_plain = timed(f, weights), timed(g)
+            t_scores, t_plain = harness.time_it(f, weights).median, harness.time_it(g).median
         except Exception as e:  # a config the compiler rejects (e.g. shared memory) is reported, not fatal
             rows.append(row | dict(error=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
@@ -105,9 +91,9 @@ def bench_chunk(a, cudnn):
     kf, vf = jnp.concatenate([jnp.swapaxes(kc, 1, 2), k], 1), jnp.concatenate([jnp.swapaxes(vc, 1, 2), v], 1)
     base = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=cudnn))
     try:
-        t_base = timed(base, q, kf, vf)
+        t_base = harness.time_it(base, q, kf, vf).median
     except Exception:  # no grouped-query support: give the baseline its K/V repeated to every query head
-        t_base = timed(base, q, jnp.repeat(kf, HQ // HKV, 2), jnp.repeat(vf, HQ // HKV, 2))
+        t_base = harness.time_it(base, q, jnp.repeat(kf, HQ // HKV, 2), jnp.repeat(vf, HQ // HKV, 2)).median
     best = {}
     for impl in dict.fromkeys(r["implementation"] for r in rows):
         timed_rows = [r for r in rows if r["implementation"] == impl and "error" not in r]
@@ -146,7 +132,7 @@ def prefill_layer(policy, tokens, kernels, key):
         state, outs = jax.lax.scan(step, state, jnp.arange(chunks))
         return state, outs
 
-    return timed(run, state, key, iters=1)
+    return harness.time_it(run, state, key, repeats=1).median
 
 
 def bench_prefill(a, kernels, cudnn):
@@ -167,7 +153,7 @@ def bench_prefill(a, kernels, cudnn):
                 rand(ks[2], (1, length, HKV, D)),
             )
             f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cudnn))
-            full.append(dict(tokens=length, seconds=timed(f, q, k, v, iters=1)))
+            full.append(dict(tokens=length, seconds=harness.time_it(f, q, k, v, repeats=1).median))
             del q, k, v
         except Exception as e:
             full.append(dict(tokens=length, error=f"{type(e).__name__}: {str(e)[:200]}"))
@@ -203,7 +189,7 @@ def push_tokens(policy, state, num, key):
 
         return jax.lax.fori_loop(0, num, body, state)
 
-    return timed(run, state, iters=1), run(state)
+    return harness.time_it(run, state, repeats=1).median, run(state)
 
 
 def push_concat(num, cap, sinks, batch, key):
@@ -222,7 +208,7 @@ def push_concat(num, cap, sinks, batch, key):
         return jax.lax.fori_loop(0, num, body, (k, v))
 
     zeros = jnp.zeros((batch, HKV, cap, D), DT)
-    return timed(run, zeros, zeros, iters=1)
+    return harness.time_it(run, zeros, zeros, repeats=1).median
 
 
 def bench_push(a, kernels):
@@ -339,7 +325,7 @@ def bench_decode(a, kernels, bandwidth):
             run = decode_loop(
                 x, weights, variant_rope, a.decode_layers, a.decode_calls, dataclasses.replace(kernels, triton=cfg)
             )
-            t = timed(run, x["stack_k"], x["stack_v"], iters=3) / a.decode_calls
+            t = harness.time_it(run, x["stack_k"], x["stack_v"], repeats=3).median / a.decode_calls
             rows.append(
                 dict(
                     batch=batch,
@@ -432,33 +418,24 @@ def main():
         sizes = [1 << 20]
     device = jax.devices()[0]
     bandwidth = memory_bandwidth([device], sizes)["rate"]  # the best of copies and reads over three sizes
-    result = dict(
-        benchmark="kernels",
-        device=device.device_kind,
-        jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d"),
-        implementation=kernels.backend,
-        bandwidth_gb_s=bandwidth / 1e9,
-    )
+    result = dict(benchmark="kernels", implementation=kernels.backend, bandwidth_gb_s=bandwidth / 1e9)
     out = pathlib.Path(a.out or f"benchmarks/results/kernels-{device.device_kind.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     sections = dict(
         a=("a_chunk", lambda: bench_chunk(a, cudnn)),
         b=("b_prefill_1m", lambda: bench_prefill(a, kernels, cudnn)),
         c=("c_push", lambda: bench_push(a, kernels)),
         d=("d_decode", lambda: bench_decode(a, kernels, bandwidth)),
     )
-    start = time.perf_counter()
+    since_start = harness.Stopwatch()
     for letter in a.only:
         name, run = sections[letter]
-        if time.perf_counter() - start > a.budget_s:
+        if since_start.elapsed() > a.budget_s:
             print(f"[{name} skipped: past the {a.budget_s} s budget]", flush=True)
             continue
-        t0 = time.perf_counter()
-        result[name] = run()
-        print(f"[{name} done in {time.perf_counter() - t0:.0f} s]", flush=True)
-        out.write_text(json.dumps(result, indent=2, default=str))  # keep what is measured if a later part fails
-    report(result)
+        result[name], seconds = harness.time_once(run)
+        print(f"[{name} done in {seconds:.0f} s]", flush=True)
+        harness.write_json(out, result)  # keep what is measured if a later part fails
+    report(harness.run_info() | result)
     print(f"wrote {out}")
 
 

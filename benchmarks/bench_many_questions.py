@@ -27,8 +27,8 @@ import json
 import pathlib
 import subprocess
 import sys
-import time
 
+import harness
 import numpy as np
 
 NEEDLE = " The special magic number for {key} is: {value}."
@@ -131,15 +131,9 @@ def worker(a) -> dict:
 
     batches = [chosen[i : i + rows] for i in range(0, len(chosen), rows)]
     batches[-1] += [batches[-1][-1]] * (len(batches[0]) - len(batches[-1]))  # one shape: one compilation
-    start = time.perf_counter()
-    answer(batches[0])
-    compile_s = time.perf_counter() - start
-    outputs, start = [], time.perf_counter()
-    for batch in batches:
-        outputs += answer(batch).tolist()
-    seconds = time.perf_counter() - start
+    _, compile_s = harness.time_once(answer, batches[0])
+    outputs, seconds = harness.time_once(lambda: [out for batch in batches for out in answer(batch).tolist()])
     texts = [tokenizer.decode([t for t in out if t >= 0], skip_special_tokens=True) for out in outputs[: len(chosen)]]
-    stats = jax.devices()[0].memory_stats() or {}
     return dict(
         method=a.worker_method,
         policy=a.worker_policy,
@@ -152,7 +146,7 @@ def worker(a) -> dict:
         seconds=seconds,
         first_call_s=compile_s,
         questions_per_s=len(chosen) / seconds,
-        peak_bytes=stats.get("peak_bytes_in_use"),
+        peak_bytes=harness.JAX.peak_bytes(),
         device=jax.devices()[0].device_kind,
     )
 
@@ -239,25 +233,20 @@ def main():
                 peak_gb=(run["peak_bytes"] or 0) / 1e9,
             )
         )
-    if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    if a.out:  # this process leaves the device to the workers: the device is named from theirs
         table = [{k: v.as_dict() if isinstance(v, stats.Estimate) else v for k, v in r.items()} for r in rows]
-        pathlib.Path(a.out).write_text(
-            json.dumps(
-                dict(
-                    benchmark="many_questions",
-                    date=time.strftime("%Y-%m-%d"),
-                    device=runs[0]["device"],
-                    model=runs[0]["model"],
-                    document_tokens=runs[0]["document_tokens"],
-                    questions=a.questions,
-                    command=" ".join(sys.argv),
-                    rows=table,
-                    runs=runs,
-                ),
-                indent=1,
-                allow_nan=False,
-            )
+        harness.write_json(
+            a.out,
+            dict(
+                benchmark="many_questions",
+                model=runs[0]["model"],
+                document_tokens=runs[0]["document_tokens"],
+                questions=a.questions,
+                command=" ".join(sys.argv),
+                rows=table,
+                runs=runs,
+            ),
+            device=runs[0]["device"],
         )
     first = methods[0]
     print(

@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import pathlib
 import sys
 import tempfile
-import time
 import warnings
 
 import decode_breakdown
+import harness
 import jax
 import jax.numpy as jnp
 from jcascade.models import CausalLM, ModelConfig, delta_net, sharding
@@ -165,32 +164,24 @@ TINY = ModelConfig(
 )
 
 
-def block(x):
-    return jax.block_until_ready(x)
-
-
 def write(out: pathlib.Path, result: dict) -> None:
     """Writes the JSON (over `--processes`, process 0 alone: the others print nothing either)."""
     if jax.process_index() == 0:
-        out.write_text(json.dumps(result, indent=2))
+        harness.write_json(out, result)
 
 
 def matmul_peak(n: int) -> float:
+    """bf16 FLOP/s of an n x n matrix product, 10 calls queued back to back."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     f = jax.jit(lambda a, b: a @ b)
-    block(f(a, b))
-    t0 = time.perf_counter()
-    for _ in range(10):
-        out = f(a, b)
-    block(out)
-    return 2 * n**3 * 10 / (time.perf_counter() - t0)
+    return 2 * n**3 / harness.time_it(f, a, b, repeats=1, calls=10).median
 
 
 # The memory bandwidth of each card class, bytes/s: what its HBM is rated at (H100 SXM 3.35 TB/s, PCIe about 2.0,
 # NVL 3.9; H200 4.8) less what copies fall short of it (`memory_bandwidth`: one H100 SXM 3.04-3.07 TB/s, one H200
 # 4.31-4.40; timed one pass a call, as before 2026-11-27's sixth session, four H100 SXM read 2.67-2.81 and H200s
-# 3.5-4.0: benchmarks/RESULTS.md "Four GPUs"). A measurement outside its class is reported.
+# 3.5-4.0: git history, benchmarks/RESULTS.md "Four GPUs"). A measurement outside its class is reported.
 CARD_BANDWIDTH = {"H100": (2.6e12, 3.35e12), "H200": (4.3e12, 4.8e12)}
 
 
@@ -219,11 +210,7 @@ def memory_bandwidth(devices, sizes: list[int], repeats: int = 10, passes_per_ca
                 out_shardings=jax.sharding.SingleDeviceSharding(device),
             )()
             for f, times_x in passes:
-                for i in range(1 + repeats):
-                    t0 = time.perf_counter()
-                    block(f(x))
-                    if i >= 1:
-                        best = max(best, times_x * x.nbytes / (time.perf_counter() - t0))
+                best = max(best, times_x * x.nbytes / harness.time_it(f, x, repeats=repeats).min)
             del x
         per_device[str(device)] = best
     kind = devices[0].device_kind
@@ -257,21 +244,18 @@ def bench_prefill(a, model, policy, peak):
         compiler_options=jc.COMPILER_OPTIONS,
     )
     tokens = [jax.random.randint(jax.random.key(i), (1, segment), 0, model.config.vocab_size) for i in range(4)]
-    t0 = time.perf_counter()
-    compiled = run.lower(model, state, tokens[0]).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s = harness.time_once(lambda: run.lower(model, state, tokens[0]).compile())
     # one untimed segment first: a mesh's first call also sets up its collectives (about 1 s on four H100s)
-    block(compiled(model, state, tokens[0]))
+    jax.block_until_ready(compiled(model, state, tokens[0]))
     state = model.init_cache(policy, 1)
     marks, rows = set(a.prefill_marks), []
-    t0 = time.perf_counter()
+    since_start = harness.Stopwatch()
     done = 0
     while done < max(marks):
         state, _ = compiled(model, state, tokens[(done // segment) % 4])
         done += segment
         if done in marks:
-            block(state)
-            elapsed = time.perf_counter() - t0
+            elapsed = since_start.elapsed(state)
             keys = min(done, policy.layout().capacity) + policy.stride / 2  # average keys per query
             rows.append(
                 dict(
@@ -320,13 +304,7 @@ def delta_rule_ms(model, tokens: int) -> float:
             eps=cfg.rms_norm_eps,
         )
     )
-    block(run(w, x, state))
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        block(run(w, x, state))
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[5] * 1e3
+    return harness.time_it(run, w, x, state, repeats=10).median * 1e3
 
 
 def is_cache(x) -> bool:
@@ -436,16 +414,15 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
     run = jax.jit(step, donate_argnums=1, compiler_options=jc.COMPILER_OPTIONS)
     # made on the devices: over --processes, an array one process made on its own device cannot enter the program
     last = jax.jit(lambda: placed(jnp.zeros((batch,), jnp.int32)))()
-    t0 = time.perf_counter()
-    compiled = run.lower(model, state, last).compile()
-    compile_s = time.perf_counter() - t0
-    state, last = compiled(model, state, last)
-    block(last)
-    t0 = time.perf_counter()
-    for _ in range(a.decode_steps):
+    compiled, compile_s = harness.time_once(lambda: run.lower(model, state, last).compile())
+
+    def step():  # the state is donated: each step decodes on from the last one's
+        nonlocal state, last
         state, last = compiled(model, state, last)
-    block(last)
-    per_step = (time.perf_counter() - t0) / a.decode_steps
+        return last
+
+    # one untimed step, then the steps queued back to back, timed until the last one's token is out
+    per_step = harness.time_it(step, repeats=1, calls=a.decode_steps).median
     roofline = (held["weights_read"] + held["kv"]) / bandwidth
     row = dict(
         ms_per_step=per_step * 1e3,
@@ -470,7 +447,7 @@ def profiled(call, layers: int, step_ms: float) -> dict:
     by kind (decode_breakdown.py)}, or {"breakdown_error": why there is none}; the table is printed."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
-            block(call())
+            jax.block_until_ready(call())
         try:
             found = dict(
                 breakdown=decode_breakdown.breakdown(decode_breakdown.kernels_of_trace(trace_dir), layers, step_ms)
@@ -626,9 +603,6 @@ def main():
     peak *= 1 if mesh is None else mesh.size  # the MFU is of all the devices
     result = dict(
         benchmark="model",
-        device=device.device_kind,
-        jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d"),
         shape=a.shape,
         backend=model.kernels.backend,
         mesh=dict(zip(("data", "model"), a.mesh)),
@@ -638,7 +612,6 @@ def main():
         bandwidth=measured,
     )
     out = pathlib.Path(a.out or f"benchmarks/results/model-{device.device_kind.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     print(
         f"{device.device_kind}: bf16 matmul {peak / 1e12:.0f} TFLOP/s, memory {bandwidth / 1e12:.2f} TB/s (the "
         f"slowest of {len(measured['per_device'])} device(s), best of copies and reads)",

@@ -9,11 +9,10 @@ decoder reads them; kernel time from the JAX profiler, so launch gaps are not co
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import tempfile
 
 import decode_breakdown
+import harness
 import jax
 import jax.numpy as jnp
 from bench_model import LLAMA31_8B
@@ -74,15 +73,8 @@ def main():
                 flush=True,
             )
     if a.out:
-        out = pathlib.Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                dict(benchmark="bench_products", device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows),
-                indent=1,
-            )
-        )
-        print(f"wrote {out}")
+        harness.write_json(a.out, dict(benchmark="bench_products", rows=rows))
+        print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

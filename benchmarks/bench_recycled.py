@@ -18,12 +18,10 @@ the 50.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import statistics
-import time
 import warnings
 
+import harness
 import jax
 import jax.numpy as jnp
 from bench_model import LLAMA31_8B, TINY
@@ -61,25 +59,30 @@ def bench_decode(model, policy, prompt_state, first, batch: int, steps: int, rep
     """Times of `steps - 1` decode steps, then one more, from `batch` copies of the prompt's cache, repeated."""
     state = jax.jit(lambda s: jax.tree.map(lambda x: jnp.repeat(x, batch, axis=1), s))(prompt_state)
     last = jnp.repeat(first, batch)
-    t0 = time.perf_counter()
-    blocks = [decode_block(policy, n).lower(model, state, last).compile() for n in (steps - 1, 1)]
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats + 1):  # the first period warms up
-        period = []
-        for block in blocks:
-            t0 = time.perf_counter()
-            state, last = jax.block_until_ready(block(model, state, last))
-            period.append(time.perf_counter() - t0)
-        times.append(period)
+    blocks, compile_s = harness.time_once(
+        lambda state, last: [decode_block(policy, n).lower(model, state, last).compile() for n in (steps - 1, 1)],
+        state,
+        last,
+    )
+
+    def phase(block):  # the state is donated: each block decodes on from the last one's
+        def run():
+            nonlocal state, last
+            state, last = block(model, state, last)
+            return state, last
+
+        return run
+
+    # a period is both blocks in turn; the first period warms up
+    timings = harness.time_phases([phase(block) for block in blocks], warmup=1, repeats=repeats)
     cache_bytes = 2 * state.k.nbytes
     del state
-    first_steps, last_step = (statistics.median(t[i] for t in times[1:]) for i in (0, 1))
+    first_steps, last_step = (t.median for t in timings)
     return dict(
         spec=jc.policies.spec(policy),
         batch=batch,
         compile_s=compile_s,
-        period_s=times[1:],
+        period_s=[list(period) for period in zip(*(t.seconds for t in timings))],
         ms_per_step=1e3 * first_steps / (steps - 1),
         last_step_ms=1e3 * last_step,
         mean_ms_per_step=1e3 * (first_steps + last_step) / steps,
@@ -107,17 +110,8 @@ def main():
     device = jax.devices()[0]
     model = CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16)
     prompt = jax.random.randint(jax.random.key(1), (1, prompt_len), 0, cfg.vocab_size)
-    result = dict(
-        benchmark="recycled",
-        device=device.device_kind,
-        jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d"),
-        prompt_tokens=prompt_len,
-        steps_per_block=steps,
-        rows=[],
-    )
+    result = dict(benchmark="recycled", prompt_tokens=prompt_len, steps_per_block=steps, rows=[])
     out = pathlib.Path(a.out or f"benchmarks/results/recycled-{device.device_kind.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     for name, policy in policies.items():
         prompt_state, first = prompt_cache(model, policy, prompt, room=steps * (a.repeats + 1))
         for batch in map(int, a.batches.split(",")):
@@ -128,7 +122,7 @@ def main():
                 f"(compile {row['compile_s']:.0f} s)",
                 flush=True,
             )
-            out.write_text(json.dumps(result, indent=2))
+            harness.write_json(out, result)
     print(
         f"\n{device.device_kind}, prompt {prompt_len}: batch, policy, ms/step of steps 1-{steps - 1} and speed-up "
         f"vs Full, ms of step {steps}, mean ms/step over the {steps} and speed-up, cache GB"

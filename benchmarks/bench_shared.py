@@ -18,26 +18,14 @@ registers), timed beside the bf16 one and compared with the replicated bf16 outp
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import statistics
-import time
 import warnings
 
+import harness
 import jax
 import jax.numpy as jnp
 
 import jcascade as jc
-
-
-def median_ms(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def full_cache(k, v, own_k, own_v):
@@ -105,18 +93,8 @@ def main():
     )
     replicated_fn = jax.jit(lambda state, q, k1, v1: jc.attend(policy, state, q, k1, v1, None, rope)[0])
     device = jax.devices()[0]
-    result = dict(
-        benchmark="shared_prefix",
-        device=device.device_kind,
-        jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d"),
-        prefix_tokens=S,
-        own_tokens=own,
-        heads=[Hq, H, D],
-        rows=[],
-    )
+    result = dict(benchmark="shared_prefix", prefix_tokens=S, own_tokens=own, heads=[Hq, H, D], rows=[])
     out = pathlib.Path(a.out or f"benchmarks/results/shared-{device.device_kind.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     for B in batches:
         ks = jax.random.split(jax.random.key(B), 5)
         own_k = jax.random.normal(ks[0], (B, H, own, D), dtype)
@@ -128,12 +106,12 @@ def main():
         shared = {}
         for fmt, prefix in prefixes.items():
             shared[fmt] = (
-                median_ms(shared_fn, (own_state, q, k1, v1, prefix), a.iters),
+                1e3 * harness.time_it(shared_fn, own_state, q, k1, v1, prefix, repeats=a.iters).median,
                 shared_fn(own_state, q, k1, v1, prefix),
             )
         del own_state
         flat = jax.jit(full_cache)(k, v, own_k, own_v)
-        replicated_ms = median_ms(replicated_fn, (flat, q, k1, v1), a.iters)
+        replicated_ms = 1e3 * harness.time_it(replicated_fn, flat, q, k1, v1, repeats=a.iters).median
         want = replicated_fn(flat, q, k1, v1)
         del flat
         for fmt, (shared_ms, got) in shared.items():
@@ -151,7 +129,7 @@ def main():
                 f"   batch {B}, prefix {fmt}: shared {shared_ms:.3f} ms, replicated bf16 {replicated_ms:.3f} ms",
                 flush=True,
             )
-        out.write_text(json.dumps(result, indent=2))
+        harness.write_json(out, result)
     print(
         f"\n{device.device_kind}, {S}-token shared prefix + {own} own tokens, one decode step of one layer: "
         "batch, prefix format, shared ms, replicated bf16 ms, speed-up, max |difference| from it"

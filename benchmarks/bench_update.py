@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
-import statistics
-import time
 import warnings
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,15 +49,14 @@ def time_update(policy, args, rng) -> dict:
             chunk=jnp.asarray(rng.random((B, H, T), np.float32) * 1e-4),
         )
     update = jax.jit(jc.update, static_argnums=0, donate_argnums=1)
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(update(policy, state, k, v, scores))
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(args.warmup + args.iters):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(update(policy, state, k, v, scores))
-        times.append(time.perf_counter() - t0)
-    ms = statistics.median(times[args.warmup :]) * 1e3
+    state, compile_s = harness.time_once(update, policy, state, k, v, scores)
+
+    def step():  # the state is donated: each call updates the last one's
+        nonlocal state
+        state = update(policy, state, k, v, scores)
+        return state
+
+    ms = harness.time_it(step, warmup=args.warmup, repeats=args.iters).median * 1e3
     return dict(
         policy=jc.policies.spec(policy),
         ms_per_call=ms,
@@ -91,18 +88,8 @@ def main():
     ]
     device = jax.devices()[0]
     rows = [time_update(policy, args, rng) for policy in policies]
-    result = dict(
-        benchmark="update",
-        device=device.device_kind,
-        platform=device.platform,
-        jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d"),
-        args=vars(args),
-        rows=rows,
-    )
     out = pathlib.Path(args.out or f"benchmarks/results/update-{device.platform}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    harness.write_json(out, dict(benchmark="update", platform=device.platform, args=vars(args), rows=rows))
     print(
         f"update: {args.chunk}-token chunk into a full {args.cache_size}+{args.sinks} cache, "
         f"B={args.batch}, {args.kv_heads}x{args.head_dim} {args.dtype}, {device.device_kind}"
@@ -110,7 +97,7 @@ def main():
     print(f"{'policy':<18}{'ms/call':>10}{'Mtok/s':>10}{'compile s':>11}")
     for r in rows:
         print(
-            f"{r['policy'].split('(')[0]:<18}{r['ms_per_call']:>10.3f}"
+            f"{r['policy'].split(':')[0]:<18}{r['ms_per_call']:>10.3f}"
             f"{r['tokens_per_s'] / 1e6:>10.3f}{r['compile_s']:>11.2f}"
         )
     print(f"wrote {out}")

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import sys
-import time
 
 import check_kernels_gpu as check
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,16 +32,6 @@ CONFIGS = {
     "adopted (triton.WIDE)": pk.triton.WIDE,
 }
 CASES = (("decode", 1, 1, 16448), ("decode", 16, 1, 16448), ("chunk", 1, 4096, 4160))
-
-
-def median_ms(f, x) -> tuple[object, float]:
-    out = jax.block_until_ready(f(x))
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return out, sorted(times)[5] * 1e3
 
 
 def main():
@@ -87,7 +76,9 @@ def main():
 
             row = dict(case=case, batch=B, T=T, S=S, config=name)
             try:
-                out, row["ms"] = median_ms(jax.jit(run), x)
+                f = jax.jit(run)
+                out = jax.block_until_ready(f(x))  # compiled here: a config the compiler rejects raises
+                row["ms"] = harness.time_it(f, x, warmup=0, repeats=10).median * 1e3
             except jax.errors.JaxRuntimeError as e:
                 row["error"] = str(e).splitlines()[0][:200]
             else:
@@ -104,12 +95,7 @@ def main():
             )
     device = jax.devices()[0].device_kind
     out = pathlib.Path(a.out or f"benchmarks/results/triton-wide-heads-{device.replace(' ', '_')}.json")
-    out.write_text(
-        json.dumps(
-            dict(benchmark="wide_heads", device=device, jax=jax.__version__, date=time.strftime("%Y-%m-%d"), rows=rows),
-            indent=1,
-        )
-    )
+    harness.write_json(out, dict(benchmark="wide_heads", rows=rows))
     print(f"wrote {out}")
 
 

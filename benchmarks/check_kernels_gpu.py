@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import sys
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -259,10 +259,7 @@ def main():
             f"{r['lse']:9.2e} {r['inc_cache']:9.2e} {r['inc_chunk']:9.2e}  {r['ok']}"
         )
     out = pathlib.Path(a.out or f"benchmarks/results/check-kernels-{device.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(dict(device=device, jax=jax.__version__, shape=a.shape, tolerance=TOLERANCE, rows=rows), indent=2)
-    )
+    harness.write_json(out, dict(benchmark="check_kernels_gpu", shape=a.shape, tolerance=TOLERANCE, rows=rows))
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
 

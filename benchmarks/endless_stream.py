@@ -12,10 +12,8 @@ JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
-import time
 
 import jax
 import numpy as np
@@ -23,8 +21,10 @@ import numpy as np
 import jcascade as jc
 from jcascade.eval import perplexity
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-import tiny  # noqa: E402  (the tests' tiny random Llama, importable once tests/ is on the path)
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # also when loaded as a module (tests/test_stream.py)
+import harness  # noqa: E402  (the benchmarks' harness and the tests' tiny random Llama, importable once on the path)
+import tiny  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -51,9 +51,7 @@ def run(num_tokens: int, policy, samples: int = 20, warmup: float = 0.1, seed: i
         done[0] += 1
 
     compiled = perplexity.step_compilations()
-    start = time.perf_counter()
-    logps = perplexity.stream(model, policy, tokens, progress=progress)
-    seconds = time.perf_counter() - start
+    logps, seconds = harness.time_once(lambda: perplexity.stream(model, policy, tokens, progress=progress))
     return {
         "tokens": num_tokens,
         "policy": jc.policies.spec(policy),
@@ -64,7 +62,6 @@ def run(num_tokens: int, policy, samples: int = 20, warmup: float = 0.1, seed: i
         "rss_mib": rss,
         "rss_growth": float(np.median(rss[-len(rss) // 3 :]) / np.median(rss[: len(rss) // 3]) - 1),
         "live_arrays": live,
-        "jax": jax.__version__,
     }
 
 
@@ -85,12 +82,12 @@ def main() -> None:
     )
     for r in rows:
         print(
-            f"{r['policy'].split('(')[0]:<10}{r['tokens']:>9}{r['tokens_per_s']:>8.0f}{r['compilations']:>9}"
+            f"{r['policy'].split(':')[0]:<10}{r['tokens']:>9}{r['tokens_per_s']:>8.0f}{r['compilations']:>9}"
             f"{r['non_finite']:>11}{min(r['rss_mib']):>7.0f}-{max(r['rss_mib']):<5.0f}{100 * r['rss_growth']:>7.1f}%"
             f"{min(r['live_arrays']):>6}-{max(r['live_arrays'])}"
         )
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
+        harness.write_json(args.out, dict(benchmark="endless_stream", rows=rows))
 
 
 if __name__ == "__main__":

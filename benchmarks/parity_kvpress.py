@@ -35,7 +35,8 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
+
+import harness
 
 KVPRESS = "kvpress==0.5.5"
 METHODS = ("streamingllm", "snapkv", "pyramidkv", "knorm", "tova", "expectedattention", "adakv", "kvzip")
@@ -175,7 +176,7 @@ def main():
         generator = ruler.Generator(tokenizer, texts.load_book(a.book))
         prompts = [generator.sample(task, a.length, 0).prompt.tolist() for task in a.tasks.split(",")]
         (pathlib.Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
-        start = time.perf_counter()
+        since_start = harness.Stopwatch()
         subprocess.run(
             [
                 str(python),
@@ -189,7 +190,7 @@ def main():
             check=True,
         )
         theirs = json.loads((pathlib.Path(tmp) / "kvpress.json").read_text())
-        print(f"kvpress side: {time.perf_counter() - start:.0f} s")
+        print(f"kvpress side: {since_start.elapsed():.0f} s")
     rows, detail = [], {}
     for method in METHODS:
         overlaps, identical = [], []
@@ -203,23 +204,19 @@ def main():
         detail[method] = overlaps
         rows.append((method, float(np.mean(overlaps)), float(np.mean(identical)), len(overlaps)))
     out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "parity_kvpress",
-                "kvpress": KVPRESS,
-                "date": time.strftime("%Y-%m-%d"),
-                "model": spec.name,
-                "length": a.length,
-                "tasks": a.tasks,
-                "compression": a.compression,
-                "prompt_tokens": [len(ids) for ids in prompts],
-                "rows": [dict(zip(("method", "overlap", "identical", "sets"), r)) for r in rows],
-                "overlaps": detail,
-            },
-            indent=1,
-        )
+    harness.write_json(
+        out,
+        {
+            "benchmark": "parity_kvpress",
+            "kvpress": KVPRESS,
+            "model": spec.name,
+            "length": a.length,
+            "tasks": a.tasks,
+            "compression": a.compression,
+            "prompt_tokens": [len(ids) for ids in prompts],
+            "rows": [dict(zip(("method", "overlap", "identical", "sets"), r)) for r in rows],
+            "overlaps": detail,
+        },
     )
     print(f"\n{'method':<18} {'overlap':>8} {'identical':>10} {'sets':>6}")
     for method, overlap, same, n in rows:

@@ -15,21 +15,20 @@ token ids; the model defaults to the packaged SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import statistics
 import tempfile
 import time
 
 import decode_breakdown
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jcascade.models import sharding
 
 import jcascade as jc
-from jcascade.cli import count
+from jcascade.cli.options import count
 
 
 def sizes(text: str) -> list[int]:
@@ -101,14 +100,11 @@ def main():
         raise SystemExit(f"--data: {max(a.data)} devices asked for, {jax.device_count()} present")
     path = pathlib.Path(a.model) if a.model else jc.models.fetch(jc.models.SMOLLM2_135M_INSTRUCT)
     rng = np.random.default_rng(0)
-    vocab = min(40000, jc.models.read_config(path).vocab_size)  # ordinary ids (the runs in RESULTS.md drew these)
+    vocab = min(40000, jc.models.read_config(path).vocab_size)  # ordinary ids (as docs/results' runs drew)
     prompts = rng.integers(100, vocab, size=(a.rows, a.length)).astype(np.int32)
     lengths = a.length - rng.integers(0, 200, size=a.rows).astype(np.int32)
     result = dict(
         benchmark="profile_data_parallel",
-        device=jax.devices()[0].device_kind,
-        jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d"),
         model=path.name,
         length=a.length,
         rows_per_device=a.rows,
@@ -129,14 +125,10 @@ def main():
             first = np.asarray(call())  # compiles
             if a.barrier:
                 barrier(a.barrier, f"{name}-{data}")
-            times = []
-            for _ in range(a.calls):
-                t0 = time.perf_counter()
-                np.asarray(call())
-                times.append(time.perf_counter() - t0)
+            timing = harness.time_it(call, warmup=0, repeats=a.calls)
             run = result["runs"][f"{name} data={data}"] = dict(
-                call_ms=statistics.median(times) * 1e3,
-                times_ms=[t * 1e3 for t in times],
+                call_ms=timing.median * 1e3,
+                times_ms=[t * 1e3 for t in timing.seconds],
                 outputs_equal_across_devices=bool((first.reshape(data, a.rows, -1) == first[: a.rows]).all()),
             )
             if not a.no_profile:
@@ -151,8 +143,7 @@ def main():
             print(rows[-1], flush=True)
             del model
             if a.out:  # after each run: a run stopped later keeps what it measured
-                pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-                pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
+                harness.write_json(a.out, result)
     print(
         f"\npolicy, data, call ms (median of {a.calls}), first device under the profiler: kernels, kernel ms, "
         f"busy ms, idle ms; every device's idle ms ({path.name}, {a.rows} rows x {a.length} per device, "

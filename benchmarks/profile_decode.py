@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import sys
-import time
 
 import bench_kernels
+import harness
 import jax
 
 import jcascade as jc
@@ -35,9 +34,9 @@ def main():
     policy = jc.Cascade(cache_size=16384, sinks=64, num_cascades=4)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
     x = bench_kernels.decode_inputs(policy, a.batch, LAYERS)
-    loop = lambda weights, r: bench_kernels.decode_loop(x, weights, r, LAYERS, calls, "pallas")
+    loop = lambda weights, r: bench_kernels.decode_loop(x, weights, r, LAYERS, calls, jc.Kernels.default())
     variants = dict(full=loop(x["weights"], rope), no_scores=loop(None, rope), no_rope=loop(x["weights"], None))
-    for f in variants.values():
+    for f in variants.values():  # compiled before anything is timed or profiled
         jax.block_until_ready(f(x["stack_k"], x["stack_v"]))
     if a.ncu:
         cuda = ctypes.CDLL("libcuda.so.1")
@@ -46,12 +45,8 @@ def main():
         cuda.cuProfilerStop()
         return
     for name, f in variants.items():
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x["stack_k"], x["stack_v"]))
-            times.append(time.perf_counter() - t0)
-        print(f"batch {a.batch} {name}: {statistics.median(times) / calls * 1e6:.1f} us/call")
+        seconds = harness.time_it(f, x["stack_k"], x["stack_v"], warmup=0).median
+        print(f"batch {a.batch} {name}: {seconds / calls * 1e6:.1f} us/call")
 
 
 if __name__ == "__main__":

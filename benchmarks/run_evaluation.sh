@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long-context evaluation of benchmarks/RESULTS.md ("Evaluation with intervals") on a GPU machine:
+# The long-context evaluation of docs/results/accuracy.md (passkey and perplexity) on a GPU machine:
 # passkey (words and repeat fillers) and streaming perplexity, Sink vs Cascade (4 and 8 cascades) vs Full,
 # through the `jcascade` command. Usage: benchmarks/run_evaluation.sh MODEL_DIR OUT_DIR JOB...
 # Jobs: passkey-CACHE-FILLER (Sink, Cascade x4, Cascade x8 at 4K-64K with --retention), full-FILLER

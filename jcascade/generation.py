@@ -493,7 +493,7 @@ def generate(
     that evicts while tokens stream (Cascade, Sink, H2O, ...) evicts only inside the context. Memory: the
     compressed context (once for a [1, C] context, B times for [B, C]) plus B caches of S + max_new_tokens
     slots (question plus new tokens bound a row's own cache). Needs a `shareable` policy (not Recycled), a model
-    without sliding layers (not Gemma 3), and no num_samples.
+    without sliding or linear layers (not Gemma 3 and 4, Qwen3.5: `check_sharing`), and no num_samples.
     """
     max_new_tokens = _number("max_new_tokens", max_new_tokens, numbers.Integral, "a positive int", lambda n: n >= 1)
     temperature = _number(

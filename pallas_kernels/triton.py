@@ -52,8 +52,8 @@ class TritonConfig:
     num_warps: int = 4
     num_stages: int = 2
     decode_num_warps: int = 4
-    decode_num_stages: int = 3  # H200: 0.49 / 0.97 of the copy bandwidth at batch 1 / 32 (RESULTS.md, kernels d)
-    decode_heads_first: bool = True  # decode grid (head, split, row), not (row, head, split): RESULTS.md, kernels d
+    decode_num_stages: int = 3  # H200: 0.49 / 0.97 of the copy bandwidth at batch 1 / 32 (git history: RESULTS.md)
+    decode_heads_first: bool = True  # decode grid (head, split, row), not (row, head, split): git history, RESULTS.md
 
     def __post_init__(self):
         check_fields(
@@ -497,7 +497,7 @@ def _int8_to_f32(codes):
     """int8 codes -> exact float32 by an integer add and a float subtraction instead of int-to-float conversions,
     which issue at a quarter of the float rate on Hopper, on the unit the fused RoPE's sines and cosines use
     (int8 decode at batch 32 over 16K + 64 slots, H100: 0.71 ms against 0.76 ms; the same bit moves for float8
-    codes took 1.09 ms against its hardware conversion's 0.77: benchmarks/RESULTS.md)."""
+    codes took 1.09 ms against its hardware conversion's 0.77: docs/results/quantized.md)."""
     return lax.bitcast_convert_type(codes.astype(jnp.int32) + MAGIC, F32) - float(1.5 * 2**23)
 
 
@@ -958,7 +958,7 @@ def chunk_attention(
 
 # Tiles for heads wider than WIDE_HEAD_DIM (Gemma 4's global layers: 512), where the default ones ask for more shared
 # memory than a Hopper GPU has (283 KB of 227 KB, H100). Measured on an H100 at 8 query / 4 KV heads of 512
-# (benchmarks/bench_wide_heads.py, RESULTS.md "Qwen3.5 and Gemma 4"): decode over 16K + 64 slots 0.40 / 2.26 ms at
+# (benchmarks/bench_wide_heads.py, docs/results/kernels.md): decode over 16K + 64 slots 0.40 / 2.26 ms at
 # batch 1 / 16 (the XLA reference: 0.47 / 3.30 ms; 4 decode warps spill at batch 16: 10.8 ms), a 4096-token chunk
 # 4.4 ms (XLA: 14.9 ms).
 WIDE_HEAD_DIM = 256

@@ -1,11 +1,14 @@
 """The README and docs/*.md as a reader uses them: every Python block runs as written (doc_blocks.py: a page's
 blocks in order, in one namespace, from an empty folder), every `jcascade` command line of a bash block parses,
 and every list marked `<!-- list: NAME -->` ... `<!-- end list -->` (policies, RULER tasks, packaged models,
-commands, architectures) names exactly what the code has."""
+commands, architectures) names exactly what the code has. The results book (docs/results/*.md, where every measured
+figure lives and the other pages link to): its links and anchors hold, and the JSON its tables and commands name
+exists (no XLA work: the tables themselves are `benchmarks/eval_tables.py`'s)."""
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import shlex
@@ -13,7 +16,7 @@ import traceback
 
 import doc_blocks
 import pytest
-from doc_blocks import PAGES, ROOT, python_blocks
+from doc_blocks import BOOK, PAGES, ROOT, python_blocks
 
 
 def sessions() -> list:
@@ -149,3 +152,54 @@ def test_the_command_lines_of_the_pages_parse(capsys):
                 parser.parse_args(shlex.split(line, comments=True)[1:])
             except SystemExit:
                 pytest.fail(f"{page}: {line!r} does not parse: {capsys.readouterr().err}")
+
+
+# ---- the results book ---------------------------------------------------------------------------------------
+
+
+def test_the_results_books_links_and_anchors_hold():
+    """Every relative link of docs/results/*.md names a file or folder (figures included), and its #anchor a heading
+    of the page it names; the book's README links each of its pages. (README.md and docs/*.md, which link into the
+    book: tests/test_package.py.)"""
+    pages = {page.name for page in BOOK}
+    assert {"README.md", "accuracy.md", "ruler.md", "decode.md", "multi-gpu.md"} <= pages
+    broken = [link for page in BOOK for link in doc_blocks.broken_links(page)]
+    assert not broken, f"links to files or headings that do not exist: {broken}"
+    contents = {target.partition("#")[0] for target in doc_blocks.links(ROOT / "docs" / "results" / "README.md")}
+    assert pages - {"README.md"} <= contents, f"pages the book's README does not link: {pages - contents}"
+
+
+def test_the_results_book_names_json_that_exists():
+    """Each file a results page names, as its tables' JSON column or in the command that prints a table
+    (`python benchmarks/eval_tables.py ... benchmarks/results/dir/{a,b}.json`), is in benchmarks/results/: a result
+    the book cites is not deleted from under it."""
+    named = {(page.name, name): patterns for page in BOOK for name, patterns in doc_blocks.named_files(page).items()}
+    assert len(named) > 100
+    missing = sorted(
+        f"{page}: {name}"
+        for (page, name), patterns in named.items()
+        if not any(glob.glob(pattern, root_dir=ROOT) for pattern in patterns)
+    )
+    assert not missing, f"files the results book names that do not exist: {missing}"
+
+
+def test_the_helpers_read_links_braces_and_json_columns(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A page\n\n## Two GPUs: `x --mesh model=2` (4K)\n\n```bash\n# Not a heading\n"
+        "python benchmarks/eval_tables.py decode benchmarks/results/d/{a,b}-{1,2}.json \\\n"
+        "    benchmarks/results/*.gz\n"
+        "```\n\n| JSON | GPU |\n|---|---|\n| `d/c` | H100 |\n\n[x](#a-page), [y](page.md#nowhere), [z](https://e.org)\n"
+    )
+    assert doc_blocks.anchors(page) == {"a-page", "two-gpus-x---mesh-model2-4k"}
+    assert doc_blocks.links(page) == ["#a-page", "page.md#nowhere"]
+    assert [b.rpartition(": ")[2] for b in doc_blocks.broken_links(page)] == ["page.md#nowhere"]
+    assert list(doc_blocks.named_files(page)) == [
+        "benchmarks/eval_tables.py",
+        "benchmarks/results/d/a-1.json",
+        "benchmarks/results/d/a-2.json",
+        "benchmarks/results/d/b-1.json",
+        "benchmarks/results/d/b-2.json",
+        "benchmarks/results/*.gz",
+        "d/c",
+    ]

@@ -1,11 +1,11 @@
 """The main job (`jcascade compare`): passkey retrieval under Sink and Cascade caches of the same size, with
-settings per machine, chosen by measurement (benchmarks/RESULTS.md, "The main job")."""
+settings per machine, chosen by measurement (docs/results/main-job.md)."""
 
 from __future__ import annotations
 
 import jcascade as jc
 
-PAIR = dict(cache_size=512, sinks=64, cascades=4, stride=256)  # the default policies of passkey / perplexity
+PAIR = dict(cache_size=512, sinks=64, cascades=4, stride=256)  # the default pair of passkey, perplexity, attention-map
 SETTINGS = {
     "cpu": dict(
         cache_size=384, sinks=64, cascades=2, stride=192, min_length=768, max_length=768, samples=24, filler="repeat"

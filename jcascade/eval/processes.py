@@ -1,6 +1,6 @@
-"""Rows over processes of one device each, on one host (`jcascade ruler --processes N`): `launch` starts N copies
-of a command, each of which calls `join` first to become process i of a `jax.distributed` group on localhost,
-with device i alone (GPU i; on the CPU, each process's own CPU devices).
+"""Rows over processes of one device each, on one host (`jcascade ruler | passkey | compare --processes N`):
+`launch` starts N copies of a command, each of which calls `join` first to become process i of a
+`jax.distributed` group on localhost, with device i alone (GPU i; on the CPU, each process's own CPU devices).
 
 Each process holds the whole model on its device and computes its share of every batch's rows (`mine`, in
 order: process i the i-th of N equal parts), with no collective inside the computation: each decodes until its
@@ -9,7 +9,7 @@ every row (`gather_batches`, one collective for all batches since the last: at a
 each process runs its batches at its own pace, not waiting at every batch for the process whose rows decode the
 longest. RULER's prompts are built once, a share in each process, and exchanged (`built_once`). A row's result
 does not depend on the other rows of its call, so the results are one device's
-(tests/eval/test_processes.py on the CPU; identical RULER outputs on four GPUs, benchmarks/RESULTS.md). Process 0
+(tests/eval/test_processes.py on the CPU; identical RULER outputs on four GPUs, docs/results/multi-gpu.md). Process 0
 keeps the terminal and writes the results and checkpoints; the others print nothing unless they fail.
 
 Why: one process driving four GPUs loses a tenth to a third of data parallelism's throughput, likely to the host

@@ -1,7 +1,7 @@
 """Running an evaluation as the `jcascade` command does, for scripts and notebooks: the model (`load`), the
 work under a progress bar with resumable checkpoints (`run`; `identity` for what determines its results),
 and the results written as JSON and figures (`write`). The evaluations themselves are `passkey`,
-`perplexity` and `attention_map`; `report` shapes their results."""
+`ruler`, `perplexity` and `attention_map`; `report` shapes their results."""
 
 from __future__ import annotations
 

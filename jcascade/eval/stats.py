@@ -2,8 +2,9 @@
 keep it from overclaiming.
 
 A unit is what can be treated as independent: a passkey trial (its 5 digits are correlated, so digits are
-never resampled on their own) or a block of consecutive tokens of a book (neighbouring tokens'
-log-likelihoods are correlated over distances far below a block). Estimates are (weighted) means over units,
+never resampled on their own), a RULER prompt (its score the fraction of its expected strings found), or a block
+of consecutive tokens of a book (neighbouring tokens' log-likelihoods are correlated over distances far below a
+block). Estimates are (weighted) means over units,
 optionally passed through a transform (perplexity = exp(mean NLL)). Paired differences redraw the same units
 for both sides, which is what makes a difference between two policies on the same prompts measurable.
 
@@ -11,9 +12,9 @@ The rules, each chosen so that an interval can only be wider than the plain boot
 
 - **Too few units.** With fewer than `MIN_UNITS` units there is no interval (NaN bounds) and no verdict: a
   percentile bootstrap of 2-4 values is far too narrow (with 2 units it has 3 possible replicate means).
-- **Strata.** Units may carry a stratum (a passkey context length and depth bucket, a book). Redrawing
-  within strata keeps the design's balance and removes the variation between strata, but a stratum of n_h
-  units contributes only (n_h - 1) / n_h of its variance, none at all with one unit, and a stratum whose
+- **Strata.** Units may carry a stratum (a passkey context length and depth bucket, a RULER task and length, a
+  book). Redrawing within strata keeps the design's balance and removes the variation between strata, but a
+  stratum of n_h units contributes only (n_h - 1) / n_h of its variance, none at all with one unit, and a stratum whose
   units happen to agree (5 trials all right) contributes none either, though its true variance is not zero.
   So strata are honoured only when every stratum holds at least `MIN_STRATUM` units and every stratum's
   units vary (for a paired difference: their differences); otherwise all units are pooled into one stratum

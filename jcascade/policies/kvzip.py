@@ -41,8 +41,9 @@ class KVzip(ScorerPolicy):
     cache of `budget` + decoding slots). "global" (labelled "KVzip"; kvpress's default, the paper's, the command
     line's `kvzip`): each row keeps the budget x layers x KV heads best tokens of the whole model, so layers and
     heads keep different counts; the cache then stays allocated at the prompt's length (`jc.cache_occupancy`:
-    resident vs allocated), as kvpress masks rather than frees. Positions are the original ones. Models with
-    sliding-window layers (Gemma 3) are refused, as kvpress refuses them.
+    resident vs allocated), as kvpress masks rather than frees. Positions are the original ones. On models with
+    sliding or linear layers (Gemma 3 and 4, Qwen3.5), which kvpress refuses, the pass scores the global layers'
+    cache (`after_prompt`).
     """
 
     instruction: TokenIds = dataclasses.field(default=(), repr=False)

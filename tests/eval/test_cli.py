@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import jcascade as jc
 from jcascade import cli
+from jcascade.cli import options
 from jcascade.eval import main_job, passkey, report, ruler, runner, stats
 from jcascade.policies import parse_policy, policy_classes, spec
 
@@ -608,7 +609,7 @@ def test_paths_are_refused_before_any_model_time(make, option, message, tmp_path
     assert "jcascade perplexity: error: --book: no such file" in capsys.readouterr().err
 
 
-def _int(least: int, most: int = cli.LARGEST):
+def _int(least: int, most: int = options.LARGEST):
     return lambda v: type(v) is int and least <= v <= most
 
 
@@ -616,7 +617,7 @@ def _float(low: float, high: float, low_open: bool = False):
     return lambda v: type(v) is float and math.isfinite(v) and low <= v <= high and not (low_open and v == low)
 
 
-_COUNT, _SEED = _int(1), _int(0, cli.SEEDS - 1)
+_COUNT, _SEED = _int(1), _int(0, options.SEEDS - 1)
 NUMBERS = [
     ("generate", "--max-new-tokens", _COUNT),
     ("generate", "--temperature", _float(0, math.inf)),
@@ -694,7 +695,7 @@ def test_an_out_of_memory_error_names_the_memory_asked_for_and_what_to_lower(mod
     def out_of_memory(*_, **__):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 29856398512 bytes.")
 
-    monkeypatch.setattr(cli.ruler, "sweep", out_of_memory)
+    monkeypatch.setattr(ruler, "sweep", out_of_memory)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(
             [

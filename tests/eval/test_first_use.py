@@ -12,6 +12,7 @@ import pytest
 
 import jcascade as jc
 from jcascade import cli
+from jcascade.cli import running
 from jcascade.eval import runner
 
 
@@ -32,8 +33,8 @@ def test_the_default_batch_is_what_the_run_needs(prompts, data, most, want):
     """The fewest batches of at most `most` x D rows for a (policy, length)'s prompts, as equal as possible, rounded
     up to a multiple of the mesh's data axis D: a ruler run of 2 prompts is not padded to 8 rows."""
     mesh = None if data == 1 else types.SimpleNamespace(shape={"data": data, "model": 1})
-    assert cli._batch_size(types.SimpleNamespace(batch_size=None), prompts, mesh, most) == want
-    assert cli._batch_size(types.SimpleNamespace(batch_size=6), prompts, mesh, most) == 6
+    assert running.batch_size(types.SimpleNamespace(batch_size=None), prompts, mesh, most) == want
+    assert running.batch_size(types.SimpleNamespace(batch_size=6), prompts, mesh, most) == 6
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import pytest
 import tiny
 
 from jcascade import cli
+from jcascade.cli import running
 from jcascade.eval import processes
 from jcascade.eval.checkpointing import Checkpointing
 
@@ -109,11 +110,11 @@ def test_only_process_0_writes_results_and_checkpoints(monkeypatch, tmp_path):
     args = cli.parse(["ruler", "--out", str(tmp_path / "out")])
     checkpointing = Checkpointing(tmp_path / "checkpoint", 1, {})
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    cli._finish(args, "ruler", {"results": []}, "table", [])
+    running.finish(args, {"results": []}, "table", [])
     checkpointing.save(None, {"results": []})
     assert not (tmp_path / "out" / "ruler.json").exists() and not (tmp_path / "checkpoint").exists()
     monkeypatch.setattr(jax, "process_index", lambda: 0)
-    cli._finish(args, "ruler", {"results": []}, "table", [])
+    running.finish(args, {"results": []}, "table", [])
     checkpointing.save(None, {"results": []})
     assert (tmp_path / "out" / "ruler.json").exists() and (tmp_path / "checkpoint").exists()
 
