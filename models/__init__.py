@@ -1,4 +1,5 @@
-"""Flax Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 models and weight loading (installed as `jcascade.models`)."""
+"""Flax models of every family in `config.ARCHITECTURES` (docs/models.md) and weight loading (installed as
+`jcascade.models`)."""
 
 from jcascade.models.config import ModelConfig
 from jcascade.models.decoder import CausalLM, shard

@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 3 and Gemma 4
-decoders, read from Hugging Face `config.json` files or GGUF metadata."""
+"""Model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 3, Gemma 4,
+SmolLM3 and OLMo 3 decoders, read from Hugging Face `config.json` files or GGUF metadata."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Olmo3ForCausalLM": "olmo3",
 }
 # Layer types: GLOBAL layers hold the user's policy's KV cache, SLIDING ones a window cache of their own (Gemma 3
 # and 4), LINEAR ones (Qwen3.5's Gated DeltaNet) a fixed-size recurrent state.
@@ -27,6 +29,46 @@ GLOBAL, SLIDING, LINEAR = "global", "sliding", "linear"
 
 
 INT32_MAX = 2**31 - 1  # sizes and counts are int32 inside
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyFeatures:
+    """What a family fixes in every model of it (`ModelConfig.features`; the decoder and the weight declarations test
+    these, never a name). The defaults are Llama's."""
+
+    pre_norms: bool = True  # an RMSNorm before the attention and before the MLP
+    post_norms: bool = False  # an RMSNorm after the attention and after the MLP, before each residual add
+    norm_plus_one: bool = False  # norms scale by (1 + w), not w
+    norm_scale_f32: bool = False  # norms multiply by their weight in float32, then cast back
+    embed_scaled: bool = False  # embeddings scaled by sqrt(hidden_size)
+    activation: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh"
+    qk_norm_full: bool = False  # q and k norms (`ModelConfig.qk_norm`) over all heads' features, not each head's
+    value_norm: bool = False  # values RMS-normed (no weight)
+    rope_proportional: bool = False  # a partial RoPE turns the first frequencies of a RoPE of the whole head (else
+    # the first dims turn as a RoPE of their width; `ModelConfig.rope`)
+    global_attention_weights: bool = False  # the global layers' attention weights apart from the sliding ones' (of
+    # their own head_dim and KV heads); k and v only on the layers that keep a cache
+    layer_scalar: bool = False  # each layer's output scaled by a learned scalar
+
+
+# Each family's features (`FamilyFeatures`), where they are not Llama's.
+FAMILY_FEATURES = {
+    "gemma3": FamilyFeatures(
+        post_norms=True, norm_plus_one=True, norm_scale_f32=True, embed_scaled=True, activation="gelu_tanh"
+    ),
+    "gemma4": FamilyFeatures(
+        post_norms=True,
+        norm_scale_f32=True,
+        embed_scaled=True,
+        activation="gelu_tanh",
+        value_norm=True,
+        rope_proportional=True,
+        global_attention_weights=True,
+        layer_scalar=True,
+    ),
+    "qwen3_5": FamilyFeatures(norm_plus_one=True),
+    "olmo3": FamilyFeatures(pre_norms=False, post_norms=True, norm_scale_f32=True, qk_norm_full=True),
+}
 
 
 def required(fields: dict[str, Any], name: str, source, kind: type = int):
@@ -71,7 +113,7 @@ def _layer_names(config: dict[str, Any], source, default: list[str]) -> list[str
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma3" or "gemma4"
+    architecture: str  # the family (a value of ARCHITECTURES): its `features`
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -92,6 +134,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding layers
     query_scale: float | None = None  # attention scale (Gemma 3: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
     partial_rotary_factor: float = 1.0  # the share of a global layer's head dims that rotate (Qwen3.5, Gemma 4)
+    nope_layers: tuple[int, ...] = ()  # global layers whose attention rotates neither q nor k (SmolLM3)
     # Qwen3.5: a sigmoid gate on the attention output; its Gated DeltaNet layers' heads, head dims and kernel
     attention_output_gate: bool = False
     linear_key_heads: int = 0
@@ -156,6 +199,14 @@ class ModelConfig:
                 "linear layers need positive ModelConfig.linear_key_heads, linear_value_heads, "
                 "linear_key_dim, linear_value_dim and linear_conv_kernel"
             )
+        if any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers or self.types[i] != GLOBAL
+            for i in self.nope_layers
+        ) or list(self.nope_layers) != sorted(set(self.nope_layers)):
+            raise ValueError(
+                f"ModelConfig.nope_layers must be increasing indices of global layers (of {self.num_layers}), got "
+                f"{self.nope_layers!r}"
+            )
         if LINEAR in self.layer_types and self.linear_value_heads % self.linear_key_heads:
             raise ValueError(
                 f"linear_value_heads ({self.linear_value_heads}) must be a multiple of linear_key_heads "
@@ -181,31 +232,10 @@ class ModelConfig:
                 f"{self.sliding_window!r} and {self.rope_local_theta!r}"
             )
 
-    # Features of a family's layer, from the translated architecture (the decoder tests these, never a name).
     @property
-    def embed_scaled(self) -> bool:
-        """Embeddings scaled by sqrt(hidden_size) (Gemma 3 and 4)."""
-        return self.architecture in ("gemma3", "gemma4")
-
-    @property
-    def post_norms(self) -> bool:
-        """Norms after attention and after the MLP too, before each residual add (Gemma 3 and 4)."""
-        return self.architecture in ("gemma3", "gemma4")
-
-    @property
-    def activation(self) -> str:
-        """The MLP's gate activation: "gelu_tanh" (Gemma 3 and 4) or "silu"."""
-        return "gelu_tanh" if self.architecture in ("gemma3", "gemma4") else "silu"
-
-    @property
-    def norm_scale_f32(self) -> bool:
-        """Norms that multiply by their weight in float32 before casting back (Gemma 3 and 4)."""
-        return self.architecture in ("gemma3", "gemma4")
-
-    @property
-    def norm_plus_one(self) -> bool:
-        """Norms that scale by (1 + w) (Gemma 3, Qwen3.5) instead of w."""
-        return self.architecture in ("gemma3", "qwen3_5")
+    def features(self) -> FamilyFeatures:
+        """What the family fixes (`FAMILY_FEATURES`; Llama's where it names none)."""
+        return FAMILY_FEATURES.get(self.architecture, FamilyFeatures())
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -246,13 +276,13 @@ class ModelConfig:
 
     @property
     def rope(self) -> RoPE:
-        """The global layers' RoPE. Partial (Qwen3.5): the first `partial_rotary_factor` of the head dims rotate
-        as a RoPE of that width (the decoder moves them into rotate-half pairs, `rotary_permutation`); proportional
-        (Gemma 4): that share of the head's frequencies, the rest 0."""
+        """The global layers' RoPE (`nope_layers` rotate nothing). Partial: the first `partial_rotary_factor` of the
+        head dims rotate as a RoPE of that width (the decoder moves them into rotate-half pairs, `_rotary_order`);
+        with `features.rope_proportional`, that share of the head's frequencies, the rest 0."""
         if self.partial_rotary_factor == 1:
             return RoPE(self.rope_theta, self.rope_scaling)
         head_dim = self.head_size(GLOBAL)
-        if self.architecture == "gemma4":
+        if self.features.rope_proportional:
             return RoPE(
                 self.rope_theta,
                 self.rope_scaling,
@@ -295,39 +325,28 @@ class ModelConfig:
             return cls._gemma4(config, field, source)
         if arch == "qwen3_5":
             return cls._qwen3_5(config, field, source)
+        if arch == "olmo3":
+            return cls._olmo3(config, field, source)
+        smollm3 = arch == "smollm3"  # Llama's layers, some without rotary positions (`_nope_layers`)
         rope_params = dict(config.get("rope_parameters") or {})
-        theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        theta = config.get("rope_theta", rope_params.get("rope_theta", 2e6 if smollm3 else 10000.0))
         scaling = config.get("rope_scaling") or rope_params or None
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type == "llama3":
-            where = f"{source} ({'rope_scaling' if config.get('rope_scaling') else 'rope_parameters'})"
-            scaling = Llama3Scaling(
-                **{
-                    name: required(scaling, name, where, kind)
-                    for name, kind in (
-                        ("factor", float),
-                        ("low_freq_factor", float),
-                        ("high_freq_factor", float),
-                        ("original_max_position_embeddings", int),
-                    )
-                }
-            )
-        elif rope_type == "default":
-            scaling = None
-        else:
-            raise ValueError(f"unsupported rope scaling {rope_type!r} in config.json (supported: llama3)")
+        scaling = _rope_scaling(
+            scaling, f"{source} ({'rope_scaling' if config.get('rope_scaling') else 'rope_parameters'})"
+        )
         if config.get("mlp_bias"):
             raise ValueError("unsupported config.json: mlp_bias=true")
         if config.get("use_sliding_window"):
             raise ValueError("unsupported config.json: use_sliding_window=true")
-        window, positions = config.get("sliding_window"), config.get("max_position_embeddings", 2048)
+        window = config.get("sliding_window")
+        positions = config.get("max_position_embeddings", 32768 if smollm3 else 2048)
         if arch == "mistral" and window is not None and window < positions:
             raise ValueError(
                 f"unsupported config.json: sliding_window={window} < max_position_embeddings={positions} "
                 "(Mistral's sliding-window attention is not implemented; models with "
                 "sliding_window null, such as Mistral-7B v0.2 and later, load)"
             )
-        heads = field("num_attention_heads")
+        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
         attention_bias = bool(config.get("attention_bias", False))
         eos = config.get("eos_token_id")
         return cls(
@@ -335,18 +354,19 @@ class ModelConfig:
             vocab_size=field("vocab_size"),
             hidden_size=field("hidden_size"),
             intermediate_size=field("intermediate_size"),
-            num_layers=field("num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or field("hidden_size") // heads,
             rope_theta=float(theta),
             rope_scaling=scaling,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", smollm3)),
             qkv_bias=arch == "qwen2" or attention_bias,
             o_bias=arch != "qwen2" and attention_bias,
             max_position_embeddings=positions,
             qk_norm=arch == "qwen3",
+            nope_layers=_nope_layers(config, source, layers) if smollm3 else (),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )
@@ -544,6 +564,93 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_eos(config),
         )
+
+    @classmethod
+    def _olmo3(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
+        """OLMo 3's config (model_type olmo3): sliding and full layers by `layer_types` (default: every 4th full),
+        a RoPE per layer type (llama3 scaling on the full ones), and the features of `FAMILY_FEATURES["olmo3"]`."""
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported {source}: hidden_act={config['hidden_act']!r} (supported: 'silu')")
+        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
+        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)
+        names = _layer_names(
+            config, source, ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]
+        )
+        _check_layer_types(names, {"full_attention": GLOBAL, "sliding_attention": SLIDING}, source)
+        per_type = config.get("rope_parameters") or {}  # transformers 5: one entry per layer type
+        theta = config.get("rope_theta", 500000.0)
+        full = per_type.get("full_attention") or {"rope_theta": theta, **(config.get("rope_scaling") or {})}
+        local = per_type.get("sliding_attention") or {"rope_theta": theta}
+        where = f"{source} (rope_parameters.sliding_attention)"
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise ValueError(
+                f"unsupported rope scaling {local.get('rope_type', local.get('type'))!r} of the sliding layers in "
+                f"{where} (supported: default)"
+            )
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            architecture="olmo3",
+            vocab_size=field("vocab_size"),
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads", heads),
+            head_dim=get("head_dim", field("hidden_size") // heads),
+            rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
+            rope_scaling=_rope_scaling(full, f"{source} (rope_parameters.full_attention)"),
+            rms_norm_eps=get("rms_norm_eps", 1e-5, float),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            max_position_embeddings=get("max_position_embeddings", 2048),
+            qk_norm=True,
+            layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
+            sliding_window=get("sliding_window", 4096),
+            rope_local_theta=required(local, "rope_theta", where, float),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_eos(config),
+        )
+
+
+def _rope_scaling(params: dict[str, Any] | None, where: str) -> Llama3Scaling | None:
+    """The `Llama3Scaling` of rope parameters of `rope_type` "llama3", None for "default"; a ValueError for others
+    (`where` names them)."""
+    rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope scaling {rope_type!r} in config.json (supported: llama3)")
+    return Llama3Scaling(
+        **{
+            name: required(params, name, where, kind)
+            for name, kind in (
+                ("factor", float),
+                ("low_freq_factor", float),
+                ("high_freq_factor", float),
+                ("original_max_position_embeddings", int),
+            )
+        }
+    )
+
+
+def _nope_layers(config: dict[str, Any], source, layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary positions: those whose `no_rope_layers` flag is 0 (1: the layer rotates),
+    else every `no_rope_layer_interval`-th (default 4)."""
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = optional(config, "no_rope_layer_interval", source, 4)
+        return tuple(i for i in range(layers) if (i + 1) % interval == 0)
+    if (
+        not isinstance(flags, list)
+        or len(flags) < layers
+        or any(f not in (0, 1) or isinstance(f, float) for f in flags)
+    ):
+        raise ValueError(
+            f"{source}: field 'no_rope_layers' must be a list of a flag per layer ({layers}; 1: the layer uses "
+            f"RoPE, 0: it does not), got {flags!r}"
+        )
+    return tuple(i for i in range(layers) if not flags[i])
 
 
 def _eos(config: dict[str, Any]) -> tuple[int, ...]:

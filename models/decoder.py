@@ -1,12 +1,16 @@
-"""The Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 decoder as a Flax NNX module, attention delegated to jcascade's
+"""The decoder of every family in `config.ARCHITECTURES` as a Flax NNX module, attention delegated to jcascade's
 cache policies.
 
 These architectures share this decoder: pre-norm blocks of RMSNorm, grouped-query attention with rotary
 positions (Qwen2 adds q/k/v biases, Qwen3 an RMSNorm of each head's q and k), and a SwiGLU MLP; Gemma 3 adds
 (1 + w) norms after attention and MLP too, a GeLU-tanh MLP, scaled embeddings, and sliding-window layers with a
-window cache of their own (`window_attention`; `with_sliding_policy` sets its policy) beside the global ones. Its
-weights are declared in `models.weights`. The L layers' weights are stacked on a leading axis and run under
-`lax.scan`, so a model compiles as one layer whatever its depth. Each layer calls
+window cache of their own (`window_attention`; `with_sliding_policy` sets its policy) beside the global ones.
+Gemma 4 gives the global layers a head_dim and KV heads of their own, lets later layers read an earlier layer's
+cache, and adds per-layer inputs and soft-capped logits; Qwen3.5 interleaves Gated DeltaNet layers with a
+fixed-size recurrent state (`delta_net`) and gated, partially rotated full-attention layers. Its weights are
+declared in `models.weights`. The L layers' weights are stacked on a leading axis and run under `lax.scan`, each
+layer type's mixer under `lax.switch`, so a model compiles as one layer of each type whatever its depth. Each
+attention layer calls
 `jcascade.attend` then `jcascade.update` on its view of the cache, so every policy works unchanged. The
 stacked cache is the scan's carry and is never sliced: each layer sees the whole K/V stack with its layer
 index (`CacheState.layer`), the kernels and scatters read and write that layer in place, and only the
@@ -311,7 +315,8 @@ class CausalLM(nnx.Module):
 
     def _norm(self, x: jax.Array, weight: jax.Array | None) -> jax.Array:
         cfg = self.config
-        return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, scale_f32=cfg.norm_scale_f32)
+        f = cfg.features
+        return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=f.norm_plus_one, scale_f32=f.norm_scale_f32)
 
     def __call__(
         self, policy, state, tokens: jax.Array, lengths: jax.Array, prefixes: tuple = ()
@@ -321,13 +326,13 @@ class CausalLM(nnx.Module):
         Returns the final-norm hidden states [B, T, hidden] and the updated state (`init_cache`'s). The attention
         runs on the cache's kernels (`CacheState.kernels`)."""
         cfg = self.config
-        if prefixes and (cfg.state_types != (GLOBAL,) or cfg.kv_shared_layers):
+        if prefixes and (cfg.state_types != (GLOBAL,) or cfg.kv_shared_layers or cfg.nope_layers):
             raise ValueError(
                 "shared prefixes (num_samples, context=) are not supported for models with sliding or "
-                "linear layers or shared caches (Gemma 3 and 4, Qwen3.5)"
+                "linear layers, shared caches or layers without rotary positions (Gemma 3 and 4, Qwen3.5, SmolLM3)"
             )
         x = sharding.embed(self.embed[...], tokens, self.mesh, self.embed_spec)
-        if cfg.embed_scaled:
+        if cfg.features.embed_scaled:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
         per_layer = self._per_layer_inputs(tokens, x) if cfg.per_layer_input_size else None
         layers = functools.partial(self._layers, lengths=lengths, prefixes=tuple(prefixes), per_layer=per_layer)
@@ -380,14 +385,15 @@ class CausalLM(nnx.Module):
         roles = [_role(cfg, i) for i in range(cfg.num_layers)]
         branch = jnp.asarray([list(mixers).index(r) for r in roles], jnp.int32)
         slot = jnp.asarray(
-            [cfg.layers_with_state(t).index(cfg.reads_from(i)) for i, (t, _) in enumerate(roles)], jnp.int32
+            [cfg.layers_with_state(t).index(cfg.reads_from(i)) for i, (t, _, _) in enumerate(roles)], jnp.int32
         )  # the state a layer reads, in its type's stack
+        f = cfg.features
 
         def layer(carry, inputs):
             x, states, pending = carry
             w, rank, branch_index, index, layer_prefixes, extra = inputs
             fetch = lambda name: w[name] if name in w else stacks[name][rank[decl[name].layers]]
-            h = norm(x, w["attn_norm"])
+            h = norm(x, w["attn_norm"]) if f.pre_norms else x
             o, states, pending = jax.lax.switch(
                 branch_index,
                 [functools.partial(m, fetch) for m in mixers.values()],
@@ -397,13 +403,13 @@ class CausalLM(nnx.Module):
                 index,
                 layer_prefixes,
             )
-            x = x + (norm(o, w["post_attn_norm"]) if cfg.post_norms else o)
-            h = norm(x, w["mlp_norm"])
+            x = x + (norm(o, w["post_attn_norm"]) if f.post_norms else o)
+            h = norm(x, w["mlp_norm"]) if f.pre_norms else x
             gate_up = jnp.einsum("btd,dci->btci", h, w["w_gate_up"])  # [in, 2, intermediate] (models.weights.FUSED)
             gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
-            act = functools.partial(jax.nn.gelu, approximate=True) if cfg.activation == "gelu_tanh" else jax.nn.silu
+            act = functools.partial(jax.nn.gelu, approximate=True) if f.activation == "gelu_tanh" else jax.nn.silu
             m = (act(gate) * up) @ w["w_down"]
-            x = x + (norm(m, w["post_mlp_norm"]) if cfg.post_norms else m)
+            x = x + (norm(m, w["post_mlp_norm"]) if f.post_norms else m)
             if extra is not None:  # Gemma 4's per-layer input
                 g = jax.nn.gelu(x @ w["ple_gate"], approximate=True) * extra
                 x = x + norm(g @ w["ple_proj"], w["ple_norm"])
@@ -415,7 +421,9 @@ class CausalLM(nnx.Module):
             layer, (x, states, pending), (scanned, ranks, branch, slot, prefixes, per_layer)
         )
         for layer_type, (k, v, scores) in pending.items():  # the cache that later layers read, updated last
-            index = cfg.layers_with_state(layer_type).index(roles.index((layer_type, "store")))
+            index = cfg.layers_with_state(layer_type).index(
+                next(i for i, r in enumerate(roles) if r[:2] == (layer_type, "store"))
+            )
             layer_policy = policy if layer_type == GLOBAL else self.window_policy(policy)
             view = _layer_view(states[layer_type], jnp.int32(index))
             states[layer_type] = _written_back(
@@ -425,8 +433,8 @@ class CausalLM(nnx.Module):
         return x, out if len(out) > 1 else out[0]
 
     def _mixers(self, policy, states: dict, x: jax.Array, lengths: jax.Array, prefixes: tuple):
-        """The token mixers of the model's layers by role (`_role`: a layer type, and "own" for a layer with a
-        state of its own, "store" for one whose cache later layers read, "read" for those), each
+        """The token mixers of the model's layers by role (`_role`: a layer type, "own" for a layer with a state of
+        its own, "store" for one whose cache later layers read, "read" for those, and whether it rotates), each
         `mixer(fetch, h, states, pending, index, layer_prefixes) -> (out [B, T, hidden], states, pending)`: `fetch`
         gives the layer's weights by name, `index` is its state's place in its type's stack. A "store" layer
         attends and leaves its chunk's keys, values and scores in `pending` (by layer type); its update is applied
@@ -439,25 +447,30 @@ class CausalLM(nnx.Module):
 
         norm = self._norm
 
-        def attend(layer_type, view, q, k, v, lengths, layer_prefixes):
-            if layer_type == SLIDING:
-                return window_attention(window_policy, view, q, k, v, lengths, cfg.local_rope, cfg.sliding_window)
-            if layer_prefixes:  # requests' own caches keep no scores under shared prefixes
-                return shared.attend_shared(policy, view, q, k, v, layer_prefixes, lengths, cfg.rope), None
-            return cache_api.attend(policy, view, q, k, v, lengths, cfg.rope)
+        def rope_of(layer_type, rotary):  # None: no rotation (`nope_layers`, global layers only)
+            return None if not rotary else cfg.local_rope if layer_type == SLIDING else cfg.rope
 
-        def attend_and_update(layer_type, view, q, k, v, lengths, layer_prefixes):
-            out, view = _ordered(attend(layer_type, view, q, k, v, lengths, layer_prefixes), view)
+        def attend(layer_type, rope, view, q, k, v, lengths, layer_prefixes):
+            if layer_type == SLIDING:
+                return window_attention(window_policy, view, q, k, v, lengths, rope, cfg.sliding_window)
+            if layer_prefixes:  # requests' own caches keep no scores under shared prefixes
+                return shared.attend_shared(policy, view, q, k, v, layer_prefixes, lengths, rope), None
+            return cache_api.attend(policy, view, q, k, v, lengths, rope)
+
+        def attend_and_update(layer_type, rope, view, q, k, v, lengths, layer_prefixes):
+            out, view = _ordered(attend(layer_type, rope, view, q, k, v, lengths, layer_prefixes), view)
             return out[0], cache_api.update(
                 policy if layer_type == GLOBAL else window_policy, view, k, v, out[1], lengths
             )
 
-        global_attend_and_update = functools.partial(attend_and_update, GLOBAL)
-        if specs is not None:
+        def attend_and_update_of(layer_type, rope):
+            update = functools.partial(attend_and_update, layer_type, rope)
+            if layer_type != GLOBAL or specs is None:
+                return update
             # every cache decision is per (row, KV head): each device runs attend and update (and so the
             # Pallas kernels) on its own rows and heads (all of an axis that does not divide), with no communication
-            global_attend_and_update = jax.shard_map(
-                global_attend_and_update,
+            return jax.shard_map(
+                update,
                 mesh=self.mesh,
                 check_vma=False,
                 in_specs=(
@@ -471,8 +484,13 @@ class CausalLM(nnx.Module):
                 out_specs=(specs["chunk"], specs["state"]),
             )
 
-        def weight_suffix(layer_type):  # Gemma 4's global layers have attention weights of their own
-            return "_global" if layer_type == GLOBAL and cfg.architecture == "gemma4" else ""
+        def weight_suffix(layer_type):  # the global layers' attention weights of their own (models.weights)
+            return "_global" if layer_type == GLOBAL and cfg.features.global_attention_weights else ""
+
+        def qk_norm(x, weight):  # x [B, T, heads, D]: each head's features normed, or all heads' at once
+            if not cfg.features.qk_norm_full:
+                return norm(x, weight)
+            return norm(x.reshape(*x.shape[:2], -1), weight).reshape(x.shape)
 
         def projections(layer_type, fetch, h, with_kv: bool):
             """q [B, T, H, D] (un-rotated; scaled for the kernels' D ** -0.5), the output gate (None without one),
@@ -499,15 +517,15 @@ class CausalLM(nnx.Module):
                 q = q + fetch("bq").reshape(H, D)
                 if with_kv:
                     k, v = k + fetch("bk").reshape(Hkv, D), v + fetch("bv").reshape(Hkv, D)
-            q = norm(q, fetch("q_norm" + suffix)) if cfg.qk_norm else q
+            q = qk_norm(q, fetch("q_norm" + suffix)) if cfg.qk_norm else q
             gate = h_gate @ fetch("w_attn_gate") if cfg.attention_output_gate else None
             scale = 1.0 if cfg.query_scale is None else cfg.query_scale * D**0.5
             if scale != 1.0:  # the attention scales by head_dim ** -0.5
                 q = q * jnp.asarray(scale, q.dtype)
             if not with_kv:
                 return _rotary_order(cfg, layer_type, q), gate, None, None
-            k = norm(k, fetch("k_norm" + suffix)) if cfg.qk_norm else k
-            if cfg.architecture == "gemma4":
+            k = qk_norm(k, fetch("k_norm" + suffix)) if cfg.qk_norm else k
+            if cfg.features.value_norm:
                 v = norm(v, None)
             return _rotary_order(cfg, layer_type, q), gate, _rotary_order(cfg, layer_type, k), v
 
@@ -519,14 +537,12 @@ class CausalLM(nnx.Module):
             o = out @ fetch("wo" + suffix)
             return o + fetch("bo") if cfg.o_bias else o
 
-        def own(layer_type):
+        def own(layer_type, rope):
+            update = attend_and_update_of(layer_type, rope)
+
             def mixer(fetch, h, states, pending, index, layer_prefixes):
                 q, gate, k, v = projections(layer_type, fetch, h, with_kv=True)
-                view = _layer_view(states[layer_type], index)
-                if layer_type == GLOBAL:
-                    out, view = global_attend_and_update(view, q, k, v, lengths, layer_prefixes)
-                else:
-                    out, view = attend_and_update(layer_type, view, q, k, v, lengths, layer_prefixes)
+                out, view = update(_layer_view(states[layer_type], index), q, k, v, lengths, layer_prefixes)
                 return (
                     output(fetch, layer_type, out, gate),
                     {**states, layer_type: _written_back(states[layer_type], view, index)},
@@ -535,21 +551,22 @@ class CausalLM(nnx.Module):
 
             return mixer
 
-        def store(layer_type):
+        def store(layer_type, rope):
             def mixer(fetch, h, states, pending, index, layer_prefixes):
                 q, gate, k, v = projections(layer_type, fetch, h, with_kv=True)
                 out, scores = attend(
-                    layer_type, _layer_view(states[layer_type], index), q, k, v, lengths, layer_prefixes
+                    layer_type, rope, _layer_view(states[layer_type], index), q, k, v, lengths, layer_prefixes
                 )
                 return output(fetch, layer_type, out, gate), states, {**pending, layer_type: (k, v, scores)}
 
             return mixer
 
-        def read(layer_type):
+        def read(layer_type, rope):
             def mixer(fetch, h, states, pending, index, layer_prefixes):
                 q, gate, _, _ = projections(layer_type, fetch, h, with_kv=False)
                 k, v, _ = pending[layer_type]
-                out, _ = attend(layer_type, _layer_view(states[layer_type], index), q, k, v, lengths, layer_prefixes)
+                view = _layer_view(states[layer_type], index)
+                out, _ = attend(layer_type, rope, view, q, k, v, lengths, layer_prefixes)
                 return output(fetch, layer_type, out, gate), states, pending
 
             return mixer
@@ -586,15 +603,16 @@ class CausalLM(nnx.Module):
 
         roles = dict.fromkeys(_role(cfg, i) for i in range(cfg.num_layers))
         build = {"own": own, "store": store, "read": read}
-        mixers = {(t, r): linear if t == LINEAR else build[r](t) for t, r in roles}
+        mixers = {(t, r, o): linear if t == LINEAR else build[r](t, rope_of(t, o)) for t, r, o in roles}
         pending = {}
-        for t, r in roles:
+        for t, r, o in roles:
             if r == "store":  # zeros of its chunk's keys, values and scores, carried through the layers before it
                 D, Hkv = cfg.head_size(t), cfg.kv_heads(t)
                 q = jax.ShapeDtypeStruct((B, T, cfg.num_heads, D), x.dtype)
                 kv = jax.ShapeDtypeStruct((B, T, Hkv, D), x.dtype)
+                view = _layer_view(states[t], jnp.int32(0))
                 scores = jax.eval_shape(
-                    lambda q, k, v: attend(t, _layer_view(states[t], jnp.int32(0)), q, k, v, lengths, ())[1], q, kv, kv
+                    lambda q, k, v: attend(t, rope_of(t, o), view, q, k, v, lengths, ())[1], q, kv, kv
                 )
                 pending[t] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (kv, kv, scores))
         return mixers, pending
@@ -607,14 +625,15 @@ class CausalLM(nnx.Module):
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
-def _role(cfg: ModelConfig, layer: int) -> tuple[str, str]:
-    """(layer type, role): "own" for a layer with a state of its own, "store" for one whose cache later layers
-    read (`ModelConfig.reads_from`), "read" for those."""
-    layer_type = cfg.types[layer]
+def _role(cfg: ModelConfig, layer: int) -> tuple[str, str, bool]:
+    """(layer type, role, rotary): role "own" for a layer with a state of its own, "store" for one whose cache later
+    layers read (`ModelConfig.reads_from`), "read" for those; rotary: whether its attention rotates q and k (not
+    one of `ModelConfig.nope_layers`)."""
+    layer_type, rotary = cfg.types[layer], layer not in cfg.nope_layers
     if cfg.reads_from(layer) != layer:
-        return layer_type, "read"
+        return layer_type, "read", rotary
     readers = any(cfg.reads_from(i) == layer for i in range(layer + 1, cfg.num_layers))
-    return layer_type, "store" if readers else "own"
+    return layer_type, "store" if readers else "own", rotary
 
 
 def _rotary_order(cfg: ModelConfig, layer_type: str, x: jax.Array) -> jax.Array:
@@ -622,7 +641,7 @@ def _rotary_order(cfg: ModelConfig, layer_type: str, x: jax.Array) -> jax.Array:
     partial_rotary_factor dims rotate in pairs (i, i + r/2)) moved to the rotate-half pairs (i, i + D/2) that
     the kernels rotate (`ModelConfig.rope` gives the other pairs frequency 0); the attention's q . k is unchanged
     by the same order on both. Other layers: x."""
-    if cfg.architecture != "qwen3_5" or layer_type != GLOBAL or cfg.partial_rotary_factor == 1:
+    if cfg.features.rope_proportional or layer_type != GLOBAL or cfg.partial_rotary_factor == 1:
         return x
     D = x.shape[-1]
     r = int(D * cfg.partial_rotary_factor)

@@ -180,17 +180,18 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     reader = _gguf_reader(path)
     cfg = _gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
+    interleaved = reader.fields["general.architecture"].contents() in _GGUF_INTERLEAVED
 
     def read(name: str, ours: str, declared: Weight) -> np.ndarray:
         t = tensors[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        if cfg.norm_plus_one and name.endswith("norm.weight") and ours != "lin_norm":
+        if cfg.features.norm_plus_one and name.endswith("norm.weight") and ours != "lin_norm":
             w = w - 1.0
         if ours == "lin_a_log":
             w = np.log(-w)
         if ours in _QWEN35_VALUE_HEADS and cfg.linear_key_heads != cfg.linear_value_heads:
             w = _untile_value_heads(w, cfg, *_QWEN35_VALUE_HEADS[ours])
-        heads = declared.gguf_interleaved if cfg.architecture == "llama" else None
+        heads = declared.gguf_interleaved if interleaved else None
         return w if heads is None else _unpermute(w, cfg.num_heads if heads == "q" else cfg.num_kv_heads)
 
     return cfg, _collect(cfg, dict.fromkeys(tensors, path.name), read, "gguf")
@@ -232,6 +233,7 @@ _GGUF_ARCHITECTURES = {
     "qwen35": "qwen3_5",
     "gemma4": "gemma4",
 }  # GGUF's name -> ours
+_GGUF_INTERLEAVED = ("llama",)  # where llama.cpp's converter interleaves the rotary halves of Q/K rows
 
 
 def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
@@ -398,6 +400,7 @@ def _converted_config(directory: pathlib.Path) -> ModelConfig:
     raw["rope_scaling"] = None if raw["rope_scaling"] is None else Llama3Scaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
     raw["layer_types"] = tuple(raw.get("layer_types", ()))  # (absent from checkpoints converted before Gemma 3)
+    raw["nope_layers"] = tuple(raw.get("nope_layers", ()))
     return ModelConfig(**raw)
 
 

@@ -100,7 +100,11 @@ WEIGHTS: dict[str, Weight] = {
         needed=lambda c: not c.tie_word_embeddings,
     ),
     "attn_norm": Weight(
-        lambda c: (c.hidden_size,), (None,), "model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"
+        lambda c: (c.hidden_size,),
+        (None,),
+        "model.layers.{i}.input_layernorm.weight",
+        "blk.{i}.attn_norm.weight",
+        needed=lambda c: c.features.pre_norms,
     ),
     "wq": Weight(
         lambda c: (c.hidden_size, _q(c)),
@@ -165,6 +169,7 @@ WEIGHTS: dict[str, Weight] = {
         (None,),
         "model.layers.{i}.post_attention_layernorm.weight",
         "blk.{i}.ffn_norm.weight",
+        needed=lambda c: c.features.pre_norms,
     ),
     "w_gate": Weight(
         lambda c: (c.hidden_size, c.intermediate_size),
@@ -190,9 +195,9 @@ WEIGHTS: dict[str, Weight] = {
 }
 
 
-# Gemma 3: its MLP norm is "pre_feedforward_layernorm" (Llama's "post_attention_layernorm" is its norm after the
-# attention), and norms after the attention and the MLP.
-GEMMA3: dict[str, Weight] = {
+# Norms after the attention and the MLP (`FamilyFeatures.post_norms`: Gemma 3 and 4, OLMo 3): "post_attention_layernorm"
+# is then the norm after the attention, and the MLP's norm before it (where there is one) "pre_feedforward_layernorm".
+POST_NORMS: dict[str, Weight] = {
     "mlp_norm": dataclasses.replace(WEIGHTS["mlp_norm"], hf="model.layers.{i}.pre_feedforward_layernorm.weight"),
     "post_attn_norm": Weight(
         lambda c: (c.hidden_size,),
@@ -207,6 +212,26 @@ GEMMA3: dict[str, Weight] = {
         "blk.{i}.post_ffw_norm.weight",
     ),
 }
+# q and k norms over all heads' features at once (`FamilyFeatures.qk_norm_full`: OLMo 3).
+QK_NORM_FULL: dict[str, Weight] = {
+    "q_norm": dataclasses.replace(WEIGHTS["q_norm"], shape=lambda c: (_q(c),), axes=(None,)),
+    "k_norm": dataclasses.replace(WEIGHTS["k_norm"], shape=lambda c: (_kv(c),), axes=(None,)),
+}
+# A sigmoid gate on the attention output (`ModelConfig.attention_output_gate`: Qwen3.5): q_proj holds each head's
+# query, then its gate.
+OUTPUT_GATE: dict[str, Weight] = {
+    "wq": dataclasses.replace(WEIGHTS["wq"], hf_half=0, gguf_interleaved=None),
+    "w_attn_gate": Weight(
+        lambda c: (c.hidden_size, _q(c)),
+        ("embed", "q"),
+        _ATTN + "q_proj.weight",
+        "blk.{i}.attn_q.weight",
+        transposed=True,
+        hf_half=1,
+    ),
+}
+# The attention weights, which a model with LINEAR layers has on its GLOBAL layers alone.
+ATTENTION = ("wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm", "wo", "bo", "w_attn_gate")
 
 
 def _on(layers: str, names: tuple[str, ...], table=WEIGHTS) -> dict[str, Weight]:
@@ -221,22 +246,10 @@ def _lin(c: ModelConfig) -> int:
     return 2 * c.linear_key_heads * c.linear_key_dim + c.linear_value_heads * c.linear_value_dim
 
 
-# Qwen3.5: gated full attention on its GLOBAL layers (q_proj holds each head's query, then its output gate), Gated
-# DeltaNet on the LINEAR ones (llama.cpp's qwen35 names); every layer's norms and MLP as Llama's (llama.cpp names the
-# MLP's norm post_attention_norm, as Hugging Face does).
-QWEN3_5: dict[str, Weight] = {
+# Gated DeltaNet on the LINEAR layers (Qwen3.5; llama.cpp's qwen35 names); every layer's norms and MLP as Llama's
+# (llama.cpp names the MLP's norm post_attention_norm there, as Hugging Face does).
+LINEAR_LAYERS: dict[str, Weight] = {
     "mlp_norm": dataclasses.replace(WEIGHTS["mlp_norm"], gguf="blk.{i}.post_attention_norm.weight"),
-    **_on(GLOBAL, ("wq", "wk", "wv", "wo", "q_norm", "k_norm")),
-    "wq": dataclasses.replace(WEIGHTS["wq"], layers=GLOBAL, hf_half=0, gguf_interleaved=None),
-    "w_attn_gate": Weight(
-        lambda c: (c.hidden_size, _q(c)),
-        ("embed", "q"),
-        _ATTN + "q_proj.weight",
-        "blk.{i}.attn_q.weight",
-        layers=GLOBAL,
-        transposed=True,
-        hf_half=1,
-    ),
     "lin_qkv": Weight(
         lambda c: (c.hidden_size, _lin(c)),
         ("embed", None),
@@ -303,11 +316,10 @@ def _global_kv(c: ModelConfig) -> int:
     return c.kv_heads(GLOBAL) * c.head_size(GLOBAL)
 
 
-_PLE = "model.layers.{i}."
-# Gemma 4: Gemma 3's layer with a head_dim and KV heads of their own on the GLOBAL layers (their weights apart), no
-# k/v weights on the layers that read an earlier layer's cache (nor v on global layers with k = v), per-layer inputs
-# (a gate and projection per layer from a table and a projection of the embeddings) and a scalar per layer.
-GEMMA4: dict[str, Weight] = {
+# The GLOBAL layers' attention weights apart from the SLIDING ones' (`FamilyFeatures.global_attention_weights`: Gemma
+# 4), of their own head_dim and KV heads; no k/v weights on the layers that read an earlier layer's cache (nor v on
+# global layers with k = v).
+GLOBAL_ATTENTION: dict[str, Weight] = {
     **_on(SLIDING, ("wq", "wo", "q_norm")),
     **_on("sliding kv", ("wk", "wv", "k_norm")),
     "wq_global": dataclasses.replace(WEIGHTS["wq"], shape=lambda c: (c.hidden_size, _global_q(c)), layers=GLOBAL),
@@ -318,6 +330,11 @@ GEMMA4: dict[str, Weight] = {
     "wo_global": dataclasses.replace(WEIGHTS["wo"], shape=lambda c: (_global_q(c), c.hidden_size), layers=GLOBAL),
     "q_norm_global": dataclasses.replace(WEIGHTS["q_norm"], shape=lambda c: (c.head_size(GLOBAL),), layers=GLOBAL),
     "k_norm_global": dataclasses.replace(WEIGHTS["k_norm"], shape=lambda c: (c.head_size(GLOBAL),), layers="global kv"),
+}
+_PLE = "model.layers.{i}."
+# Per-layer inputs (`ModelConfig.per_layer_input_size`: a gate and projection per layer from a table and a projection
+# of the embeddings) and a scalar per layer (`FamilyFeatures.layer_scalar`): Gemma 4.
+PER_LAYER: dict[str, Weight] = {
     "embed_per_layer": Weight(
         lambda c: (c.per_layer_vocab_size, c.num_layers * c.per_layer_input_size),
         ("vocab", None),
@@ -366,14 +383,20 @@ GEMMA4: dict[str, Weight] = {
         "blk.{i}.post_norm.weight",
         needed=lambda c: c.per_layer_input_size > 0,
     ),
-    "layer_scalar": Weight(lambda c: (1,), (None,), _PLE + "layer_scalar", "blk.{i}.layer_output_scale.weight"),
+    "layer_scalar": Weight(
+        lambda c: (1,),
+        (None,),
+        _PLE + "layer_scalar",
+        "blk.{i}.layer_output_scale.weight",
+        needed=lambda c: c.features.layer_scalar,
+    ),
 }
 
 
 # Products that read the same input, stored joined so that a decode step runs one product for each: a one-row
 # product costs at least about 8 us on an H200 however small its weight (k and v at 0.27-1.05 TB/s), so joining q, k
 # and v saves 0.36-0.50 ms of an 8B batch-1 step's kernels at TP = 1, 2 and 4, gate and up 0.07-0.17 ms
-# (benchmarks/RESULTS.md, "One product for q, k and v"). wqkv holds each KV head's query heads, then its key and its
+# (benchmarks/results/joined-products/h200x2/products.json). wqkv holds each KV head's query heads, then its key and its
 # value head ([in, KV heads, queries per KV head + 2, head_dim]: a device of a tensor-parallel mesh holds whole
 # groups); w_gate_up [in, 2, intermediate]. Joined where every part is on the same set of layers (not Gemma 4's
 # attention, whose q is on every sliding layer, its k and v only on those keeping a cache of their own).
@@ -398,8 +421,18 @@ FUSED: dict[str, tuple[tuple[str, ...], Weight]] = {  # name: (its parts' names,
 def declarations(cfg: ModelConfig) -> dict[str, Weight]:
     """The weights a config has, by our name, in a fixed order (each fused weight of `FUSED` in its first part's
     place, where all its parts are on the same layers)."""
-    table = WEIGHTS | {"gemma3": GEMMA3, "gemma4": GEMMA3 | GEMMA4, "qwen3_5": QWEN3_5}.get(cfg.architecture, {})
-    table = {name: w for name, w in table.items() if w.needed(cfg)}
+    features, table = cfg.features, dict(WEIGHTS)
+    if features.post_norms:
+        table |= POST_NORMS
+    if features.qk_norm_full:
+        table |= QK_NORM_FULL
+    if cfg.attention_output_gate:
+        table |= OUTPUT_GATE
+    if LINEAR in cfg.types:
+        table |= _on(GLOBAL, tuple(name for name in ATTENTION if name in table), table) | LINEAR_LAYERS
+    if features.global_attention_weights:
+        table |= GLOBAL_ATTENTION
+    table = {name: w for name, w in (table | PER_LAYER).items() if w.needed(cfg)}
     for name, (part_names, fused) in FUSED.items():
         parts = tuple((part, table.get(part)) for part in part_names)
         if any(w is None for _, w in parts) or len({w.layers for _, w in parts}) > 1:

