@@ -818,6 +818,8 @@ COMMANDS = {
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] in COMMANDS and len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+        sys.exit(f"usage: eval_tables.py FOLDER | {{{'|'.join(COMMANDS)}}} FILE_OR_FOLDER ...\n{__doc__}")
     if sys.argv[1] in COMMANDS:
         print(COMMANDS[sys.argv[1]]([pathlib.Path(path) for path in sys.argv[2:]]))
     else:
