@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from jcascade.models import sharding
+from jcascade.models.config import FAMILY_FEATURES, Rotary
 
 import jcascade as jc
 from jcascade.cli.options import count
@@ -109,6 +110,7 @@ def main():
         tasks, a.length, a.samples = ["niah_single_1", "vt"], 1024, 2
         config = jc.models.ModelConfig(
             architecture="llama",
+            **FAMILY_FEATURES["llama"],
             vocab_size=len(tokenizer),
             hidden_size=64,
             intermediate_size=128,
@@ -116,12 +118,9 @@ def main():
             num_heads=4,
             num_kv_heads=2,
             head_dim=16,
-            rope_theta=1e4,
-            rope_scaling=None,
+            rotary=Rotary(theta=1e4),
             rms_norm_eps=1e-5,
             tie_word_embeddings=True,
-            qkv_bias=False,
-            o_bias=False,
             max_position_embeddings=4096,
         )
     prose = texts.load_book(a.book) if any(ruler.TASKS[t].needs_prose for t in tasks) else None

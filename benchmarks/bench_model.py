@@ -40,6 +40,7 @@ import harness
 import jax
 import jax.numpy as jnp
 from jcascade.models import CausalLM, ModelConfig, delta_net, sharding
+from jcascade.models.config import FAMILY_FEATURES, Attention, LinearAttention, Rotary
 from jcascade.models.weights import weight_shapes
 
 import jcascade as jc
@@ -48,6 +49,7 @@ from jcascade.eval import processes
 
 LLAMA31_8B = ModelConfig(
     architecture="llama",
+    **FAMILY_FEATURES["llama"],
     vocab_size=128256,
     hidden_size=4096,
     intermediate_size=14336,
@@ -55,12 +57,9 @@ LLAMA31_8B = ModelConfig(
     num_heads=32,
     num_kv_heads=8,
     head_dim=128,
-    rope_theta=500000.0,
-    rope_scaling=jc.Llama3Scaling(),
+    rotary=Rotary(theta=500000.0, scaling=jc.Llama3Scaling()),
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
-    qkv_bias=False,
-    o_bias=False,
     max_position_embeddings=131072,
 )
 LLAMA3_70B = dataclasses.replace(
@@ -68,6 +67,7 @@ LLAMA3_70B = dataclasses.replace(
 )
 GEMMA3_270M = ModelConfig(
     architecture="gemma3",
+    **FAMILY_FEATURES["gemma3"],
     vocab_size=262144,
     hidden_size=640,
     intermediate_size=2048,
@@ -75,23 +75,19 @@ GEMMA3_270M = ModelConfig(
     num_heads=4,
     num_kv_heads=1,
     head_dim=256,
-    rope_theta=1e6,
-    rope_scaling=None,
+    rotary=Rotary(theta=1e6, local_theta=1e4),
+    attention=Attention(query_scale=256**-0.5),
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
-    qkv_bias=False,
-    o_bias=False,
     max_position_embeddings=32768,
-    qk_norm=True,
     sliding_window=512,
     layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(18)),
-    rope_local_theta=1e4,
-    query_scale=256**-0.5,
 )
 # transformers' Qwen3_5TextConfig defaults: 24 Gated DeltaNet layers (16 key / 32 value heads of 128) and 8 gated
 # global ones (16 heads, 4 KV heads of 256, a quarter of each rotated), hidden 4096
 QWEN3_5 = ModelConfig(
     architecture="qwen3_5",
+    **FAMILY_FEATURES["qwen3_5"],
     vocab_size=248320,
     hidden_size=4096,
     intermediate_size=12288,
@@ -99,27 +95,19 @@ QWEN3_5 = ModelConfig(
     num_heads=16,
     num_kv_heads=4,
     head_dim=256,
-    rope_theta=1e7,
-    rope_scaling=None,
+    rotary=Rotary(theta=1e7, fraction=0.25),
+    attention=Attention(output_gate=True),
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
-    qkv_bias=False,
-    o_bias=False,
     max_position_embeddings=262144,
-    qk_norm=True,
     layer_types=tuple("global" if (i + 1) % 4 == 0 else "linear" for i in range(32)),
-    partial_rotary_factor=0.25,
-    attention_output_gate=True,
-    linear_key_heads=16,
-    linear_value_heads=32,
-    linear_key_dim=128,
-    linear_value_dim=128,
-    linear_conv_kernel=4,
+    linear=LinearAttention(key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv_kernel=4),
 )
 # transformers' Gemma4TextConfig defaults: 25 sliding layers (window 512, 4 KV heads of 256) and 5 global ones (4 KV
 # heads of 512, proportional RoPE), per-layer inputs of 256, hidden 2304
 GEMMA4 = ModelConfig(
     architecture="gemma4",
+    **FAMILY_FEATURES["gemma4"],
     vocab_size=262144,
     hidden_size=2304,
     intermediate_size=9216,
@@ -127,26 +115,20 @@ GEMMA4 = ModelConfig(
     num_heads=8,
     num_kv_heads=4,
     head_dim=256,
-    rope_theta=1e6,
-    rope_scaling=None,
+    rotary=Rotary(theta=1e6, local_theta=1e4, fraction=0.25, proportional=True),
+    attention=Attention(query_scale=1.0, global_head_dim=512, global_weights=True),
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
-    qkv_bias=False,
-    o_bias=False,
     max_position_embeddings=131072,
-    qk_norm=True,
     sliding_window=512,
     layer_types=tuple("global" if (i + 1) % 6 == 0 else "sliding" for i in range(30)),
-    rope_local_theta=1e4,
-    query_scale=1.0,
-    partial_rotary_factor=0.25,
-    global_head_dim=512,
     per_layer_input_size=256,
     per_layer_vocab_size=262144,
 )
 SHAPES = {"8b": LLAMA31_8B, "70b": LLAMA3_70B, "gemma-3-270m": GEMMA3_270M, "qwen3.5": QWEN3_5, "gemma-4": GEMMA4}
 TINY = ModelConfig(
     architecture="llama",
+    **FAMILY_FEATURES["llama"],
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
@@ -154,12 +136,9 @@ TINY = ModelConfig(
     num_heads=4,
     num_kv_heads=2,
     head_dim=16,
-    rope_theta=10000.0,
-    rope_scaling=None,
+    rotary=Rotary(theta=10000.0),
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
-    qkv_bias=False,
-    o_bias=False,
     max_position_embeddings=4096,
 )
 
@@ -229,8 +208,10 @@ def flops_per_token(cfg: ModelConfig, keys_per_query: float) -> float:
         cfg.head_size("global") * types.count("global") * keys_per_query * (4 + 2)
         + cfg.head_dim * types.count("sliding") * (cfg.sliding_window or 0) * 4
     )
-    dk, dv = cfg.linear_key_dim, cfg.linear_value_dim
-    linear = types.count("linear") * cfg.linear_value_heads * (4 * 64 * dk + 2 * 64 * dv + 6 * dk * dv)
+    linear = 0
+    if cfg.linear is not None:
+        dk, dv = cfg.linear.key_dim, cfg.linear.value_dim
+        linear = types.count("linear") * cfg.linear.value_heads * (4 * 64 * dk + 2 * 64 * dv + 6 * dk * dv)
     return dense + attention + linear
 
 
@@ -289,7 +270,7 @@ def delta_rule_ms(model, tokens: int) -> float:
         if name.startswith("lin_")
     }
     states = model.init_cache(jc.Full(), 1, max_tokens=1)
-    state = jax.tree.map(lambda a: a[0], states[cfg.state_types.index("linear")])  # the first linear layer's
+    state = jax.tree.map(lambda a: a[0], states.linear)  # the first linear layer's
     x = jax.random.normal(jax.random.key(3), (1, tokens, cfg.hidden_size), model.dtype)
     run = jax.jit(
         lambda w, x, state: delta_net.gated_delta_net(
@@ -297,10 +278,10 @@ def delta_rule_ms(model, tokens: int) -> float:
             x,
             state,
             jnp.array([tokens], jnp.int32),
-            num_key_heads=cfg.linear_key_heads,
-            num_value_heads=cfg.linear_value_heads,
-            key_dim=cfg.linear_key_dim,
-            value_dim=cfg.linear_value_dim,
+            num_key_heads=cfg.linear.key_heads,
+            num_value_heads=cfg.linear.value_heads,
+            key_dim=cfg.linear.key_dim,
+            value_dim=cfg.linear.value_dim,
             eps=cfg.rms_norm_eps,
         )
     )
@@ -321,8 +302,8 @@ def state_memory(cfg: ModelConfig, policy, tokens: int) -> dict:
     state = jax.eval_shape(
         lambda: CausalLM.random(cfg, jax.random.key(0), jnp.bfloat16).init_cache(policy, 1, max_tokens=tokens)
     )
-    states = dict(zip(cfg.state_types, state if isinstance(state, tuple) else (state,)))
-    return {t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s)) for t, s in states.items()}
+    states = {"global": state.cache, "sliding": state.window, "linear": state.linear}
+    return {t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s)) for t, s in states.items() if s is not None}
 
 
 def decode_bytes(model, policy, batch: int) -> dict:
@@ -390,7 +371,7 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
             return state
         return sharding.place(state, sharding.cache_specs(state, model.mesh), model.mesh)
 
-    # every KV cache full (a model with sliding or linear layers has a tuple of states; recurrent states stay zero)
+    # every KV cache full (the global layers' and the sliding layers' window caches; recurrent states stay zero)
     state = jax.jit(
         lambda: jax.tree.map(
             lambda s: full(s) if is_cache(s) else s,
@@ -574,13 +555,18 @@ def main():
                 num_kv_heads=2,
                 head_dim=16,
                 layer_types=big.layer_types[-6:],
-                global_head_dim=big.global_head_dim and 32,
+                attention=dataclasses.replace(big.attention, global_head_dim=big.attention.global_head_dim and 32),
                 per_layer_input_size=big.per_layer_input_size and 8,
                 per_layer_vocab_size=big.per_layer_vocab_size and 256,
-                **{
-                    f"linear_{n}": min(getattr(big, f"linear_{n}"), 4 if "heads" in n else 8)
-                    for n in ("key_heads", "value_heads", "key_dim", "value_dim")
-                },
+                linear=None
+                if big.linear is None
+                else dataclasses.replace(
+                    big.linear,
+                    **{
+                        n: min(getattr(big.linear, n), 4 if "heads" in n else 8)
+                        for n in ("key_heads", "value_heads", "key_dim", "value_dim")
+                    },
+                ),
             )
         a.segment, a.prefill_marks, a.decode_batches, a.decode_steps = 128, [128, 256, 512], [1, 2], 3
         peak, sizes = matmul_peak(256), [1 << 20]

@@ -6,6 +6,7 @@ names the command below that prints it.
     python benchmarks/eval_tables.py protocols benchmarks/results/ruler-qwen-protocols/*
     python benchmarks/eval_tables.py formats benchmarks/results/kv-accuracy/*
     python benchmarks/eval_tables.py decode|prefill|state|memory FILE.json ...   # bench_model.py
+    python benchmarks/eval_tables.py before-after B-*.json A-*.json               # bench_model.py, a change
     python benchmarks/eval_tables.py kernels FILE.json ...                        # bench_kernels.py
     python benchmarks/eval_tables.py flashinfer|shared|recycled FILE.json ...     # and so on: COMMANDS below
 
@@ -33,6 +34,7 @@ import dataclasses
 import gzip
 import json
 import pathlib
+import statistics
 import sys
 
 from jcascade.eval import passkey, perplexity, report, ruler, stats
@@ -455,6 +457,32 @@ def prefill_table(paths: list[pathlib.Path]) -> str:
     return markdown(head, rows, ups and ("speed-up", ups))
 
 
+def before_after_table(paths: list[pathlib.Path]) -> str:
+    """bench_model.py before and after a change: files named B-*.json (before) and A-*.json (after), the two sides'
+    runs alternating on one GPU. Per shape and measure (a decode step per batch, a prefill per length): each side's
+    runs and the ratio after / before of their medians."""
+    sides, runs = {"B": {}, "A": {}}, []
+    for path in paths:
+        if path.name[:2] not in ("B-", "A-"):
+            raise SystemExit(f"{path}: name the files B-*.json (before the change) and A-*.json (after it)")
+        run = read(path)
+        runs.append(run)
+        shape, side = run.get("shape") or "8b", sides[path.name[0]]
+        for r in run.get("decode", []):
+            side.setdefault((shape, f"decode, batch {r['batch']}", "ms"), []).append(r["ms_per_step"])
+        for r in (run.get("prefill") or {}).get("rows", []):
+            side.setdefault((shape, f"prefill, {r['tokens']:,} tokens", "s"), []).append(r["seconds"])
+    rows = []
+    for key, before in sides["B"].items():
+        after = sides["A"].get(key)
+        if after:
+            runs_of = lambda xs: ", ".join(f"{x:.2f}" for x in xs) + f" {key[2]}"
+            ratio = statistics.median(after) / statistics.median(before)
+            rows.append([key[0], key[1], runs_of(before), runs_of(after), f"{ratio:.3f}"])
+    where = ", ".join(sorted({f"{gpu(run)}, {run['date']}" for run in runs}))
+    return f"{where}\n\n" + markdown(["shape", "measure", "before", "after", "after / before"], rows)
+
+
 def state_table(paths: list[pathlib.Path]) -> str:
     """The state a row holds (from the shapes: K/V in the run's format, scores, recurrent states), by layer type."""
     lines = ["| shape | KV | state | GB per row | of which, by layer type |", "|---" * 5 + "|"]
@@ -803,6 +831,7 @@ COMMANDS = {
     "formats": formats_table,
     "decode": decode_table,
     "prefill": prefill_table,
+    "before-after": before_after_table,
     "state": state_table,
     "memory": memory_table,
     "kernels": kernels_tables,

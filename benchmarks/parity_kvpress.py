@@ -131,7 +131,7 @@ def jcascade_kept(model, policy, ids) -> list[list[list[int]]]:
     from jcascade import generation
 
     state, _ = generation.prompt_cache(model.with_kernels(jc.Kernels("xla")), policy, jnp.asarray([ids]))
-    pos = np.asarray(jc.cached_positions(state))[:, 0]  # [L, H, slots]
+    pos = np.asarray(jc.cached_positions(state.cache))[:, 0]  # [L, H, slots]
     return [[sorted(p[p >= 0].tolist()) for p in layer] for layer in pos]
 
 

@@ -22,7 +22,15 @@ from jcascade.cache_state import CacheState, Scores, cached_kv, cached_positions
 from jcascade.checkpoint import load_stream, save_stream
 from jcascade.compilation import COMPILER_OPTIONS
 from jcascade.generation import generate, prefill, score
-from jcascade.models import CausalLM, ModelConfig, load_pretrained, load_tokenizer, read_config, save_converted
+from jcascade.models import (
+    CausalLM,
+    ModelConfig,
+    ModelState,
+    load_pretrained,
+    load_tokenizer,
+    read_config,
+    save_converted,
+)
 from jcascade.pallas_kernels import Kernels
 from jcascade.policies import (
     H2O,
@@ -58,6 +66,7 @@ __all__ = [
     "Kernels",
     "Llama3Scaling",
     "ModelConfig",
+    "ModelState",
     "Policy",
     "PyramidKV",
     "Recycled",

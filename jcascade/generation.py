@@ -24,10 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcascade import cache_state, checks, compilation
+from jcascade import checks, compilation
 from jcascade.checks import int_array
 from jcascade.models.config import ModelConfig
 from jcascade.models.decoder import CausalLM
+from jcascade.models.state import ModelState
 from jcascade.policies import Full, check_policy
 from jcascade.shared import share_prefix
 
@@ -105,7 +106,7 @@ def check_sharing(argument: str, policy=None, config: ModelConfig | None = None)
             f"{argument} does not support {type(policy).__name__} (its cache is chosen per request: it "
             "cannot be one frozen prefix shared by the rows)"
         )
-    if config is not None and (config.state_types != ("global",) or config.kv_shared_layers):
+    if config is not None and (set(config.types) != {"global"} or config.kv_shared_layers):
         raise ValueError(
             f"{argument} is not supported yet for models with sliding or linear layers (Gemma 3 and 4, "
             "Qwen3.5): it holds the prompt's cache as a shared prefix"
@@ -209,7 +210,7 @@ def _last_valid(hidden: jax.Array, n: jax.Array, fallback: jax.Array) -> jax.Arr
 def prefill(
     model: CausalLM,
     policy,
-    state: cache_state.CacheState,
+    state: ModelState,
     tokens: jax.Array,
     lengths: jax.Array,
     targets: jax.Array | None = None,
@@ -217,9 +218,10 @@ def prefill(
     config: ModelConfig | None = None,
 ):
     """Feeds right-padded tokens [B, S] in stride chunks (model: as `as_model` takes it, with `config`).
-    Returns the cache, the final hidden state at each row's last valid token [B, hidden] (zeros for rows with
-    length 0) and, when `targets` [B, S] is given, the log-probabilities f32 [B, S] of targets[:, t] after
-    tokens[:, :t + 1] (else None). Ids and lengths (in [0, S]) are checked as `generate` checks them."""
+    Returns the model's state (`ModelState`), the final hidden state at each row's last valid token [B, hidden]
+    (zeros for rows with length 0) and, when `targets` [B, S] is given, the log-probabilities f32 [B, S] of
+    targets[:, t] after tokens[:, :t + 1] (else None). Ids and lengths (in [0, S]) are checked as `generate` checks
+    them."""
     model = as_model(model, config)
     tokens, lengths, targets = _check_tokens(model, tokens, lengths, least=0, targets=targets)
     return _prefill(model, policy, state, tokens, lengths, targets)
@@ -248,7 +250,7 @@ def prompt_cache(
 def _prefill(
     model: CausalLM,
     policy,
-    state: cache_state.CacheState,
+    state: ModelState,
     tokens: jax.Array,
     lengths: jax.Array,
     targets: jax.Array | None = None,
@@ -306,7 +308,7 @@ def _shared_prompt(model: CausalLM, policy, tokens: jax.Array, lengths: jax.Arra
     level (layers stacked, keys rotated by the model's RoPE; `share_prefix`): the level and the prompt rows' last
     hidden states [P, hidden]."""
     state, last, _ = _prompt(model, policy, tokens, lengths, 0)
-    return jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope))(state), last
+    return jax.vmap(lambda layer: share_prefix(policy, layer, rope=model.config.rope))(state.cache), last
 
 
 def _after_context(
@@ -430,7 +432,7 @@ def _score(model, tokens, policy, lengths, prefix, context, context_lengths):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _DecodeState:
-    cache: cache_state.CacheState
+    cache: ModelState
     last: jax.Array  # int32 [B] the token to feed next
     out: jax.Array  # int32 [B, max_new_tokens]
     done: jax.Array  # bool [B]
@@ -588,7 +590,7 @@ def _generate(
 def decode(
     model: CausalLM,
     policy,
-    state: cache_state.CacheState,
+    state: ModelState,
     last_hidden: jax.Array,
     rng: jax.Array,
     *,

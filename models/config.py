@@ -4,6 +4,7 @@ SmolLM3 and OLMo 3 decoders, read from Hugging Face `config.json` files or GGUF 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any
@@ -32,42 +33,93 @@ INT32_MAX = 2**31 - 1  # sizes and counts are int32 inside
 
 
 @dataclasses.dataclass(frozen=True)
-class FamilyFeatures:
-    """What a family fixes in every model of it (`ModelConfig.features`; the decoder and the weight declarations test
-    these, never a name). The defaults are Llama's."""
+class Norms:
+    """The RMSNorms of a block: where they sit and how they scale (the defaults are Llama's)."""
 
-    pre_norms: bool = True  # an RMSNorm before the attention and before the MLP
-    post_norms: bool = False  # an RMSNorm after the attention and after the MLP, before each residual add
-    norm_plus_one: bool = False  # norms scale by (1 + w), not w
-    norm_scale_f32: bool = False  # norms multiply by their weight in float32, then cast back
-    embed_scaled: bool = False  # embeddings scaled by sqrt(hidden_size)
-    activation: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh"
-    qk_norm_full: bool = False  # q and k norms (`ModelConfig.qk_norm`) over all heads' features, not each head's
-    value_norm: bool = False  # values RMS-normed (no weight)
-    rope_proportional: bool = False  # a partial RoPE turns the first frequencies of a RoPE of the whole head (else
-    # the first dims turn as a RoPE of their width; `ModelConfig.rope`)
-    global_attention_weights: bool = False  # the global layers' attention weights apart from the sliding ones' (of
-    # their own head_dim and KV heads); k and v only on the layers that keep a cache
-    layer_scalar: bool = False  # each layer's output scaled by a learned scalar
+    pre: bool = True  # before the attention and before the MLP
+    post: bool = False  # after the attention and after the MLP, before each residual add
+    plus_one: bool = False  # scale by (1 + w), not w
+    scale_f32: bool = False  # multiply by the weight in float32, then cast back
+    qk: str | None = None  # RMSNorm of q and k before the rotation: None, over each head's features ("head") or over
+    # all heads' at once ("all")
+    values: bool = False  # values RMS-normed (no weight)
+
+    def __post_init__(self):
+        if self.qk not in (None, "head", "all"):
+            raise ValueError(f"Norms.qk must be None, 'head' or 'all', got {self.qk!r}")
 
 
-# Each family's features (`FamilyFeatures`), where they are not Llama's.
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """The rotary positions: the global layers' base and scaling, the sliding layers' base, and the share of a global
+    layer's head dims that rotate (`ModelConfig.rope`)."""
+
+    theta: float = 10000.0
+    scaling: Llama3Scaling | None = None
+    local_theta: float | None = None  # the sliding layers' base
+    fraction: float = 1.0  # the share of a global layer's head dims that rotate
+    proportional: bool = False  # that share of the frequencies of a RoPE of the whole head (else the first dims turn
+    # as a RoPE of their width)
+
+    def __post_init__(self):
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"Rotary.fraction must lie in (0, 1], got {self.fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """The attention layers' projections and scale; the global layers' own sizes and weights (Gemma 4)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    output_gate: bool = False  # a sigmoid gate on the attention output (Qwen3.5)
+    global_head_dim: int | None = None  # the global layers' head_dim (None: `ModelConfig.head_dim`)
+    global_kv_heads: int | None = None  # the global layers' KV heads (None: `ModelConfig.num_kv_heads`)
+    global_weights: bool = False  # the global layers' attention weights apart from the sliding ones'; k and v only
+    # on the layers that keep a cache
+    k_eq_v: bool = False  # the global layers' keys serve as their values
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet layers' heads, head dims and convolution kernel (Qwen3.5)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LinearAttention.{f.name} must be a positive int, got {value!r}")
+        if self.value_heads % self.key_heads:
+            raise ValueError(
+                f"LinearAttention.value_heads ({self.value_heads}) must be a multiple of key_heads ({self.key_heads})"
+            )
+
+
+# What each family fixes in every model of it (its translation sets these fields; the others vary by checkpoint)
 FAMILY_FEATURES = {
-    "gemma3": FamilyFeatures(
-        post_norms=True, norm_plus_one=True, norm_scale_f32=True, embed_scaled=True, activation="gelu_tanh"
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": dict(norms=Norms(qk="head")),
+    "smollm3": {},
+    "gemma3": dict(
+        norms=Norms(post=True, plus_one=True, scale_f32=True, qk="head"), activation="gelu_tanh", embed_scaled=True
     ),
-    "gemma4": FamilyFeatures(
-        post_norms=True,
-        norm_scale_f32=True,
-        embed_scaled=True,
+    "gemma4": dict(
+        norms=Norms(post=True, scale_f32=True, qk="head", values=True),
         activation="gelu_tanh",
-        value_norm=True,
-        rope_proportional=True,
-        global_attention_weights=True,
+        embed_scaled=True,
         layer_scalar=True,
     ),
-    "qwen3_5": FamilyFeatures(norm_plus_one=True),
-    "olmo3": FamilyFeatures(pre_norms=False, post_norms=True, norm_scale_f32=True, qk_norm_full=True),
+    "qwen3_5": dict(norms=Norms(plus_one=True, qk="head")),
+    "olmo3": dict(norms=Norms(pre=False, post=True, scale_f32=True, qk="all")),
 }
 
 
@@ -113,7 +165,11 @@ def _layer_names(config: dict[str, Any], source, default: list[str]) -> list[str
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # the family (a value of ARCHITECTURES): its `features`
+    """A decoder: its sizes, then its features in groups (norms, rotary positions, attention, the MLP's activation,
+    the linear layers) and per layer kind (`layer_types`, the window, NoPE and shared-KV layers). The translations
+    (`from_hf`, the GGUF reader) set every field; nothing outside them reads `architecture`, the family's name."""
+
+    architecture: str  # the family (a value of ARCHITECTURES), for messages
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -121,36 +177,23 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float
-    rope_scaling: Llama3Scaling | None
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 always; Llama and Qwen3 with attention_bias
-    o_bias: bool  # Llama and Qwen3 with attention_bias
     max_position_embeddings: int
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's features of q and k, before the rotation
+    tie_word_embeddings: bool
+    rms_norm_eps: float = 1e-6
+    norms: Norms = Norms()
+    rotary: Rotary = Rotary()
+    attention: Attention = Attention()
+    activation: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh"
+    linear: LinearAttention | None = None  # the Gated DeltaNet layers' sizes (with LINEAR layers)
     layer_types: tuple[str, ...] = ()  # GLOBAL, SLIDING or LINEAR per layer; () for all global
     sliding_window: int | None = None  # the tokens a sliding layer's query sees, itself included
-    rope_local_theta: float | None = None  # RoPE base of the sliding layers
-    query_scale: float | None = None  # attention scale (Gemma 3: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
-    partial_rotary_factor: float = 1.0  # the share of a global layer's head dims that rotate (Qwen3.5, Gemma 4)
     nope_layers: tuple[int, ...] = ()  # global layers whose attention rotates neither q nor k (SmolLM3)
-    # Qwen3.5: a sigmoid gate on the attention output; its Gated DeltaNet layers' heads, head dims and kernel
-    attention_output_gate: bool = False
-    linear_key_heads: int = 0
-    linear_value_heads: int = 0
-    linear_key_dim: int = 0
-    linear_value_dim: int = 0
-    linear_conv_kernel: int = 0
-    # Gemma 4: the global layers' head_dim and KV heads (None: as the sliding ones), keys reused as values on the
-    # global layers, the last layers reading the caches of earlier ones, per-layer input embeddings of this width
-    global_head_dim: int | None = None
-    global_kv_heads: int | None = None
-    k_eq_v: bool = False
-    kv_shared_layers: int = 0
-    per_layer_input_size: int = 0
-    per_layer_vocab_size: int = 0
-    final_logit_softcapping: float | None = None
+    kv_shared_layers: int = 0  # the last layers, each reading the cache of the last earlier layer of its type
+    embed_scaled: bool = False  # embeddings scaled by sqrt(hidden_size)
+    per_layer_input_size: int = 0  # per-layer input embeddings of this width (Gemma 4), from a table of
+    per_layer_vocab_size: int = 0  # this many tokens
+    layer_scalar: bool = False  # each layer's output scaled by a learned scalar
+    final_logit_softcapping: float | None = None  # logits soft-capped: cap * tanh(x / cap)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -170,6 +213,11 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        for name, kind in (("norms", Norms), ("rotary", Rotary), ("attention", Attention)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"ModelConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"ModelConfig.activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.layer_types and (
@@ -184,20 +232,10 @@ class ModelConfig:
                 f"ModelConfig.layer_types must name at least one {GLOBAL!r} layer (the layers the cache "
                 f"policy serves), got {self.layer_types!r}"
             )
-        if (
-            LINEAR in self.layer_types
-            and min(
-                self.linear_key_heads,
-                self.linear_value_heads,
-                self.linear_key_dim,
-                self.linear_value_dim,
-                self.linear_conv_kernel,
-            )
-            < 1
-        ):
+        if (LINEAR in self.layer_types) != isinstance(self.linear, LinearAttention):
             raise ValueError(
-                "linear layers need positive ModelConfig.linear_key_heads, linear_value_heads, "
-                "linear_key_dim, linear_value_dim and linear_conv_kernel"
+                "ModelConfig.linear (a LinearAttention) must be given exactly when layer_types has linear layers, "
+                f"got {self.linear!r}"
             )
         if any(
             isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers or self.types[i] != GLOBAL
@@ -207,13 +245,6 @@ class ModelConfig:
                 f"ModelConfig.nope_layers must be increasing indices of global layers (of {self.num_layers}), got "
                 f"{self.nope_layers!r}"
             )
-        if LINEAR in self.layer_types and self.linear_value_heads % self.linear_key_heads:
-            raise ValueError(
-                f"linear_value_heads ({self.linear_value_heads}) must be a multiple of linear_key_heads "
-                f"({self.linear_key_heads})"
-            )
-        if not 0 < self.partial_rotary_factor <= 1:
-            raise ValueError(f"ModelConfig.partial_rotary_factor must lie in (0, 1], got {self.partial_rotary_factor}")
         if not 0 <= self.kv_shared_layers < self.num_layers:
             raise ValueError(
                 f"ModelConfig.kv_shared_layers must lie in [0, {self.num_layers}), got {self.kv_shared_layers}"
@@ -225,17 +256,12 @@ class ModelConfig:
                 "whose cache it reads"
             )
         if SLIDING in self.layer_types and not (
-            isinstance(self.sliding_window, int) and self.sliding_window >= 2 and self.rope_local_theta
+            isinstance(self.sliding_window, int) and self.sliding_window >= 2 and self.rotary.local_theta
         ):
             raise ValueError(
-                "sliding layers need ModelConfig.sliding_window (an int >= 2) and rope_local_theta, got "
-                f"{self.sliding_window!r} and {self.rope_local_theta!r}"
+                "sliding layers need ModelConfig.sliding_window (an int >= 2) and rotary.local_theta, got "
+                f"{self.sliding_window!r} and {self.rotary.local_theta!r}"
             )
-
-    @property
-    def features(self) -> FamilyFeatures:
-        """What the family fixes (`FAMILY_FEATURES`; Llama's where it names none)."""
-        return FAMILY_FEATURES.get(self.architecture, FamilyFeatures())
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -245,12 +271,6 @@ class ModelConfig:
     @property
     def sliding_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.types) if t == SLIDING)
-
-    @property
-    def state_types(self) -> tuple[str, ...]:
-        """The layer types with a state, in the order of a model's cache tuple: GLOBAL (the policy's KV cache)
-        first, then SLIDING (a window cache), then LINEAR (recurrent states)."""
-        return tuple(t for t in (GLOBAL, SLIDING, LINEAR) if t in self.types)
 
     def reads_from(self, layer: int) -> int:
         """The layer whose cache `layer` attends to: itself, or for one of the last `kv_shared_layers` the last
@@ -265,31 +285,28 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.types) if t == layer_type and self.reads_from(i) == i)
 
     def kv_heads(self, layer_type: str) -> int:
-        return self.global_kv_heads or self.num_kv_heads if layer_type == GLOBAL else self.num_kv_heads
+        return self.attention.global_kv_heads or self.num_kv_heads if layer_type == GLOBAL else self.num_kv_heads
 
     def head_size(self, layer_type: str) -> int:
-        return self.global_head_dim or self.head_dim if layer_type == GLOBAL else self.head_dim
+        return self.attention.global_head_dim or self.head_dim if layer_type == GLOBAL else self.head_dim
 
     @property
     def local_rope(self) -> RoPE:
-        return RoPE(self.rope_local_theta)
+        return RoPE(self.rotary.local_theta)
 
     @property
     def rope(self) -> RoPE:
-        """The global layers' RoPE (`nope_layers` rotate nothing). Partial: the first `partial_rotary_factor` of the
-        head dims rotate as a RoPE of that width (the decoder moves them into rotate-half pairs, `_rotary_order`);
-        with `features.rope_proportional`, that share of the head's frequencies, the rest 0."""
-        if self.partial_rotary_factor == 1:
-            return RoPE(self.rope_theta, self.rope_scaling)
+        """The global layers' RoPE (`nope_layers` rotate nothing). Partial: the first `rotary.fraction` of the head
+        dims rotate as a RoPE of that width (the attention layers move them into rotate-half pairs,
+        `layers.projections.rotary_order`); with `rotary.proportional`, that share of the head's frequencies, the
+        rest 0."""
+        r = self.rotary
+        if r.fraction == 1:
+            return RoPE(r.theta, r.scaling)
         head_dim = self.head_size(GLOBAL)
-        if self.features.rope_proportional:
-            return RoPE(
-                self.rope_theta,
-                self.rope_scaling,
-                rotary_dim=2 * int(self.partial_rotary_factor * head_dim // 2),
-                proportional=True,
-            )
-        return RoPE(self.rope_theta, self.rope_scaling, rotary_dim=int(head_dim * self.partial_rotary_factor))
+        if r.proportional:
+            return RoPE(r.theta, r.scaling, rotary_dim=2 * int(r.fraction * head_dim // 2), proportional=True)
+        return RoPE(r.theta, r.scaling, rotary_dim=int(head_dim * r.fraction))
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -318,16 +335,49 @@ class ModelConfig:
             if not isinstance(config.get("text_config"), dict):
                 raise ValueError(f"{source}: the required field 'text_config' is missing")
             config, source = config["text_config"], f"{source} (text_config)"
+        family = {"gemma3": cls._gemma3, "gemma4": cls._gemma4, "qwen3_5": cls._qwen3_5, "olmo3": cls._olmo3}
+        return family.get(arch, functools.partial(cls._llama, arch))(config, source)
+
+    @classmethod
+    def _of(
+        cls,
+        arch: str,
+        config: dict[str, Any],
+        source: str,
+        *,
+        head_dim=None,
+        positions=2048,
+        tied=False,
+        eps=1e-6,
+        **fields,
+    ) -> ModelConfig:
+        """A config of family `arch`: the fields every family reads alike from `config` (sizes, norm epsilon,
+        positions, tied embeddings, bos and eos; `head_dim`, `positions`, `tied` and `eps`: the family's defaults), the
+        family's `FAMILY_FEATURES`, and `fields`, the family's own."""
         field = lambda name, kind=int: required(config, name, source, kind)
-        if arch == "gemma3":
-            return cls._gemma3(config, field, source)
-        if arch == "gemma4":
-            return cls._gemma4(config, field, source)
-        if arch == "qwen3_5":
-            return cls._qwen3_5(config, field, source)
-        if arch == "olmo3":
-            return cls._olmo3(config, field, source)
-        smollm3 = arch == "smollm3"  # Llama's layers, some without rotary positions (`_nope_layers`)
+        get = lambda name, default, kind=int: optional(config, name, source, default, kind)
+        heads = field("num_attention_heads")
+        return cls(
+            architecture=arch,
+            vocab_size=field("vocab_size"),
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_layers=field("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads", heads),
+            head_dim=get("head_dim", head_dim or field("hidden_size") // heads),
+            max_position_embeddings=get("max_position_embeddings", positions),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", tied)),
+            rms_norm_eps=get("rms_norm_eps", eps, float),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_eos(config),
+            **FAMILY_FEATURES[arch] | fields,
+        )
+
+    @classmethod
+    def _llama(cls, arch: str, config: dict[str, Any], source: str) -> ModelConfig:
+        """Llama, Mistral, Qwen2, Qwen3 and SmolLM3 (Llama's layers, some without rotary positions: `_nope_layers`)."""
+        smollm3 = arch == "smollm3"
         rope_params = dict(config.get("rope_parameters") or {})
         theta = config.get("rope_theta", rope_params.get("rope_theta", 2e6 if smollm3 else 10000.0))
         scaling = config.get("rope_scaling") or rope_params or None
@@ -346,33 +396,20 @@ class ModelConfig:
                 "(Mistral's sliding-window attention is not implemented; models with "
                 "sliding_window null, such as Mistral-7B v0.2 and later, load)"
             )
-        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
-        attention_bias = bool(config.get("attention_bias", False))
-        eos = config.get("eos_token_id")
-        return cls(
-            architecture=arch,
-            vocab_size=field("vocab_size"),
-            hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or field("hidden_size") // heads,
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", smollm3)),
-            qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch != "qwen2" and attention_bias,
-            max_position_embeddings=positions,
-            qk_norm=arch == "qwen3",
-            nope_layers=_nope_layers(config, source, layers) if smollm3 else (),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        bias = bool(config.get("attention_bias", False))
+        return cls._of(
+            arch,
+            config,
+            source,
+            positions=32768 if smollm3 else 2048,
+            tied=smollm3,
+            rotary=Rotary(float(theta), scaling),
+            attention=Attention(qkv_bias=arch == "qwen2" or bias, o_bias=arch != "qwen2" and bias),
+            nope_layers=_nope_layers(config, source, required(config, "num_hidden_layers", source)) if smollm3 else (),
         )
 
     @classmethod
-    def _gemma3(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
+    def _gemma3(cls, config: dict[str, Any], source: str) -> ModelConfig:
         """Gemma 3's text config (model_type gemma3_text): sliding and global layers by `layer_types`."""
         per_type = config.get("rope_parameters") or {}  # transformers 5: one entry per layer type
         full = per_type.get("full_attention") or {
@@ -391,49 +428,33 @@ class ModelConfig:
                 raise ValueError(f"unsupported config.json: {name}={config[name]} (Gemma 3 has none)")
         if config.get("use_bidirectional_attention"):
             raise ValueError("unsupported config.json: use_bidirectional_attention=true")
-        if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"unsupported config.json: hidden_activation={config['hidden_activation']!r} "
-                "(supported: gelu_pytorch_tanh)"
-            )
-        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
+        _check_gelu_tanh(config, source)
+        layers = required(config, "num_hidden_layers", source)
         pattern = config.get("sliding_window_pattern", 6)
         names = config.get("layer_types") or [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
         ]
-        unknown = sorted(set(names) - {"sliding_attention", "full_attention"})
-        if unknown:
-            raise ValueError(
-                f"unsupported layer types {unknown} in config.json (supported: sliding_attention, full_attention)"
-            )
-        eos = config.get("eos_token_id")
-        return cls(
-            architecture="gemma3",
-            vocab_size=field("vocab_size"),
-            hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or field("hidden_size") // heads,
-            rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
-            rope_scaling=None,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            qkv_bias=bool(config.get("attention_bias", False)),
-            o_bias=bool(config.get("attention_bias", False)),
-            max_position_embeddings=config.get("max_position_embeddings", 131072),
-            qk_norm=True,
+        _check_layer_types(names, {"sliding_attention": SLIDING, "full_attention": GLOBAL}, "config.json")
+        bias = bool(config.get("attention_bias", False))
+        return cls._of(
+            "gemma3",
+            config,
+            source,
+            positions=131072,
+            tied=True,
+            rotary=Rotary(
+                required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
+                local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
+            ),
+            attention=Attention(
+                qkv_bias=bias, o_bias=bias, query_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5
+            ),
             layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
             sliding_window=config.get("sliding_window", 4096),
-            rope_local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
-            query_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )
 
     @classmethod
-    def _qwen3_5(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
+    def _qwen3_5(cls, config: dict[str, Any], source: str) -> ModelConfig:
         """Qwen3.5's text config (model_type qwen3_5_text): Gated DeltaNet layers and gated full-attention ones by
         `layer_types` (default: every `full_attention_interval`-th layer full)."""
         rope = {
@@ -449,44 +470,36 @@ class ModelConfig:
         for name, supported in (("attention_bias", False), ("hidden_act", "silu")):
             if config.get(name, supported) != supported:
                 raise ValueError(f"unsupported {source}: {name}={config[name]!r} (supported: {supported!r})")
-        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
-        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)
+        layers = required(config, "num_hidden_layers", source)
+        get = lambda name, default: optional(config, name, source, default)
         interval = get("full_attention_interval", 4)
         names = _layer_names(
             config, source, ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
         )
         _check_layer_types(names, {"full_attention": GLOBAL, "linear_attention": LINEAR}, source)
-        return cls(
-            architecture="qwen3_5",
-            vocab_size=field("vocab_size"),
-            hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=get("num_key_value_heads", heads),
-            head_dim=get("head_dim", 256),
-            rope_theta=required(rope, "rope_theta", f"{source} (rope_parameters)", float),
-            rope_scaling=None,
-            partial_rotary_factor=required(rope, "partial_rotary_factor", f"{source} (rope_parameters)", float),
-            rms_norm_eps=get("rms_norm_eps", 1e-6, float),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=False,
-            o_bias=False,
-            max_position_embeddings=get("max_position_embeddings", 32768),
-            qk_norm=True,
+        return cls._of(
+            "qwen3_5",
+            config,
+            source,
+            head_dim=256,
+            positions=32768,
+            rotary=Rotary(
+                required(rope, "rope_theta", f"{source} (rope_parameters)", float),
+                fraction=required(rope, "partial_rotary_factor", f"{source} (rope_parameters)", float),
+            ),
+            attention=Attention(output_gate=True),
             layer_types=tuple(GLOBAL if n == "full_attention" else LINEAR for n in names),
-            attention_output_gate=True,
-            linear_key_heads=get("linear_num_key_heads", 16),
-            linear_value_heads=get("linear_num_value_heads", 32),
-            linear_key_dim=get("linear_key_head_dim", 128),
-            linear_value_dim=get("linear_value_head_dim", 128),
-            linear_conv_kernel=get("linear_conv_kernel_dim", 4),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=_eos(config),
+            linear=LinearAttention(
+                key_heads=get("linear_num_key_heads", 16),
+                value_heads=get("linear_num_value_heads", 32),
+                key_dim=get("linear_key_head_dim", 128),
+                value_dim=get("linear_value_head_dim", 128),
+                conv_kernel=get("linear_conv_kernel_dim", 4),
+            ),
         )
 
     @classmethod
-    def _gemma4(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
+    def _gemma4(cls, config: dict[str, Any], source: str) -> ModelConfig:
         """Gemma 4's text config (model_type gemma4_text), dense: sliding and full layers by `layer_types` (the
         last always full), the full layers' own head_dim and KV heads, k = v, KV sharing, per-layer inputs."""
         for name in ("enable_moe_block", "use_double_wide_mlp", "use_bidirectional_attention", "attention_bias"):
@@ -495,12 +508,8 @@ class ModelConfig:
                     f"unsupported {source}: {name}={config[name]!r} (jcascade runs Gemma 4's dense text "
                     "model: no MoE block, no double-wide MLP, causal attention, no attention bias)"
                 )
-        if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"unsupported {source}: hidden_activation={config['hidden_activation']!r} "
-                "(supported: gelu_pytorch_tanh)"
-            )
-        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
+        _check_gelu_tanh(config, source)
+        layers = required(config, "num_hidden_layers", source)
         get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)
         names = list(
             _layer_names(
@@ -530,49 +539,45 @@ class ModelConfig:
             "num_key_value_heads", get("num_global_key_value_heads", None) if config.get("attention_k_eq_v") else None
         )
         per_layer = get("hidden_size_per_layer_input", 0, least=0)
-        return cls(
-            architecture="gemma4",
-            vocab_size=field("vocab_size"),
-            hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=get("num_key_value_heads", heads),
-            head_dim=get("head_dim", 256),
-            rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
-            rope_scaling=None,
-            partial_rotary_factor=float(full.get("partial_rotary_factor", 1.0))
-            if full.get("rope_type") == "proportional"
-            else 1.0,
-            rms_norm_eps=get("rms_norm_eps", 1e-6, float),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            qkv_bias=False,
-            o_bias=False,
-            max_position_embeddings=get("max_position_embeddings", 131072),
-            qk_norm=True,
+        return cls._of(
+            "gemma4",
+            config,
+            source,
+            head_dim=256,
+            positions=131072,
+            tied=True,
+            rotary=Rotary(
+                required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
+                local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
+                fraction=float(full.get("partial_rotary_factor", 1.0))
+                if full.get("rope_type") == "proportional"
+                else 1.0,
+                proportional=True,
+            ),
+            attention=Attention(
+                query_scale=1.0,
+                global_head_dim=global_head_dim,
+                global_kv_heads=global_kv,
+                global_weights=True,
+                k_eq_v=bool(config.get("attention_k_eq_v", False)),
+            ),
             layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
             sliding_window=get("sliding_window", 512),
-            rope_local_theta=required(local, "rope_theta", f"{source} (rope_parameters.sliding_attention)", float),
-            query_scale=1.0,
-            global_head_dim=global_head_dim,
-            global_kv_heads=global_kv,
-            k_eq_v=bool(config.get("attention_k_eq_v", False)),
             kv_shared_layers=get("num_kv_shared_layers", 0, least=0),
             per_layer_input_size=per_layer,
-            per_layer_vocab_size=get("vocab_size_per_layer_input", field("vocab_size")) if per_layer else 0,
+            per_layer_vocab_size=get("vocab_size_per_layer_input", required(config, "vocab_size", source))
+            if per_layer
+            else 0,
             final_logit_softcapping=get("final_logit_softcapping", None, float),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=_eos(config),
         )
 
     @classmethod
-    def _olmo3(cls, config: dict[str, Any], field, source: str) -> ModelConfig:
+    def _olmo3(cls, config: dict[str, Any], source: str) -> ModelConfig:
         """OLMo 3's config (model_type olmo3): sliding and full layers by `layer_types` (default: every 4th full),
         a RoPE per layer type (llama3 scaling on the full ones), and the features of `FAMILY_FEATURES["olmo3"]`."""
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported {source}: hidden_act={config['hidden_act']!r} (supported: 'silu')")
-        layers, heads = field("num_hidden_layers"), field("num_attention_heads")
-        get = lambda name, default, kind=int, least=1: optional(config, name, source, default, kind, least)
+        layers = required(config, "num_hidden_layers", source)
         names = _layer_names(
             config, source, ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]
         )
@@ -587,29 +592,27 @@ class ModelConfig:
                 f"unsupported rope scaling {local.get('rope_type', local.get('type'))!r} of the sliding layers in "
                 f"{where} (supported: default)"
             )
-        attention_bias = bool(config.get("attention_bias", False))
-        return cls(
-            architecture="olmo3",
-            vocab_size=field("vocab_size"),
-            hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=get("num_key_value_heads", heads),
-            head_dim=get("head_dim", field("hidden_size") // heads),
-            rope_theta=required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
-            rope_scaling=_rope_scaling(full, f"{source} (rope_parameters.full_attention)"),
-            rms_norm_eps=get("rms_norm_eps", 1e-5, float),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias,
-            o_bias=attention_bias,
-            max_position_embeddings=get("max_position_embeddings", 2048),
-            qk_norm=True,
+        bias = bool(config.get("attention_bias", False))
+        return cls._of(
+            "olmo3",
+            config,
+            source,
+            rotary=Rotary(
+                required(full, "rope_theta", f"{source} (rope_parameters.full_attention)", float),
+                _rope_scaling(full, f"{source} (rope_parameters.full_attention)"),
+                local_theta=required(local, "rope_theta", where, float),
+            ),
+            attention=Attention(qkv_bias=bias, o_bias=bias),
             layer_types=tuple(SLIDING if n == "sliding_attention" else GLOBAL for n in names),
-            sliding_window=get("sliding_window", 4096),
-            rope_local_theta=required(local, "rope_theta", where, float),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=_eos(config),
+            sliding_window=optional(config, "sliding_window", source, 4096),
+            eps=1e-5,
+        )
+
+
+def _check_gelu_tanh(config: dict[str, Any], source: str) -> None:
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"unsupported {source}: hidden_activation={config['hidden_activation']!r} (supported: gelu_pytorch_tanh)"
         )
 
 

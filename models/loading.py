@@ -10,15 +10,27 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jcascade.models.config import GLOBAL, LINEAR, SLIDING, ModelConfig, required
+from jcascade.models.config import (
+    FAMILY_FEATURES,
+    GLOBAL,
+    LINEAR,
+    SLIDING,
+    Attention,
+    LinearAttention,
+    ModelConfig,
+    Norms,
+    Rotary,
+    required,
+)
 from jcascade.models.decoder import CausalLM, on_mesh
 from jcascade.models.weights import Weight, declarations, weight_shapes
 
 from jcascade.rope import Llama3Scaling
 
 CONVERTED_CONFIG = "jcascade-config.json"
-# How `save_converted` stores the weights: 2 since q/k/v and gate/up are stored joined (`models.weights.FUSED`).
-CONVERTED_LAYOUT = 2
+# How `save_converted` stores the model: 2 since q/k/v and gate/up are stored joined (`models.weights.FUSED`), 3
+# since the config's features are grouped (`ModelConfig.norms`, `rotary`, `attention`, `linear`).
+CONVERTED_LAYOUT = 3
 
 
 def _collect(cfg: ModelConfig, files: dict[str, str], read, source: str) -> dict[str, np.ndarray]:
@@ -165,9 +177,10 @@ def _untile_value_heads(w: np.ndarray, cfg: ModelConfig, axis: int, after_qk: bo
     """llama.cpp stores the value heads tiled (head j * Hk + g of the file is Hugging Face's head g * r + j, r value
     heads per key head g); back to Hugging Face's grouped order."""
     w = np.moveaxis(w, axis, 0)
-    start = 2 * cfg.linear_key_heads * cfg.linear_key_dim if after_qk else 0
+    sizes = cfg.linear
+    start = 2 * sizes.key_heads * sizes.key_dim if after_qk else 0
     v = w[start:]
-    v = v.reshape(cfg.linear_value_heads // cfg.linear_key_heads, cfg.linear_key_heads, -1, *v.shape[1:])
+    v = v.reshape(sizes.value_heads // sizes.key_heads, sizes.key_heads, -1, *v.shape[1:])
     return np.moveaxis(np.concatenate([w[:start], v.swapaxes(0, 1).reshape(w[start:].shape)]), 0, axis)
 
 
@@ -185,11 +198,11 @@ def read_gguf(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     def read(name: str, ours: str, declared: Weight) -> np.ndarray:
         t = tensors[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        if cfg.features.norm_plus_one and name.endswith("norm.weight") and ours != "lin_norm":
+        if cfg.norms.plus_one and name.endswith("norm.weight") and ours != "lin_norm":
             w = w - 1.0
         if ours == "lin_a_log":
             w = np.log(-w)
-        if ours in _QWEN35_VALUE_HEADS and cfg.linear_key_heads != cfg.linear_value_heads:
+        if ours in _QWEN35_VALUE_HEADS and cfg.linear.key_heads != cfg.linear.value_heads:
             w = _untile_value_heads(w, cfg, *_QWEN35_VALUE_HEADS[ours])
         heads = declared.gguf_interleaved if interleaved else None
         return w if heads is None else _unpermute(w, cfg.num_heads if heads == "q" else cfg.num_kv_heads)
@@ -232,8 +245,10 @@ _GGUF_ARCHITECTURES = {
     "gemma3": "gemma3",
     "qwen35": "qwen3_5",
     "gemma4": "gemma4",
+    "smollm3": "smollm3",
+    "olmo2": "olmo3",
 }  # GGUF's name -> ours
-_GGUF_INTERLEAVED = ("llama",)  # where llama.cpp's converter interleaves the rotary halves of Q/K rows
+_GGUF_INTERLEAVED = ("llama", "smollm3")  # where llama.cpp's converter interleaves the rotary halves of Q/K rows
 
 
 def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
@@ -251,8 +266,19 @@ def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
         raise ValueError(f"{path}: mixture-of-experts layers ({experts[0]}, ...) are not supported")
     if "rope_freqs.weight" in tensors and arch != "gemma4":
         raise ValueError(f"{path}: GGUF rope frequency factors (llama3 scaling) are not supported")
-    family = {"gemma3": _gemma3_fields, "qwen35": _qwen35_fields, "gemma4": _gemma4_fields}.get(arch)
+    family = {
+        "gemma3": _gemma3_fields,
+        "qwen35": _qwen35_fields,
+        "gemma4": _gemma4_fields,
+        "smollm3": _smollm3_fields,
+        "olmo2": _olmo2_fields,
+    }.get(arch)
     fields = family(field, get, tensors, path) if family else {}
+    groups = {  # the groups' fields common to every family, then the family's own (`fields`' dicts of them)
+        "rotary": Rotary(float(get("rope.freq_base", 10000.0))),
+        "attention": Attention(qkv_bias="blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors),
+    }
+    groups = {name: dataclasses.replace(group, **fields.pop(name, {})) for name, group in groups.items()}
     heads = field("attention.head_count")
     hidden = field("embedding_length")
     vocab_tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -269,16 +295,13 @@ def _gguf_config(reader, path: pathlib.Path) -> ModelConfig:
             "num_heads": heads,
             "num_kv_heads": get("attention.head_count_kv", heads),
             "head_dim": int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
-            "rope_theta": float(get("rope.freq_base", 10000.0)),
-            "rope_scaling": None,
             "rms_norm_eps": field("attention.layer_norm_rms_epsilon", float),
             "tie_word_embeddings": "output.weight" not in tensors,
-            "qkv_bias": "blk.0.attn_q.bias" in tensors,
-            "o_bias": "blk.0.attn_output.bias" in tensors,
-            "qk_norm": "blk.0.attn_q_norm.weight" in tensors,
             "max_position_embeddings": int(get("context_length", 2048)),
             "bos_token_id": None if bos is None else int(bos.contents()),
             "eos_token_ids": () if eos is None else (int(eos.contents()),),
+            **FAMILY_FEATURES[_GGUF_ARCHITECTURES[arch]],
+            **groups,
             **fields,
         }
     )
@@ -290,7 +313,28 @@ def _gemma3_fields(field, get, tensors, path) -> dict:
     return dict(
         layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)),
         sliding_window=field("attention.sliding_window"),
-        rope_local_theta=10000.0,
+        rotary=dict(local_theta=10000.0),
+    )
+
+
+def _smollm3_fields(field, get, tensors, path) -> dict:
+    """As llama.cpp runs SmolLM3: every 4th layer without rotary positions (its files do not record the interval)."""
+    return dict(nope_layers=tuple(i for i in range(field("block_count")) if (i + 1) % 4 == 0))
+
+
+def _olmo2_fields(field, get, tensors, path) -> dict:
+    """OLMo 3 (llama.cpp's olmo2 with a sliding window), as llama.cpp runs it: every 4th layer full, one RoPE base
+    for both layer types. An olmo2 file without a sliding window (OLMo 2) is refused."""
+    window = get("attention.sliding_window")
+    if not window:
+        raise ValueError(
+            f"{path}: an olmo2 file without olmo2.attention.sliding_window (OLMo 2) is not supported; OLMo 3 loads"
+        )
+    layers = field("block_count")
+    return dict(
+        layer_types=tuple(GLOBAL if (i + 1) % 4 == 0 else SLIDING for i in range(layers)),
+        sliding_window=int(window),
+        rotary=dict(local_theta=float(get("rope.freq_base", 10000.0))),
     )
 
 
@@ -307,14 +351,15 @@ def _qwen35_fields(field, get, tensors, path) -> dict:
         num_layers=layers,
         layer_types=tuple(LINEAR if r else GLOBAL for r in recurrent[:layers]),
         head_dim=head_dim,
-        partial_rotary_factor=field("rope.dimension_count") / head_dim,
-        qk_norm=True,
-        attention_output_gate=True,
-        linear_key_heads=field("ssm.group_count"),
-        linear_value_heads=value_heads,
-        linear_key_dim=field("ssm.state_size"),
-        linear_value_dim=field("ssm.inner_size") // value_heads,
-        linear_conv_kernel=field("ssm.conv_kernel"),
+        rotary=dict(fraction=field("rope.dimension_count") / head_dim),
+        attention=dict(output_gate=True),
+        linear=LinearAttention(
+            key_heads=field("ssm.group_count"),
+            value_heads=value_heads,
+            key_dim=field("ssm.state_size"),
+            value_dim=field("ssm.inner_size") // value_heads,
+            conv_kernel=field("ssm.conv_kernel"),
+        ),
     )
 
 
@@ -352,14 +397,19 @@ def _gemma4_fields(field, get, tensors, path) -> dict:
         layer_types=tuple(types),
         head_dim=field("attention.key_length_swa"),
         num_kv_heads=kv[types.index(SLIDING) if SLIDING in types else 0],
-        global_head_dim=global_dim,
-        global_kv_heads=kv[first_global] if k_eq_v else None,
-        k_eq_v=k_eq_v,
-        partial_rotary_factor=2 * rotating / global_dim,
-        qk_norm=True,
-        query_scale=1.0,
+        attention=dict(
+            query_scale=1.0,
+            global_head_dim=global_dim,
+            global_kv_heads=kv[first_global] if k_eq_v else None,
+            global_weights=True,
+            k_eq_v=k_eq_v,
+        ),
+        rotary=dict(
+            fraction=2 * rotating / global_dim,
+            proportional=True,
+            local_theta=field("rope.freq_base_swa", float),
+        ),
         sliding_window=field("attention.sliding_window"),
-        rope_local_theta=field("rope.freq_base_swa", float),
         kv_shared_layers=int(get("attention.shared_kv_layers", 0)),
         per_layer_input_size=ple,
         per_layer_vocab_size=int(table.shape[-1]) if ple and table is not None else 0,
@@ -397,10 +447,12 @@ def _converted_config(directory: pathlib.Path) -> ModelConfig:
             f"{directory}: converted by another jcascade (weights layout {layout}, this one reads "
             f"{CONVERTED_LAYOUT}); delete it and convert (or fetch) it again"
         )
-    raw["rope_scaling"] = None if raw["rope_scaling"] is None else Llama3Scaling(**raw["rope_scaling"])
-    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-    raw["layer_types"] = tuple(raw.get("layer_types", ()))  # (absent from checkpoints converted before Gemma 3)
-    raw["nope_layers"] = tuple(raw.get("nope_layers", ()))
+    scaling = raw["rotary"]["scaling"]
+    raw["rotary"] = Rotary(**raw["rotary"] | {"scaling": None if scaling is None else Llama3Scaling(**scaling)})
+    raw["norms"], raw["attention"] = Norms(**raw["norms"]), Attention(**raw["attention"])
+    raw["linear"] = None if raw["linear"] is None else LinearAttention(**raw["linear"])
+    for name in ("eos_token_ids", "layer_types", "nope_layers"):
+        raw[name] = tuple(raw[name])
     return ModelConfig(**raw)
 
 

@@ -104,7 +104,7 @@ WEIGHTS: dict[str, Weight] = {
         (None,),
         "model.layers.{i}.input_layernorm.weight",
         "blk.{i}.attn_norm.weight",
-        needed=lambda c: c.features.pre_norms,
+        needed=lambda c: c.norms.pre,
     ),
     "wq": Weight(
         lambda c: (c.hidden_size, _q(c)),
@@ -129,26 +129,36 @@ WEIGHTS: dict[str, Weight] = {
         "blk.{i}.attn_v.weight",
         transposed=True,
     ),
-    "bq": Weight(lambda c: (_q(c),), ("q",), _ATTN + "q_proj.bias", "blk.{i}.attn_q.bias", needed=lambda c: c.qkv_bias),
+    "bq": Weight(
+        lambda c: (_q(c),), ("q",), _ATTN + "q_proj.bias", "blk.{i}.attn_q.bias", needed=lambda c: c.attention.qkv_bias
+    ),
     "bk": Weight(
-        lambda c: (_kv(c),), ("kv",), _ATTN + "k_proj.bias", "blk.{i}.attn_k.bias", needed=lambda c: c.qkv_bias
+        lambda c: (_kv(c),),
+        ("kv",),
+        _ATTN + "k_proj.bias",
+        "blk.{i}.attn_k.bias",
+        needed=lambda c: c.attention.qkv_bias,
     ),
     "bv": Weight(
-        lambda c: (_kv(c),), ("kv",), _ATTN + "v_proj.bias", "blk.{i}.attn_v.bias", needed=lambda c: c.qkv_bias
+        lambda c: (_kv(c),),
+        ("kv",),
+        _ATTN + "v_proj.bias",
+        "blk.{i}.attn_v.bias",
+        needed=lambda c: c.attention.qkv_bias,
     ),
     "q_norm": Weight(
         lambda c: (c.head_dim,),
         ("head_dim",),
         _ATTN + "q_norm.weight",
         "blk.{i}.attn_q_norm.weight",
-        needed=lambda c: c.qk_norm,
+        needed=lambda c: c.norms.qk is not None,
     ),
     "k_norm": Weight(
         lambda c: (c.head_dim,),
         ("head_dim",),
         _ATTN + "k_norm.weight",
         "blk.{i}.attn_k_norm.weight",
-        needed=lambda c: c.qk_norm,
+        needed=lambda c: c.norms.qk is not None,
     ),
     "wo": Weight(
         lambda c: (_q(c), c.hidden_size),
@@ -162,14 +172,14 @@ WEIGHTS: dict[str, Weight] = {
         ("embed",),
         _ATTN + "o_proj.bias",
         "blk.{i}.attn_output.bias",
-        needed=lambda c: c.o_bias,
+        needed=lambda c: c.attention.o_bias,
     ),
     "mlp_norm": Weight(
         lambda c: (c.hidden_size,),
         (None,),
         "model.layers.{i}.post_attention_layernorm.weight",
         "blk.{i}.ffn_norm.weight",
-        needed=lambda c: c.features.pre_norms,
+        needed=lambda c: c.norms.pre,
     ),
     "w_gate": Weight(
         lambda c: (c.hidden_size, c.intermediate_size),
@@ -212,12 +222,12 @@ POST_NORMS: dict[str, Weight] = {
         "blk.{i}.post_ffw_norm.weight",
     ),
 }
-# q and k norms over all heads' features at once (`FamilyFeatures.qk_norm_full`: OLMo 3).
+# q and k norms over all heads' features at once (`Norms.qk` "all": OLMo 3).
 QK_NORM_FULL: dict[str, Weight] = {
     "q_norm": dataclasses.replace(WEIGHTS["q_norm"], shape=lambda c: (_q(c),), axes=(None,)),
     "k_norm": dataclasses.replace(WEIGHTS["k_norm"], shape=lambda c: (_kv(c),), axes=(None,)),
 }
-# A sigmoid gate on the attention output (`ModelConfig.attention_output_gate`: Qwen3.5): q_proj holds each head's
+# A sigmoid gate on the attention output (`Attention.output_gate`: Qwen3.5): q_proj holds each head's
 # query, then its gate.
 OUTPUT_GATE: dict[str, Weight] = {
     "wq": dataclasses.replace(WEIGHTS["wq"], hf_half=0, gguf_interleaved=None),
@@ -243,7 +253,7 @@ _LINEAR = "model.layers.{i}.linear_attn."
 
 def _lin(c: ModelConfig) -> int:
     """The Gated DeltaNet's q | k | v channels."""
-    return 2 * c.linear_key_heads * c.linear_key_dim + c.linear_value_heads * c.linear_value_dim
+    return 2 * c.linear.key_heads * c.linear.key_dim + c.linear.value_heads * c.linear.value_dim
 
 
 # Gated DeltaNet on the LINEAR layers (Qwen3.5; llama.cpp's qwen35 names); every layer's norms and MLP as Llama's
@@ -259,7 +269,7 @@ LINEAR_LAYERS: dict[str, Weight] = {
         transposed=True,
     ),
     "lin_z": Weight(
-        lambda c: (c.hidden_size, c.linear_value_heads * c.linear_value_dim),
+        lambda c: (c.hidden_size, c.linear.value_heads * c.linear.value_dim),
         ("embed", None),
         _LINEAR + "in_proj_z.weight",
         "blk.{i}.attn_gate.weight",
@@ -267,7 +277,7 @@ LINEAR_LAYERS: dict[str, Weight] = {
         transposed=True,
     ),
     "lin_b": Weight(
-        lambda c: (c.hidden_size, c.linear_value_heads),
+        lambda c: (c.hidden_size, c.linear.value_heads),
         ("embed", None),
         _LINEAR + "in_proj_b.weight",
         "blk.{i}.ssm_beta.weight",
@@ -275,7 +285,7 @@ LINEAR_LAYERS: dict[str, Weight] = {
         transposed=True,
     ),
     "lin_a": Weight(
-        lambda c: (c.hidden_size, c.linear_value_heads),
+        lambda c: (c.hidden_size, c.linear.value_heads),
         ("embed", None),
         _LINEAR + "in_proj_a.weight",
         "blk.{i}.ssm_alpha.weight",
@@ -283,7 +293,7 @@ LINEAR_LAYERS: dict[str, Weight] = {
         transposed=True,
     ),
     "lin_conv": Weight(
-        lambda c: (_lin(c), c.linear_conv_kernel),
+        lambda c: (_lin(c), c.linear.conv_kernel),
         (None, None),
         _LINEAR + "conv1d.weight",
         "blk.{i}.ssm_conv1d.weight",
@@ -291,14 +301,14 @@ LINEAR_LAYERS: dict[str, Weight] = {
         squeezed=True,
     ),
     "lin_dt_bias": Weight(
-        lambda c: (c.linear_value_heads,), (None,), _LINEAR + "dt_bias", "blk.{i}.ssm_dt.bias", layers=LINEAR
+        lambda c: (c.linear.value_heads,), (None,), _LINEAR + "dt_bias", "blk.{i}.ssm_dt.bias", layers=LINEAR
     ),
-    "lin_a_log": Weight(lambda c: (c.linear_value_heads,), (None,), _LINEAR + "A_log", "blk.{i}.ssm_a", layers=LINEAR),
+    "lin_a_log": Weight(lambda c: (c.linear.value_heads,), (None,), _LINEAR + "A_log", "blk.{i}.ssm_a", layers=LINEAR),
     "lin_norm": Weight(
-        lambda c: (c.linear_value_dim,), (None,), _LINEAR + "norm.weight", "blk.{i}.ssm_norm.weight", layers=LINEAR
+        lambda c: (c.linear.value_dim,), (None,), _LINEAR + "norm.weight", "blk.{i}.ssm_norm.weight", layers=LINEAR
     ),
     "lin_out": Weight(
-        lambda c: (c.linear_value_heads * c.linear_value_dim, c.hidden_size),
+        lambda c: (c.linear.value_heads * c.linear.value_dim, c.hidden_size),
         (None, "embed"),
         _LINEAR + "out_proj.weight",
         "blk.{i}.ssm_out.weight",
@@ -325,7 +335,10 @@ GLOBAL_ATTENTION: dict[str, Weight] = {
     "wq_global": dataclasses.replace(WEIGHTS["wq"], shape=lambda c: (c.hidden_size, _global_q(c)), layers=GLOBAL),
     "wk_global": dataclasses.replace(WEIGHTS["wk"], shape=lambda c: (c.hidden_size, _global_kv(c)), layers="global kv"),
     "wv_global": dataclasses.replace(
-        WEIGHTS["wv"], shape=lambda c: (c.hidden_size, _global_kv(c)), layers="global kv", needed=lambda c: not c.k_eq_v
+        WEIGHTS["wv"],
+        shape=lambda c: (c.hidden_size, _global_kv(c)),
+        layers="global kv",
+        needed=lambda c: not c.attention.k_eq_v,
     ),
     "wo_global": dataclasses.replace(WEIGHTS["wo"], shape=lambda c: (_global_q(c), c.hidden_size), layers=GLOBAL),
     "q_norm_global": dataclasses.replace(WEIGHTS["q_norm"], shape=lambda c: (c.head_size(GLOBAL),), layers=GLOBAL),
@@ -388,7 +401,7 @@ PER_LAYER: dict[str, Weight] = {
         (None,),
         _PLE + "layer_scalar",
         "blk.{i}.layer_output_scale.weight",
-        needed=lambda c: c.features.layer_scalar,
+        needed=lambda c: c.layer_scalar,
     ),
 }
 
@@ -421,16 +434,16 @@ FUSED: dict[str, tuple[tuple[str, ...], Weight]] = {  # name: (its parts' names,
 def declarations(cfg: ModelConfig) -> dict[str, Weight]:
     """The weights a config has, by our name, in a fixed order (each fused weight of `FUSED` in its first part's
     place, where all its parts are on the same layers)."""
-    features, table = cfg.features, dict(WEIGHTS)
-    if features.post_norms:
+    table = dict(WEIGHTS)
+    if cfg.norms.post:
         table |= POST_NORMS
-    if features.qk_norm_full:
+    if cfg.norms.qk == "all":
         table |= QK_NORM_FULL
-    if cfg.attention_output_gate:
+    if cfg.attention.output_gate:
         table |= OUTPUT_GATE
     if LINEAR in cfg.types:
         table |= _on(GLOBAL, tuple(name for name in ATTENTION if name in table), table) | LINEAR_LAYERS
-    if features.global_attention_weights:
+    if cfg.attention.global_weights:
         table |= GLOBAL_ATTENTION
     table = {name: w for name, w in (table | PER_LAYER).items() if w.needed(cfg)}
     for name, (part_names, fused) in FUSED.items():

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 import tiny
+from jcascade.models.config import FAMILY_FEATURES, Rotary
 
 import jcascade as jc
 
@@ -229,11 +230,11 @@ def test_refusals_name_the_argument(model):
     gemma = tiny.model(
         VOCAB,
         architecture="gemma3",
-        qk_norm=True,
+        **FAMILY_FEATURES["gemma3"],
         num_layers=2,
         sliding_window=8,
         layer_types=("sliding", "global"),
-        rope_local_theta=10000.0,
+        rotary=Rotary(theta=10000.0, local_theta=10000.0),
     )
     with pytest.raises(ValueError, match="context= is not supported yet for models with sliding or linear layers"):
         jc.generate(gemma, QUESTIONS, jc.Full(stride=8), max_new_tokens=2, context=CONTEXT)

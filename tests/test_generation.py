@@ -257,7 +257,7 @@ def test_prompt_cache_is_the_cache_generate_decodes_from(model):
     policy = jc.SnapKV(budget=24, window=8, stride=16)
     tokens, lengths = np.random.default_rng(7).integers(0, VOCAB, (2, 60)), np.array([60, 45])
     state, last = jax.jit(lambda t: generation.prompt_cache(model, policy, t, lengths, room=6))(tokens)
-    assert int((np.asarray(jc.cached_positions(state)) >= 0).sum(-1).max()) == 24
+    assert int((np.asarray(jc.cached_positions(state.cache)) >= 0).sum(-1).max()) == 24
     run = jax.jit(
         lambda s, h: generation.decode(
             model, policy, s, h, jax.random.key(0), max_new_tokens=6, temperature=0.0, top_p=1.0, eos_id=None

@@ -388,7 +388,7 @@ def test_damaged_converted_checkpoints_name_the_folder_and_the_fault(model, tmp_
     (old / "tokenizer_config.json").write_text("{}")
     with pytest.raises(
         ValueError,
-        match=r"old: converted by another jcascade \(weights layout 1, this one reads 2\); "
+        match=r"old: converted by another jcascade \(weights layout 1, this one reads 3\); "
         r"delete it and convert \(or fetch\) it again",
     ):
         jc.load_pretrained(old)

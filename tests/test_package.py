@@ -226,6 +226,28 @@ def test_the_kernel_choice_is_carried_not_passed_along():
     assert not [t for t in takers if "policies/" in t or t.endswith(("__call__", "_layers"))], takers
 
 
+def test_only_the_translations_name_a_family():
+    """Family differences are features of the config (`ModelConfig`), never names: outside the translations of a
+    config.json (models/config.py) and of GGUF metadata (models/loading.py), no code compares `architecture` or spells
+    a family's name (the decoder, its layer kinds, the weight declarations and the policies test features)."""
+    from jcascade.models.config import ARCHITECTURES
+
+    families = set(ARCHITECTURES.values())
+    found = []
+    for folder in ("jcascade", "models", "pallas_kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.relative_to(ROOT).as_posix() in ("models/config.py", "models/loading.py"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                named = isinstance(node, ast.Constant) and node.value in families
+                compared = isinstance(node, ast.Compare) and any(
+                    isinstance(n, ast.Attribute) and n.attr == "architecture" for n in (node.left, *node.comparators)
+                )
+                if named or compared:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
+
+
 def test_the_tests_the_docs_cite_exist():
     """Each test a doc cites (docs/reliability.md names the tests behind each promise) is a test of its file under
     tests/: `path.py::test_name`, and the names cut short after it on its line, `..._end` (a test of that file

@@ -118,7 +118,7 @@ def test_decode_logits_over_a_shared_prefix_equal_unshared(model):
     prompt = jnp.asarray(np.random.default_rng(2).integers(0, 97, (1, 40)))
     policy = jc.Full(stride=16)
     prompt_state, _, _ = jc.prefill(model, policy, model.init_cache(policy, 1, max_tokens=40), prompt, jnp.array([40]))
-    prefix = jax.vmap(lambda s: jc.share_prefix(policy, s))(prompt_state)
+    prefix = jax.vmap(lambda s: jc.share_prefix(policy, s))(prompt_state.cache)
     step = jnp.array([[5], [17], [60]])
     hidden, _ = model(policy, model.init_cache(policy, 3, max_tokens=4), step, jnp.ones(3, jnp.int32), (prefix,))
     unshared, _, _ = jc.prefill(

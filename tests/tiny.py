@@ -7,6 +7,7 @@ import pathlib
 
 import jax
 import numpy as np
+from jcascade.models.config import Rotary
 from jcascade.models.weights import WEIGHTS, declarations
 
 import jcascade as jc
@@ -64,12 +65,9 @@ def model(vocab_size: int, seed: int = 0, scale: float = 0.5, **config_fields) -
         num_heads=4,
         num_kv_heads=2,
         head_dim=8,
-        rope_theta=10000.0,
-        rope_scaling=None,
+        rotary=Rotary(theta=10000.0),
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
-        qkv_bias=False,
-        o_bias=False,
         max_position_embeddings=4096,
     )
     return jc.CausalLM.random(dataclasses.replace(config, **config_fields), jax.random.key(seed), scale=scale)

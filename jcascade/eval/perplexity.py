@@ -27,6 +27,8 @@ from jcascade import compilation
 from jcascade.eval import stats
 from jcascade.eval.checkpointing import Checkpointing, complete, finished
 from jcascade.generation import chunk_size, token_log_probs, warn_nonfinite
+from jcascade.models.delta_net import LinearState
+from jcascade.models.state import ModelState
 
 
 def cache_capacity(policy) -> int | None:
@@ -64,7 +66,7 @@ def stream(
     policy,
     tokens: np.ndarray,
     *,
-    watch: Callable[[jc.CacheState, int], None] | None = None,
+    watch: Callable[[ModelState, int], None] | None = None,
     progress: Callable[[int], None] | None = None,
     start: StreamPoint | None = None,
     after_chunk: Callable[[StreamPoint], None] | None = None,
@@ -72,10 +74,10 @@ def stream(
     """Streams one token sequence [S] through `model` under `policy` in `policy.stride` chunks (cut to `chunk_size`).
 
     Returns float32 [S - 1], entry t = log p(tokens[t + 1] | tokens[:t + 1]).
-    watch(state, first) is called before each chunk with the cache its queries see (leading layer axis,
-    batch 1) and the chunk's first position; progress(n) after each chunk with its token count;
-    after_chunk(point) after each chunk but the last with the point to continue from, which `start`
-    accepts (the stream then goes on exactly as it would have: checkpoints, `jcascade.eval.checkpointing`).
+    watch(state, first) is called before each chunk with the model's state its queries see (a `ModelState`, batch
+    1; `CausalLM.layer_cache` gives a layer's cache) and the chunk's first position; progress(n) after each chunk
+    with its token count; after_chunk(point) after each chunk but the last with the point to continue from, which
+    `start` accepts (the stream then goes on exactly as it would have: checkpoints, `jcascade.eval.checkpointing`).
     Non-finite log-probabilities are reported by a RuntimeWarning (`generation.warn_nonfinite`).
     """
     check_streaming(policy)
@@ -226,8 +228,8 @@ def perplexity(
         arrays, saved = found
         results = finished(saved, plan, BookPerplexity, key)
         if arrays is not None:
-            cache = jc.CacheState(**arrays["cache"], kernels=model.kernels)
-            running[saved["book"], saved["policy"]] = (cache, np.asarray(arrays["logps"]), saved["position"])
+            state = _state(arrays["state"], model.kernels)
+            running[saved["book"], saved["policy"]] = (state, np.asarray(arrays["logps"]), saved["position"])
         if progress is not None:
             progress(sum(r.tokens for r in results) + sum(point[2] for point in running.values()))
     done = {key(r) for r in results}
@@ -236,7 +238,7 @@ def perplexity(
         state, logps, position = point
         if checkpointing.due(policies[label].stride):
             checkpointing.save(
-                {"cache": {field: x for field, x in vars(state).items() if isinstance(x, jax.Array)}, "logps": logps},
+                {"state": _arrays(state), "logps": logps},
                 {
                     "results": [dataclasses.asdict(r) for r in results],
                     "book": name,
@@ -347,3 +349,23 @@ def paired_differences(results: list[BookPerplexity], baseline: str) -> dict[str
                 transform=np.exp,
             )
     return table
+
+
+def _arrays(state: ModelState) -> dict:
+    """A stream's state as the nested dicts of arrays a checkpoint saves: each stack of the state (`ModelState`) as a
+    dict of its arrays, the stacks the model has not left out."""
+    return {
+        name: {field: x for field, x in vars(stack).items() if isinstance(x, jax.Array)}
+        for name, stack in vars(state).items()
+        if stack is not None
+    }
+
+
+def _state(arrays: dict, kernels) -> ModelState:
+    """The `ModelState` of a checkpoint's `_arrays`, its caches on `kernels`."""
+    window = arrays.get("window")
+    return ModelState(
+        cache=jc.CacheState(**arrays["cache"], kernels=kernels),
+        window=None if window is None else jc.CacheState(**window, kernels=kernels),
+        linear=None if "linear" not in arrays else LinearState(**arrays["linear"]),
+    )

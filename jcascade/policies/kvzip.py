@@ -94,11 +94,10 @@ class KVzip(ScorerPolicy):
 
     def after_prompt(self, model, state, tokens: jax.Array, lengths: jax.Array):
         """The prompt's cache with every held token scored by the reconstruction pass. tokens int32 [B, S], lengths
-        int32 [B]: the prompt (right-padded); state: the model's cache after it (layers stacked). With other layer
-        types (sliding, linear), the pass scores the global layers' cache; their states stay as the prompt left them."""
+        int32 [B]: the prompt (right-padded); state: the model's `ModelState` after it. The pass scores the global
+        layers' cache (`ModelState.cache`); the other layers' states (sliding, linear) stay as the prompt left them."""
         reader = _Reconstruction(chunk=self.chunk, sinks=self.sinks, stride=self.stride)
         S = tokens.shape[1]
-        others = state[1:] if isinstance(state, tuple) else None  # sliding / linear layers' states: kept as they are
 
         def one_chunk(c, cache):
             first = self.skip + c * self.chunk
@@ -107,13 +106,11 @@ class KVzip(ScorerPolicy):
             pos = cache.pos  # [L, B, H, cap]
             reread = (pos >= first) & (pos < (first + count)[None, :, None, None])
             cache = dataclasses.replace(cache, score=jnp.where(reread, MARKED, cache.score))
-            after = model(reader, cache if others is None else (cache, *others), row, row_len)[1]
-            return after if others is None else after[0]
+            return model(reader, dataclasses.replace(state, cache=cache), row, row_len)[1].cache
 
-        cache = state[0] if others is not None else state
-        cache = dataclasses.replace(cache, score=jnp.zeros_like(cache.score))
+        cache = dataclasses.replace(state.cache, score=jnp.zeros_like(state.cache.score))
         cache = jax.lax.fori_loop(0, max(0, -(-(S - self.skip) // self.chunk)), one_chunk, cache)
-        return cache if others is None else (cache, *others)
+        return dataclasses.replace(state, cache=cache)
 
     def _reconstruction_rows(self, tokens: jax.Array, c: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
         """int32 [B, W] tokens of chunk c's pass (instruction or continuation + overlap, turn, the chunk's `count`

@@ -334,17 +334,18 @@ def test_ruler_and_passkey_query_agnostic(model_dir, tmp_path, monkeypatch, caps
 
 def test_query_agnostic_refusals_come_before_any_model_time(model_dir, tmp_path, monkeypatch, capsys):
     import tiny
+    from jcascade.models.config import FAMILY_FEATURES, Rotary
 
     gemma = tmp_path / "gemma"
     jc.save_converted(
         tiny.model(
             64,
             architecture="gemma3",
-            qk_norm=True,
+            **FAMILY_FEATURES["gemma3"],
             num_layers=2,
             sliding_window=24,
             layer_types=("sliding", "global"),
-            rope_local_theta=10000.0,
+            rotary=Rotary(theta=10000.0, local_theta=10000.0),
         ),
         gemma,
     )

@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import tiny
+from jcascade.models.config import FAMILY_FEATURES, Rotary
 
 import jcascade as jc
 from jcascade.eval import attention_map, passkey, perplexity, texts
@@ -411,11 +412,11 @@ def test_retention_and_attention_map_of_a_model_with_sliding_layers(tok):
     model = tiny.model(
         len(tok),
         architecture="gemma3",
-        qk_norm=True,
+        **FAMILY_FEATURES["gemma3"],
         num_layers=3,
         sliding_window=24,
         layer_types=("sliding", "global", "sliding"),
-        rope_local_theta=10000.0,
+        rotary=Rotary(theta=10000.0, local_theta=10000.0),
     )
     prompts = passkey.prompts(passkey.PromptBuilder(tok, "repeat"), 300, 2, seed=1)
     tokens, lengths = _batch(prompts, 300)

@@ -63,7 +63,7 @@ def test_a_cascade_holds_every_token_until_its_slots_are_full():
     for n in (36, 37):
         state = model.init_cache(policy, 1)
         state, _, _ = jc.prefill(model, policy, state, tokens[:, :n], np.array([n]))
-        held = np.unique(np.asarray(jc.cached_positions(jax.tree.map(lambda x: x[0], state))))
+        held = np.unique(np.asarray(jc.cached_positions(jax.tree.map(lambda x: x[0], state.cache))))
         assert (set(held) - {-1} == set(range(n))) == (n <= 36) == runner.keeps_whole(policy, n)
 
 

@@ -13,6 +13,7 @@ import pytest
 import tiny
 from hypothesis import example, given
 from hypothesis import strategies as st
+from jcascade.models.config import FAMILY_FEATURES, Rotary
 
 from jcascade.eval import ruler
 
@@ -503,11 +504,11 @@ def test_query_agnostic_refuses_what_cannot_be_a_frozen_context_before_any_model
     gemma = tiny.model(
         len(generator.tokenizer),
         architecture="gemma3",
-        qk_norm=True,
+        **FAMILY_FEATURES["gemma3"],
         num_layers=2,
         sliding_window=24,
         layer_types=("sliding", "global"),
-        rope_local_theta=10000.0,
+        rotary=Rotary(theta=10000.0, local_theta=10000.0),
     )
     with pytest.raises(ValueError, match="not supported yet for models with sliding or linear layers"):
         ruler.sweep(

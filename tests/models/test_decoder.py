@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 import tiny
 from flax import nnx
+from jcascade.models.config import FAMILY_FEATURES, Attention, Rotary
 
 import jcascade as jc
 
 GEMMA3 = dict(
     architecture="gemma3",
-    qk_norm=True,
+    **FAMILY_FEATURES["gemma3"],
     layer_types=("sliding",) * 4 + ("global",) * 4,
     sliding_window=64,
-    rope_local_theta=10000.0,
+    rotary=Rotary(theta=10000.0, local_theta=10000.0),
 )
 
 
@@ -48,16 +49,16 @@ def test_sliding_layers_get_a_window_cache_of_their_own():
         97,
         seed=2,
         architecture="gemma3",
-        qk_norm=True,
+        **FAMILY_FEATURES["gemma3"],
         num_layers=3,
         sliding_window=8,
         layer_types=("sliding", "global", "sliding"),
-        rope_local_theta=10000.0,
-        query_scale=0.3,
+        rotary=Rotary(theta=10000.0, local_theta=10000.0),
+        attention=Attention(query_scale=0.3),
     )
     policy = jc.Cascade(cache_size=16, sinks=2, num_cascades=2, stride=8)
-    global_cache, window_cache = model.init_cache(policy, 2)
-    assert global_cache.k.shape == (1, 2, 2, 18, 8) and window_cache.k.shape == (2, 2, 2, 7, 8)
+    state = model.init_cache(policy, 2)
+    assert state.cache.k.shape == (1, 2, 2, 18, 8) and state.window.k.shape == (2, 2, 2, 7, 8)
     tokens = np.random.default_rng(3).integers(0, 97, (2, 40))
     both = np.asarray(jc.score(model, tokens, policy, lengths=np.array([40, 23])))
     alone = np.asarray(jc.score(model, tokens[1:, :23], policy))
@@ -82,7 +83,7 @@ def _chunk_after_a_first_one(policy, seed=0, B=2, Hkv=2, G=2, D=8, T=6):
 
 def test_window_attention_with_a_window_past_every_token_is_the_policys_attention():
     """Outputs and score increments equal `jc.attend`'s (cache positions, max over a KV head's queries)."""
-    from jcascade.models.decoder import window_attention
+    from jcascade.models.layers.window import window_attention
 
     policy = jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=16)
     state, q, k, v, lengths, rope = _chunk_after_a_first_one(policy)
@@ -96,7 +97,7 @@ def test_window_attention_with_a_window_past_every_token_is_the_policys_attentio
 def test_window_attention_over_a_quantized_cache_reads_each_code_times_its_scale():
     """A window cache in int8 (a Gemma model under a policy with kv_dtype="int8") attends as the float32 cache
     that holds its codes times their slots' scales."""
-    from jcascade.models.decoder import window_attention
+    from jcascade.models.layers.window import window_attention
 
     policy = jc.Cascade(cache_size=8, sinks=2, num_cascades=2, stride=16, kv_dtype="int8")
     state, q, k, v, lengths, rope = _chunk_after_a_first_one(policy)
@@ -117,7 +118,7 @@ def test_window_attention_over_a_quantized_cache_reads_each_code_times_its_scale
 
 def test_window_attention_sees_only_the_window():
     """Each query against a brute-force softmax over the held and chunk keys within `window` positions."""
-    from jcascade.models.decoder import window_attention
+    from jcascade.models.layers.window import window_attention
 
     policy, window = jc.Full(stride=16), 5
     state, q, k, v, lengths, rope = _chunk_after_a_first_one(policy, seed=1)
@@ -157,11 +158,11 @@ def test_a_policy_of_the_sliding_layers_serves_them_with_the_window_still_applie
     (and `shard`: tests/models/test_sharding.py)."""
     fields = dict(
         architecture="gemma3",
-        qk_norm=True,
+        **FAMILY_FEATURES["gemma3"],
         num_layers=3,
         layer_types=("sliding", "global", "sliding"),
-        rope_local_theta=10000.0,
-        query_scale=0.3,
+        rotary=Rotary(theta=10000.0, local_theta=10000.0),
+        attention=Attention(query_scale=0.3),
     )
     model = tiny.model(97, seed=4, sliding_window=16, **fields)
     narrow = tiny.model(97, seed=4, sliding_window=8, **fields)
@@ -174,7 +175,7 @@ def test_a_policy_of_the_sliding_layers_serves_them_with_the_window_still_applie
     np.testing.assert_allclose(score(seven, by_token), score(narrow, by_token), atol=1e-4)
     assert np.abs(score(seven, by_token) - score(model, by_token)).max() > 1e-3
     keeps_all = model.with_sliding_policy(jc.Cascade(cache_size=48, sinks=2, num_cascades=2, positions="original"))
-    assert keeps_all.init_cache(policy, 2)[1].k.shape[3] == 50  # [layers, B, Hkv, slots, D]
+    assert keeps_all.init_cache(policy, 2).window.k.shape[3] == 50  # [layers, B, Hkv, slots, D]
     np.testing.assert_allclose(score(keeps_all), score(model), atol=1e-4)
     graph, state = nnx.split(seven)
     np.testing.assert_allclose(

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny
-from jcascade.models.config import GLOBAL, LINEAR, SLIDING
+from jcascade.models.config import FAMILY_FEATURES, GLOBAL, LINEAR, SLIDING, Attention, Rotary
 from jcascade.models.loading import read_gguf
 from jcascade.models.weights import weight_shapes
 
@@ -303,9 +303,8 @@ def test_the_features_of_smollm3_and_olmo3_come_from_config_json():
     olmo3 = hf_config("olmo3").to_dict() | {"architectures": [FAMILIES["olmo3"]]}
     c = read({"layer_types": None, "num_hidden_layers": 8}, olmo3)
     assert c.layer_types == (SLIDING, SLIDING, SLIDING, GLOBAL) * 2 and c.sliding_window == 16
-    assert (c.rope_theta, c.rope_local_theta) == (500000.0, 10000.0)
-    f = c.features
-    assert not f.pre_norms and f.post_norms and f.qk_norm_full and c.qk_norm
+    assert (c.rotary.theta, c.rotary.local_theta) == (500000.0, 10000.0)
+    assert not c.norms.pre and c.norms.post and c.norms.qk == "all"
     yarn = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 500000.0}
     for changes, match in [
         ({"rope_parameters": olmo3["rope_parameters"] | {"full_attention": yarn}}, "unsupported rope scaling 'yarn'"),
@@ -325,22 +324,38 @@ def llama_cpp_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "family",
+    "family, arch",
     [
-        dict(architecture="llama"),
-        dict(architecture="qwen2", qkv_bias=True),
-        dict(architecture="qwen3", qk_norm=True, head_dim=12),
+        (dict(architecture="llama", **FAMILY_FEATURES["llama"]), "llama"),
+        (dict(architecture="qwen2", **FAMILY_FEATURES["qwen2"], attention=Attention(qkv_bias=True)), "qwen2"),
+        (dict(architecture="qwen3", **FAMILY_FEATURES["qwen3"], head_dim=12), "qwen3"),
+        (dict(architecture="smollm3", **FAMILY_FEATURES["smollm3"], num_layers=4, nope_layers=(3,)), "smollm3"),
+        (
+            dict(
+                architecture="olmo3",
+                **FAMILY_FEATURES["olmo3"],
+                num_layers=4,
+                layer_types=(SLIDING,) * 3 + (GLOBAL,),
+                sliding_window=8,
+                rotary=Rotary(theta=10000.0, local_theta=10000.0),
+            ),
+            "olmo2",
+        ),
     ],
-    ids=["llama", "qwen2", "qwen3"],
+    ids=["llama", "qwen2", "qwen3", "smollm3", "olmo3"],
 )
-def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
-    """GGUF names, layouts and metadata as llama.cpp writes them (llama: Q/K rows interleaved; qwen3: q/k
-    norms and a head_dim of its own as attention.key_length) load back to the same weights."""
+def test_a_gguf_file_of_each_family_loads_the_weights_written(family, arch, tmp_path):
+    """GGUF names, layouts and metadata as llama.cpp writes them (llama and smollm3: Q/K rows interleaved; qwen3: q/k
+    norms and a head_dim of its own as attention.key_length; smollm3: every 4th layer without RoPE, which its files
+    do not record; OLMo 3 as olmo2 with a sliding window: every 4th layer full, norms after attention and MLP, q/k
+    norms over all heads) load back to the same config and weights."""
     from gguf import GGUFWriter
 
     model = tiny.model(VOCAB, seed=4, **family)
     c = model.config
-    writer = GGUFWriter(str(tmp_path / "model.gguf"), c.architecture)
+    writer = GGUFWriter(str(tmp_path / "model.gguf"), arch)
+    if c.sliding_window:
+        writer.add_sliding_window(c.sliding_window)
     for add, value in [
         (writer.add_block_count, c.num_layers),
         (writer.add_embedding_length, c.hidden_size),
@@ -350,16 +365,14 @@ def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
         (writer.add_key_length, c.head_dim),
         (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
         (writer.add_vocab_size, c.vocab_size),
-        (writer.add_rope_freq_base, c.rope_theta),
+        (writer.add_rope_freq_base, c.rotary.theta),
         (writer.add_context_length, 4096),
     ]:
         add(value)
-    tensors = {}
-    for ours, w in tiny.unfused(c, model.weights()).items():
-        for name, tensor in tiny.source_tensors(ours, w, "gguf", c.num_layers).items():
-            if c.architecture == "llama" and ours in ("wq", "wk"):
-                tensor = llama_cpp_interleaved(tensor, c.num_heads if ours == "wq" else c.num_kv_heads)
-            tensors[name] = tensor
+    tensors = tiny.file_tensors(c, model.weights(), "gguf")
+    for name, tensor in tensors.items():
+        if arch in ("llama", "smollm3") and name.endswith(("attn_q.weight", "attn_k.weight")):
+            tensors[name] = llama_cpp_interleaved(tensor, c.num_heads if "attn_q" in name else c.num_kv_heads)
     tiny.write_gguf(writer, tensors)
     loaded = jc.load_pretrained(tmp_path / "model.gguf", dtype=jnp.float32)
     assert loaded.config.rms_norm_eps == pytest.approx(c.rms_norm_eps)  # GGUF holds it as float32
@@ -368,11 +381,18 @@ def test_a_gguf_file_of_each_family_loads_the_weights_written(family, tmp_path):
         np.testing.assert_array_equal(np.asarray(loaded.weights()[name]), np.asarray(w), err_msg=name)
 
 
+def test_an_olmo2_file_without_a_sliding_window_is_refused(tmp_path):
+    """llama.cpp writes OLMo 2 and OLMo 3 as olmo2; one without a sliding window is OLMo 2, which is not read."""
+    path = write_gguf(tmp_path / "olmo2.gguf", "olmo2", {"block_count": 2, "embedding_length": 32}, {}, VOCAB)
+    with pytest.raises(ValueError, match="an olmo2 file without olmo2.attention.sliding_window"):
+        jc.read_config(path)
+
+
 def llama_cpp_tiled(w: np.ndarray, axis: int, start: int, c) -> np.ndarray:
     """Qwen3.5's value heads along `axis` (from `start`) as llama.cpp's converter reorders them: Hugging Face's
     heads grouped by key head (head g * r + j) become tiled (head j * key heads + g)."""
     w = np.moveaxis(w, axis, 0)
-    v = w[start:].reshape(c.linear_key_heads, c.linear_value_heads // c.linear_key_heads, -1, *w.shape[1:])
+    v = w[start:].reshape(c.linear.key_heads, c.linear.value_heads // c.linear.key_heads, -1, *w.shape[1:])
     return np.moveaxis(np.concatenate([w[:start], v.swapaxes(0, 1).reshape(w[start:].shape)]), 0, axis)
 
 
@@ -385,10 +405,11 @@ def llama_cpp_gguf(c, tensors: dict[str, np.ndarray]) -> tuple[str, dict, dict[s
         "attention.head_count": c.num_heads,
         "attention.layer_norm_rms_epsilon": c.rms_norm_eps,
         "context_length": c.max_position_embeddings,
-        "rope.freq_base": c.rope_theta,
+        "rope.freq_base": c.rotary.theta,
     }
     if c.architecture == "gemma4":
-        hd, global_hd, rotating = c.head_dim, c.global_head_dim, int(c.global_head_dim * c.partial_rotary_factor / 2)
+        hd, global_hd = c.head_dim, c.attention.global_head_dim
+        rotating = int(global_hd * c.rotary.fraction / 2)
         return (
             "gemma4",
             common
@@ -403,7 +424,7 @@ def llama_cpp_gguf(c, tensors: dict[str, np.ndarray]) -> tuple[str, dict, dict[s
                 "attention.shared_kv_layers": c.kv_shared_layers,
                 "attention.sliding_window": c.sliding_window,
                 "embedding_length_per_layer_input": c.per_layer_input_size,
-                "rope.freq_base_swa": c.rope_local_theta,
+                "rope.freq_base_swa": c.rotary.local_theta,
                 "rope.dimension_count": global_hd,
                 "rope.dimension_count_swa": hd,
                 "final_logit_softcapping": c.final_logit_softcapping,
@@ -411,7 +432,7 @@ def llama_cpp_gguf(c, tensors: dict[str, np.ndarray]) -> tuple[str, dict, dict[s
             tensors
             | {"rope_freqs.weight": np.array([1.0] * rotating + [1e30] * (global_hd // 2 - rotating), np.float32)},
         )
-    qk = 2 * c.linear_key_heads * c.linear_key_dim
+    qk = 2 * c.linear.key_heads * c.linear.key_dim
     tiled = {
         "attn_qkv": (0, qk),
         "ssm_conv1d": (0, qk),
@@ -444,13 +465,13 @@ def llama_cpp_gguf(c, tensors: dict[str, np.ndarray]) -> tuple[str, dict, dict[s
             "attention.head_count_kv": c.num_kv_heads,
             "attention.key_length": c.head_dim,
             "attention.value_length": c.head_dim,
-            "rope.dimension_count": int(c.head_dim * c.partial_rotary_factor),
+            "rope.dimension_count": int(c.head_dim * c.rotary.fraction),
             "rope.dimension_sections": [11, 11, 10, 0],
-            "ssm.conv_kernel": c.linear_conv_kernel,
-            "ssm.state_size": c.linear_key_dim,
-            "ssm.group_count": c.linear_key_heads,
-            "ssm.time_step_rank": c.linear_value_heads,
-            "ssm.inner_size": c.linear_value_heads * c.linear_value_dim,
+            "ssm.conv_kernel": c.linear.conv_kernel,
+            "ssm.state_size": c.linear.key_dim,
+            "ssm.group_count": c.linear.key_heads,
+            "ssm.time_step_rank": c.linear.value_heads,
+            "ssm.inner_size": c.linear.value_heads * c.linear.value_dim,
         },
         converted,
     )
@@ -531,7 +552,8 @@ def test_every_attention_cache_of_each_family_stores_the_policys_kv_dtype(kind):
         states = jax.eval_shape(
             lambda: jc.CausalLM.random(config, jax.random.key(0), jnp.bfloat16).init_cache(policy, batch)
         )
-        return dict(zip(config.state_types, states if isinstance(states, tuple) else (states,)))
+        by_type = {GLOBAL: states.cache, SLIDING: states.window, LINEAR: states.linear}
+        return {layer_type: stack for layer_type, stack in by_type.items() if stack is not None}
 
     nbytes = lambda states: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states))
     plain, quantized = state("model"), state("int8")

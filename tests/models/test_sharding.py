@@ -18,6 +18,7 @@ import test_families
 import tiny
 from jax.sharding import Mesh, PartitionSpec
 from jcascade.models import sharding
+from jcascade.models.config import FAMILY_FEATURES, Attention, Rotary
 
 import jcascade as jc
 from jcascade import cli
@@ -93,7 +94,7 @@ def one_device(model):
 def test_sharded_score_equals_one_device(model, one_device, shape, name):
     policy = POLICIES[name]
     sharded = jc.models.shard(model, mesh_of(shape))
-    assert sharded.init_cache(policy, 8, max_tokens=64).k.sharding.spec == CACHE_SPEC
+    assert sharded.init_cache(policy, 8, max_tokens=64).cache.k.sharding.spec == CACHE_SPEC
     np.testing.assert_allclose(scored(sharded, policy), one_device(name), rtol=1e-5, atol=1e-4)  # log-probs up to ~20
 
 
@@ -109,25 +110,34 @@ def test_sharded_generate_equals_one_device(model, sharded):
 
 GEMMA3 = dict(
     architecture="gemma3",
-    qk_norm=True,
+    **FAMILY_FEATURES["gemma3"],
     layer_types=("sliding", "global"),
     sliding_window=8,
-    rope_local_theta=10000.0,
-    query_scale=0.3,
+    rotary=Rotary(theta=10000.0, local_theta=10000.0),
+    attention=Attention(query_scale=0.3),
     sliding_policy=jc.H2O(heavy=3, recent=2, positions="original"),
 )
 
 
 @pytest.mark.parametrize(
     "family",
-    [dict(architecture="qwen2", qkv_bias=True), GEMMA3, test_families.QWEN3_5, test_families.GEMMA4],
-    ids=["qwen2", "gemma3", "qwen3_5", "gemma4"],
+    [
+        dict(architecture="qwen2", **FAMILY_FEATURES["qwen2"], attention=Attention(qkv_bias=True)),
+        GEMMA3,
+        dict(architecture="qwen3", **FAMILY_FEATURES["qwen3"]),
+        test_families.QWEN3_5,
+        test_families.GEMMA4,
+        test_families.SMOLLM3,
+        test_families.OLMO3,
+    ],
+    ids=["qwen2", "gemma3", "qwen3", "qwen3_5", "gemma4", "smollm3", "olmo3"],
 )
 def test_each_family_sharded_equals_one_device(family):
-    """The weights a family adds (Qwen2's biases, Gemma 3's norms, Qwen3.5's q/k norms (Qwen3's), head_dim of its own
+    """The weights a family adds (Qwen2's biases, Gemma 3's norms, Qwen3's q/k norms, Qwen3.5's head_dim of its own
     and Gated DeltaNet (replicated, its states' rows over "data"), Gemma 4's global-layer weights and per-layer
-    inputs) follow their logical axes onto the mesh; Gemma 3's sliding layers too, under a policy of their own (H2O;
-    the default window cache is SlidingWindow through the same code)."""
+    inputs, OLMo 3's q/k norms over all heads) follow their logical axes onto the mesh; Gemma 3's sliding layers too,
+    under a policy of their own (H2O; the default window cache is SlidingWindow through the same code), and SmolLM3's
+    layer without rotary positions."""
     family = dict(family)
     sliding_policy = family.pop("sliding_policy", None)
     # Gemma 4's per-layer inputs add a unit-RMS vector in every layer: at the others' weight scale (0.5) its random
@@ -152,7 +162,7 @@ def test_the_kernels_run_per_shard(model, sharded, backend):
 def test_shared_prefix_levels_run_per_shard_when_their_rows_allow(sharded):
     """A level of one row (replicated over "data") or of rows that divide over "data" runs under shard_map;
     3 rows over a data axis of 2 do not."""
-    prompt = jax.tree.map(lambda x: x[0], sharded.init_cache(CASCADE, 1))  # layer 0 of a prompt's cache
+    prompt = jax.tree.map(lambda x: x[0], sharded.init_cache(CASCADE, 1).cache)  # layer 0 of a prompt's cache
     level = jax.tree.map(lambda x: x[None], jc.share_prefix(CASCADE, prompt))
     three_rows = jax.tree.map(lambda x: jnp.repeat(x, 3, axis=1), level)
     requests = lambda batch: jc.init_cache(CASCADE, batch, 4, 16, num_layers=2)  # a stacked cache
@@ -181,7 +191,7 @@ def test_three_prompts_as_one_shared_level_per_shard(model):
     prompts, _, _ = jc.prefill(
         model, CASCADE, model.init_cache(CASCADE, 3), tokens[:3, :30], jnp.minimum(lengths[:3], 30)
     )
-    level = jax.vmap(lambda layer: jc.share_prefix(CASCADE, layer))(prompts)
+    level = jax.vmap(lambda layer: jc.share_prefix(CASCADE, layer))(prompts.cache)
     own = jc.Full(stride=CASCADE.stride)
 
     def step(m):
@@ -197,7 +207,7 @@ def test_three_prompts_as_one_shared_level_per_shard(model):
 
 def test_a_sharded_decode_step_moves_no_cache(sharded):
     """No all-gather of a cache-sized array in a compiled sharded generate."""
-    capacity = sharded.init_cache(CASCADE, 8).capacity
+    capacity = sharded.init_cache(CASCADE, 8).cache.capacity
     tokens = jnp.asarray(inputs()[0])
     text = jax.jit(lambda t: jc.generate(sharded, t, CASCADE, max_new_tokens=4)).lower(tokens).compile().as_text()
     gathers = [
@@ -260,7 +270,7 @@ def test_rows_or_kv_heads_that_do_not_divide_run_per_shard_replicated(shape, hea
         warnings.simplefilter("ignore")  # the weights' replication warning (test above)
         model = tiny.model(96, seed=2, **TINY | heads)
         sharded = jc.models.shard(model, mesh_of(shape))
-    specs = sharding.layer_specs(sharded.init_cache(CASCADE, 8, max_tokens=64), sharded.mesh)
+    specs = sharding.layer_specs(sharded.init_cache(CASCADE, 8, max_tokens=64).cache, sharded.mesh)
     assert specs is not None and specs["chunk"] == (
         PartitionSpec("data", None, None, None) if heads else PartitionSpec(None, None, "model", None)
     )

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny
+from jcascade.models.config import FAMILY_FEATURES, Rotary
 from jcascade.pallas_kernels import quantization
 from kernel_inputs import SMALL, XLA, assert_close, random_inputs
 
@@ -371,7 +372,7 @@ def test_a_model_scores_with_a_quantized_cache():
     assert 0 < error["int8"] < error["float8_e4m3fn"], error
     quantized = dataclasses.replace(plain, kv_dtype="int8")
     state, _, _ = jc.prefill(model, quantized, model.init_cache(quantized, 2), tokens, lengths)
-    assert state.k.dtype == jnp.int8 and state.k_scale.shape == state.pos.shape
+    assert state.cache.k.dtype == jnp.int8 and state.cache.k_scale.shape == state.cache.pos.shape
 
 
 def test_a_gemma_model_stores_its_window_caches_in_the_policys_format():
@@ -381,19 +382,19 @@ def test_a_gemma_model_stores_its_window_caches_in_the_policys_format():
     model = tiny.model(
         96,
         architecture="gemma3",
-        qk_norm=True,
+        **FAMILY_FEATURES["gemma3"],
         layer_types=("sliding", "global"),
         sliding_window=8,
-        rope_local_theta=10000.0,
+        rotary=Rotary(theta=10000.0, local_theta=10000.0),
         scale=0.3,
     )
     tokens = np.random.default_rng(1).integers(0, 96, (2, 40)).astype(np.int32)
     lengths = np.array([40, 27], np.int32)
     plain = jc.Cascade(cache_size=24, sinks=2, num_cascades=2, stride=8)
     quantized = dataclasses.replace(plain, kv_dtype="int8")
-    global_cache, window_cache = jc.prefill(model, quantized, model.init_cache(quantized, 2), tokens, lengths)[0]
-    assert global_cache.k.dtype == window_cache.k.dtype == jnp.int8
-    assert window_cache.k_scale.shape == window_cache.pos.shape
+    state = jc.prefill(model, quantized, model.init_cache(quantized, 2), tokens, lengths)[0]
+    assert state.cache.k.dtype == state.window.k.dtype == jnp.int8
+    assert state.window.k_scale.shape == state.window.pos.shape
     want = np.asarray(jc.score(model, tokens, plain, lengths=lengths, prefix=16))
     error = {
         d: np.abs(

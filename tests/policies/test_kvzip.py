@@ -114,14 +114,14 @@ def test_kvzip_scores_and_keeps_as_the_oracle(models):
         allocation: np.asarray(
             generation._prompt(
                 model, dataclasses.replace(POLICY, allocation=allocation), jnp.asarray(tokens), jnp.asarray(lengths), 2
-            )[0].pos
+            )[0].cache.pos
         )
         for allocation in ("head", "global")
     }
     assert held["head"].shape[-1] == POLICY.budget + 2 and held["global"].shape[-1] == 40 + 2
     for b, n in enumerate(lengths):
         want = oracle_scores(hf, tokens[b, :n].tolist(), POLICY)
-        got = np.asarray(scored.score)[:, b, :, :n]
+        got = np.asarray(scored.cache.score)[:, b, :, :n]
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
         for allocation, pos in held.items():
             assert [[sorted(p[p >= 0].tolist()) for p in layer] for layer in pos[:, b]] == kept(

@@ -57,6 +57,6 @@ def test_tova_runs_through_a_model_and_keeps_its_size():
     assert np.isfinite(logps[0]).all() and np.isfinite(logps[1, :40]).all()
     big = np.asarray(jc.score(model, tokens, jc.TOVA(cache_size=64, stride=8)))
     np.testing.assert_allclose(big, np.asarray(jc.score(model, tokens, jc.Full(stride=8))), atol=1e-5)
-    assert model.init_cache(policy, 2).k.shape[-2] == 16
+    assert model.init_cache(policy, 2).cache.k.shape[-2] == 16
     out = jc.generate(model, tokens[:, :20], policy, max_new_tokens=5)
     assert out.shape == (2, 5)
