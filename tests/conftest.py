@@ -194,6 +194,7 @@ def pytest_configure(config):
 # --no-loadscope-reorder` the xdist workers take them first and the short files fill the end, so that both
 # workers finish together (xdist's default order, by number of tests, left a long file for the end).
 LONGEST_FILES = (
+    "tests/models/test_families.py",
     "tests/test_generation.py",
     "tests/test_context.py",
     "tests/test_shared.py",
