@@ -7,10 +7,13 @@ request's own and the new token (B = 1, 8, 64, 256; RoPE theta 5e5).
     flashinfer decode (tc)     the same with use_tensor_cores=True
     flashinfer decode, rope    the same, keys rotated in the kernel (pos_encoding_mode="ROPE_LLAMA")
     flashinfer decode fp8      the same over float8_e4m3fn pages (a scale per tensor), keys stored rotated
-    jcascade decode            `jc.attend` on a Full cache, keys rotated in the kernel
+    jcascade decode            `jc.attend` on a Full cache, keys stored un-rotated and rotated in the kernel
+    jcascade decode, stored rotated   the same over keys stored rotated (`CacheState.rope`, as a model's caches
+                               store them): the kernel reads them without rotating them
     jcascade decode int8 / fp8 the same over a quantized cache (Full(kv_dtype=...): codes + a scale per slot,
                                dequantized in the kernel; the rows whose 2**31 to 2**32 codes the kernel cannot
-                               address by the byte, B = 64 here, say "in place as pairs": read as int16 pairs)
+                               address by the byte, B = 64 here, say "in place as pairs": read as int16 pairs),
+                               keys un-rotated or stored rotated
   shared prefix (stored once):
     flashinfer cascade (fa2)   two-level cascade as MultiLevelCascadeAttentionWrapper runs it (a batch-prefill
                                pass per level, then merge_state_in_place) on the FA2 backend
@@ -22,9 +25,10 @@ device = ms per call inside one loop of --loop calls (a jitted fori_loop for jca
 FlashInfer; a plain loop where a graph cannot be captured), i.e. launch gaps but no host per call: the loop is
 timed whole, from its one launch to the sync after it, by the same harness (benchmarks/harness.py) on both sides.
 GB/s counts the K/V bytes a replicated decode must read (with a quantized cache's scales); the 8-bit rows compare
-with FlashInfer's fp8 decode. Each library runs in its own process (the caches of
-B = 256 take 34 GB each); a third process checks that the outputs agree on the same inputs (batches 8 and 64:
-jcascade's shared prefix runs its Triton kernel at 8, its Mosaic GPU kernel at 64 on a Hopper GPU).
+with FlashInfer's fp8 decode ("vs FlashInfer") and with its fastest bf16 decode ("vs FI bf16"). Each library runs
+in its own process (the caches of B = 256 take 34 GB each); a third process checks that the outputs agree on the
+same inputs (batches 8 and 64: jcascade's shared prefix runs its Triton kernel at 8, its Mosaic GPU kernel at 64 on
+a Hopper GPU).
 
     python benchmarks/bench_flashinfer.py [--batches 1,8,64,256] [--out benchmarks/results/flashinfer-<device>.json]
     python benchmarks/bench_flashinfer.py --tiny --peers jcascade     # a dry run with small shapes, any platform
@@ -83,9 +87,10 @@ def jcascade_rows(a) -> list[dict]:
         f = jax.jit(run)
         return wall_ms(f, *args) / a.loop
 
-    def rows_state(B: int, cap: int, held: int, kv_dtype: str = "model") -> jc.CacheState:
+    def rows_state(B: int, cap: int, held: int, kv_dtype: str = "model", stored_rope=None) -> jc.CacheState:
         """B rows of `held` random tokens (row r = one random row + r / 64: distinct, built in one pass; a
-        quantized cache: the codes and scales of one random row in every row)."""
+        quantized cache: the codes and scales of one random row in every row); keys stored rotated by
+        `stored_rope` (`CacheState.rope`: random keys, so taken as rotated), or un-rotated (None)."""
         k1, k2 = jax.random.split(jax.random.fold_in(key, B))
         pos = jnp.where(jnp.arange(cap) < held, jnp.arange(cap), -1).astype(jnp.int32)
         state = dict(
@@ -93,6 +98,7 @@ def jcascade_rows(a) -> list[dict]:
             pos=jnp.broadcast_to(pos, (B, HKV, cap)),
             seen=jnp.full((B,), held, jnp.int32),
             kernels=jc.Kernels.default(),
+            rope=stored_rope,
         )
         if kv_dtype == "model":
             offset = (jnp.arange(B, dtype=jnp.bfloat16) / 64)[:, None, None, None]
@@ -101,12 +107,11 @@ def jcascade_rows(a) -> list[dict]:
                     jnp.broadcast_to(jax.random.normal(k, (1, HKV, cap, D), jnp.bfloat16), (B, HKV, cap, D)) + offset
                 )
             )
-            return jc.CacheState(k=make(k1), v=make(k2), **state)
-        dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
-        one_row = lambda k: pk.quantization.quantize(jax.random.normal(k, (1, HKV, cap, D)), dtype)
+            return jc.CacheState(k=jc.Stored(make(k1)), v=jc.Stored(make(k2)), **state)
+        dtype = pk.storage.storage_dtype(kv_dtype, jnp.bfloat16)
+        one_row = lambda k: pk.storage.quantize(jax.random.normal(k, (1, HKV, cap, D)), dtype)
         make = jax.jit(lambda k: jax.tree.map(lambda x: jnp.broadcast_to(x, (B, *x.shape[1:])), one_row(k)))
-        (k, k_scale), (v, v_scale) = make(k1), make(k2)
-        return jc.CacheState(k=k, v=v, k_scale=k_scale, v_scale=v_scale, **state)
+        return jc.CacheState(k=jc.Stored(*make(k1)), v=jc.Stored(*make(k2)), **state)  # codes, scales
 
     prefix = jc.share_prefix(policy, rows_state(1, S, S), rope=rope)  # keys stored rotated, as generate does
     rows = []
@@ -115,7 +120,6 @@ def jcascade_rows(a) -> list[dict]:
         q = jax.random.normal(ks[0], (B, 1, HQ, D), jnp.bfloat16)
         k1 = jax.random.normal(ks[1], (B, 1, HKV, D), jnp.bfloat16)
         v1 = jax.random.normal(ks[2], (B, 1, HKV, D), jnp.bfloat16)
-        kv_bytes = 2 * B * HKV * (n + 1) * D * 2
 
         own_state = rows_state(B, own + 1, own)
         shared = lambda q, st, k1, v1: jc.attend_shared(policy, st, q, k1, v1, [prefix], None, rope)
@@ -129,32 +133,21 @@ def jcascade_rows(a) -> list[dict]:
             )
         )
         del own_state
-        state = rows_state(B, n + 1, n)
         decode = lambda q, st, k1, v1: jc.attend(policy, st, q, k1, v1, None, rope)[0]
-        rows.append(
-            dict(
-                batch=B,
-                method="jcascade decode",
-                wall_ms=wall_ms(jax.jit(decode), q, state, k1, v1),
-                device_ms=device_ms(decode, q, state, k1, v1),
-                kv_bytes=kv_bytes,
-            )
-        )
-        del state
-        for kv_dtype, name in (("int8", "int8"), ("float8_e4m3fn", "fp8")):
-            state = rows_state(B, n + 1, n, kv_dtype)
-            path = state.kernels.quantized_decode_path(state.k, rope=rope)
-            rows.append(
-                dict(
-                    batch=B,
-                    method=f"jcascade decode {name}",
-                    wall_ms=wall_ms(jax.jit(decode), q, state, k1, v1),
-                    device_ms=device_ms(decode, q, state, k1, v1),
-                    kv_bytes=2 * B * HKV * (n + 1) * (D + 4),
-                    path=path,
+        for kv_dtype, name in (("model", ""), ("int8", " int8"), ("float8_e4m3fn", " fp8")):
+            for stored_rope, how in ((None, ""), (rope, ", stored rotated")):
+                state = rows_state(B, n + 1, n, kv_dtype, stored_rope)
+                rows.append(
+                    dict(
+                        batch=B,
+                        method=f"jcascade decode{name}{how}",
+                        wall_ms=wall_ms(jax.jit(decode), q, state, k1, v1),
+                        device_ms=device_ms(decode, q, state, k1, v1),
+                        kv_bytes=2 * B * HKV * (n + 1) * (D + 4 if name else 2 * D),
+                        path=state.kernels.quantized_decode_path(state.k, rope=None if stored_rope else rope),
+                    )
                 )
-            )
-            del state
+                del state
         print(
             f"   jcascade batch {B}: "
             + ", ".join(f"{r['method']} {r['wall_ms']:.3f} / {r['device_ms']:.3f} ms" for r in rows if r["batch"] == B),
@@ -392,8 +385,8 @@ def agreement_at(a, B: int) -> dict:
     def state_of(k, v, held):
         pos = jnp.broadcast_to(jnp.arange(held, dtype=jnp.int32), (k.shape[0], HKV, held))
         return jc.CacheState(
-            k=k,
-            v=v,
+            k=jc.Stored(k),
+            v=jc.Stored(v),
             score=jnp.zeros(pos.shape, jnp.float32),
             pos=pos,
             seen=jnp.full((k.shape[0],), held, jnp.int32),
@@ -443,7 +436,7 @@ def agreement_at(a, B: int) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    eight_bit = lambda r: r["method"].endswith(("int8", "fp8"))  # compared with FlashInfer's fp8
+    eight_bit = lambda r: " int8" in r["method"] or " fp8" in r["method"]  # compared with FlashInfer's fp8 (and bf16)
     best_decode = {
         (r["batch"], eight_bit(r)): min(
             (
@@ -458,14 +451,20 @@ def table(rows: list[dict]) -> list[str]:
         for r in rows
     }
     cascade = {r["batch"]: r["device_ms"] for r in rows if r["method"].startswith("flashinfer cascade")}
-    lines = [f"{'batch':>5} {'method':<26} {'wall ms':>8} {'device ms':>9} {'TB/s':>5} {'vs FlashInfer':>13}"]
+    lines = [
+        f"{'batch':>5} {'method':<38} {'wall ms':>8} {'device ms':>9} {'TB/s':>5} {'vs FlashInfer':>13} "
+        f"{'vs FI bf16':>11}"
+    ]
     for r in sorted(rows, key=lambda r: (r["batch"], r["method"])):
         tbs = f"{r['kv_bytes'] / r['device_ms'] / 1e9:5.2f}" if r.get("kv_bytes") else ""
         peer = best_decode.get((r["batch"], eight_bit(r))) if r.get("kv_bytes") else cascade.get(r["batch"])
-        ratio = f"{r['device_ms'] / peer:13.2f}" if peer else ""
+        ratio = f"{r['device_ms'] / peer:13.2f}" if peer else " " * 13
+        bf16 = best_decode.get((r["batch"], False)) if eight_bit(r) and r.get("kv_bytes") else None
+        versus_bf16 = f" {r['device_ms'] / bf16:11.2f}" if bf16 else ""
         path = f"  ({r['path']})" if r.get("path", "in place") != "in place" else ""
         lines.append(
-            f"{r['batch']:>5} {r['method']:<26} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}{path}"
+            f"{r['batch']:>5} {r['method']:<38} {r['wall_ms']:8.3f} {r['device_ms']:9.3f} {tbs:>5} {ratio}"
+            f"{versus_bf16}{path}"
         )
     return lines
 

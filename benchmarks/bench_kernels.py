@@ -51,8 +51,8 @@ def full_cache(policy, batch, key, kernels=None, seen=1 << 20):
     k1, k2, k3 = jax.random.split(key, 3)
     return dataclasses.replace(
         state,
-        k=rand(k1, state.k.shape),
-        v=rand(k2, state.v.shape),
+        k=jc.Stored(rand(k1, state.k.shape)),
+        v=jc.Stored(rand(k2, state.v.shape)),
         score=jax.random.uniform(k3, state.score.shape) * 1e-3,
         pos=jnp.broadcast_to(jnp.arange(state.capacity, dtype=jnp.int32), state.pos.shape),
         seen=jnp.full((batch,), seen, jnp.int32),
@@ -67,6 +67,7 @@ def bench_chunk(a, cudnn):
     ks = jax.random.split(jax.random.key(0), 5)
     q, k, v = rand(ks[0], (1, T, HQ, D)), rand(ks[1], (1, T, HKV, D)), rand(ks[2], (1, T, HKV, D))
     kc, vc = rand(ks[3], (1, HKV, S, D)), rand(ks[4], (1, HKV, S, D))
+    stored_k, stored_v = jc.Stored(kc), jc.Stored(vc)  # the cache as the kernels take it
     valid = jnp.ones((1, HKV, S), bool)
     positions = jnp.zeros((1, 1, S), jnp.int32)
     lengths = jnp.array([T], jnp.int32)
@@ -74,8 +75,12 @@ def bench_chunk(a, cudnn):
     useful = 4 * T * (S + (T + 1) / 2) * D * HQ  # QK^T + PV of the causal chunk over the cache
     rows = []
     for kernels in a.configs:
-        f = jax.jit(lambda w: kernels.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, w, "max", None))
-        g = jax.jit(lambda: kernels.chunk_attention(q, k, v, kc, vc, valid, positions, lengths, None, "max", None))
+        f = jax.jit(
+            lambda w: kernels.chunk_attention(q, k, v, stored_k, stored_v, valid, positions, lengths, w, "max", None)
+        )
+        g = jax.jit(
+            lambda: kernels.chunk_attention(q, k, v, stored_k, stored_v, valid, positions, lengths, None, "max", None)
+        )
         row = dict(implementation=kernels.backend, config=str(getattr(kernels, kernels.backend)))
         try:
             t_scores, t_plain = harness.time_it(f, weights).median, harness.time_it(g).median
@@ -244,16 +249,16 @@ def bench_push(a, kernels):
 
 
 def decode_inputs(policy, batch: int, layers: int, kv_dtype: str = "model") -> dict:
-    """The decode op's inputs on a full cache: a stack of `layers` layers (stack_k, stack_v: bf16, or the codes of
-    `kv_dtype` with each layer's scales k_scale, v_scale [layers, B, Hkv, S]), one token's q, k, v, lengths,
-    weights, the cache's positions and validity."""
+    """The decode op's inputs on a full cache: a stack of `layers` layers (stack_k, stack_v: `Stored`, bf16, or the
+    codes of `kv_dtype` with each layer's scales [layers, B, Hkv, S]), one token's q, k, v, lengths, weights, the
+    cache's positions and validity."""
     cache = full_cache(policy, batch, jax.random.key(7))
     offsets = jnp.arange(layers, dtype=DT)[:, None, None, None, None]
     ks = jax.random.split(jax.random.key(8), 3)
     lengths = jnp.ones((batch,), jnp.int32)
     x = dict(
-        stack_k=jnp.broadcast_to(cache.k, (layers, *cache.k.shape)) + offsets,
-        stack_v=jnp.broadcast_to(cache.v, (layers, *cache.v.shape)) + offsets,
+        stack_k=jc.Stored(jnp.broadcast_to(cache.k.data, (layers, *cache.k.shape)) + offsets),
+        stack_v=jc.Stored(jnp.broadcast_to(cache.v.data, (layers, *cache.v.shape)) + offsets),
         q=rand(ks[0], (batch, 1, HQ, D)),
         k=rand(ks[1], (batch, 1, HKV, D)),
         v=rand(ks[2], (batch, 1, HKV, D)),
@@ -261,39 +266,34 @@ def decode_inputs(policy, batch: int, layers: int, kv_dtype: str = "model") -> d
         weights=policy.query_weights(lengths, 1),
         positions=cache.pos[:, :1],
         valid=cache.pos >= 0,
-        k_scale=None,
-        v_scale=None,
     )
     if kv_dtype != "model":
-        dtype = pk.quantization.storage_dtype(kv_dtype, DT)
-        quantize = jax.jit(lambda stack: pk.quantization.quantize(stack, dtype))
-        (x["stack_k"], x["k_scale"]), (x["stack_v"], x["v_scale"]) = quantize(x["stack_k"]), quantize(x["stack_v"])
+        dtype = pk.storage.storage_dtype(kv_dtype, DT)
+        quantize = jax.jit(lambda stack: jc.Stored(*pk.storage.quantize(stack.data, dtype)))
+        x["stack_k"], x["stack_v"] = quantize(x["stack_k"]), quantize(x["stack_v"])
     return x
 
 
 def decode_loop(x: dict, weights, rope, layers: int, calls: int, kernels):
     """jit (stack_k, stack_v) -> sums of out and scores: `calls` decode ops on `kernels`, call i reading layer
-    i % layers of the stack in place; `weights` None turns the scores off."""
+    i % layers of the stack in place (with that layer's scales, for codes); `weights` None turns the scores off."""
 
     def run(stack_k, stack_v):
         def one(i, acc):
-            scales = (
-                {} if x["k_scale"] is None else dict(k_scale=x["k_scale"][i % layers], v_scale=x["v_scale"][i % layers])
-            )
+            layer = i % layers
             out, _, inc, _ = kernels.chunk_attention(
                 x["q"],
                 x["k"],
                 x["v"],
-                stack_k,
-                stack_v,
+                stack_k.map_scale(lambda scale: scale[layer]),  # the stack's data, the layer's own scales
+                stack_v.map_scale(lambda scale: scale[layer]),
                 x["valid"],
                 x["positions"],
                 x["lengths"],
                 weights,
                 "max",
                 rope,
-                layer=i % layers,
-                **scales,
+                layer=layer,
             )
             return acc[0] + out.astype(jnp.float32), acc[1] + (0 if inc is None else inc)
 
@@ -356,14 +356,14 @@ def main():
     p.add_argument("--decode-batches", default="1,32", help="d: comma-separated batch sizes")
     p.add_argument("--decode-ablation", action="store_true", help="d: also without the fused RoPE, and without scores")
     p.add_argument(
-        "--decode-kv-dtypes", default="model", help=f"d: comma-separated storage formats of {pk.quantization.KV_DTYPES}"
+        "--decode-kv-dtypes", default="model", help=f"d: comma-separated storage formats of {pk.storage.KV_DTYPES}"
     )
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     a.decode_batches = [int(b) for b in a.decode_batches.split(",")]
     a.decode_kv_dtypes = a.decode_kv_dtypes.split(",")
     for kv_dtype in a.decode_kv_dtypes:
-        pk.quantization.storage_dtype(kv_dtype, DT)  # a clear error for an unknown format
+        pk.storage.storage_dtype(kv_dtype, DT)  # a clear error for an unknown format
     on_gpu = jax.default_backend() == "gpu"
     kernels, cudnn = (jc.Kernels.default(), "cudnn") if on_gpu else (jc.Kernels("triton"), None)
     # the chunk kernels of each GPU backend side by side (Mosaic GPU on Hopper; interpret mode on the CPU)

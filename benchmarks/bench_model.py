@@ -312,13 +312,14 @@ def decode_bytes(model, policy, batch: int) -> dict:
     array of the state; a model with sliding layers has two caches), from shapes alone (nothing is allocated)."""
     devices = 1 if model.mesh is None else model.mesh.size
     on_one_device = lambda x: x.addressable_shards[0].data.nbytes  # the shards are equal
-    state = jax.eval_shape(lambda: model.init_cache(policy, batch))
+    state = jax.eval_shape(lambda: model.init_cache(policy, batch, decode_slots(policy)))
     cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // devices
     kv = (
         sum(
-            2 * c.k.size * c.k.dtype.itemsize + (0 if c.k_scale is None else 2 * c.k_scale.size * 4)
+            x.size * x.dtype.itemsize
             for c in jax.tree.leaves(state, is_leaf=is_cache)
             if is_cache(c)
+            for x in jax.tree.leaves((c.k, c.v))
         )
         // devices
     )  # a quantized one's scales too
@@ -346,26 +347,26 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
 
     def full(state):  # a full cache, as after a long prompt, made in place on its devices
         cap, shape = state.k.shape[-2], state.k.shape
+        held = policy.budget if cap == decode_slots(policy) else cap  # SnapKV's compressed cache leaves ROOM free
         k1, k2 = jax.random.split(jax.random.key(batch))
         rows = lambda key: jnp.broadcast_to(jax.random.normal(key, (cap, shape[-1]), model.dtype), shape)
+        slot = jnp.arange(cap, dtype=jnp.int32)
         state = dataclasses.replace(
             state,
             score=jnp.full(state.score.shape, 1e-4, jnp.float32),
-            pos=jnp.broadcast_to((1 << 20) - cap + jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
+            pos=jnp.broadcast_to(jnp.where(slot < held, (1 << 20) - held + slot, -1), state.pos.shape),
             seen=jnp.full(state.seen.shape, 1 << 20, jnp.int32),
         )
-        if state.k_scale is None:
-            state = dataclasses.replace(state, k=rows(k1), v=rows(k2))
+        if not state.k.quantized:
+            state = dataclasses.replace(state, k=jc.Stored(rows(k1)), v=jc.Stored(rows(k2)))
         else:  # a quantized cache: codes and scales of random rows
             (k, k_scale), (v, v_scale) = (
-                pk.quantization.quantize(jax.random.normal(key, (cap, shape[-1])), state.k.dtype) for key in (k1, k2)
+                pk.storage.quantize(jax.random.normal(key, (cap, shape[-1])), state.k.dtype) for key in (k1, k2)
             )
             state = dataclasses.replace(
                 state,
-                k=jnp.broadcast_to(k, shape),
-                v=jnp.broadcast_to(v, shape),
-                k_scale=jnp.broadcast_to(k_scale, shape[:-1]),
-                v_scale=jnp.broadcast_to(v_scale, shape[:-1]),
+                k=jc.Stored(jnp.broadcast_to(k, shape), jnp.broadcast_to(k_scale, shape[:-1])),
+                v=jc.Stored(jnp.broadcast_to(v, shape), jnp.broadcast_to(v_scale, shape[:-1])),
             )
         if model.mesh is None:
             return state
@@ -375,7 +376,7 @@ def bench_decode_batch(a, model, policy, bandwidth, batch: int, held: dict) -> d
     state = jax.jit(
         lambda: jax.tree.map(
             lambda s: full(s) if is_cache(s) else s,
-            model.init_cache(policy, batch),
+            model.init_cache(policy, batch, decode_slots(policy)),
             is_leaf=lambda s: is_cache(s) or is_linear(s),
         )
     )()
@@ -442,6 +443,15 @@ def profiled(call, layers: int, step_ms: float) -> dict:
     return found
 
 
+ROOM = 64  # the free slots of an append cache (SnapKV's after its compression) for the decode steps
+
+
+def decode_slots(policy) -> int | None:
+    """The `max_tokens` of a decode benchmark's cache: a compressed append cache of the policy's budget and ROOM free
+    slots (SnapKV); None for a bounded policy (Cascade), full to its capacity."""
+    return None if policy.bounded else policy.budget + ROOM
+
+
 def bench_decode(a, model, policy, bandwidth) -> list[dict]:
     """One row per batch size: its figures, or why it did not run. A batch whose weights + cache exceed one
     device's memory is not tried; one that fails anyway (out of memory in the step's temporaries) says so."""
@@ -476,6 +486,13 @@ def bench_decode(a, model, policy, bandwidth) -> list[dict]:
     return rows
 
 
+def make_policy(name: str, size: int, sinks: int, stride: int, kv_dtype: str):
+    """--policy: Cascade of `size` slots + `sinks` sinks (4 cascades), or SnapKV of a `size` budget."""
+    if name == "cascade":
+        return jc.Cascade(cache_size=size, sinks=sinks, num_cascades=4, stride=stride, kv_dtype=kv_dtype)
+    return jc.SnapKV(budget=size, window=min(32, size // 2), stride=stride, kv_dtype=kv_dtype)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
@@ -488,8 +505,15 @@ def main():
     p.add_argument(
         "--kv-dtype",
         default="model",
-        choices=pk.quantization.KV_DTYPES,
-        help="the cache's storage format (Cascade's kv_dtype)",
+        choices=pk.storage.KV_DTYPES,
+        help="the cache's storage format (the policy's kv_dtype)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=("cascade", "snapkv"),
+        default="cascade",
+        help="the decode's cache: Cascade (--cache-size + 64 sinks, 4 cascades) or SnapKV's compressed cache "
+        "(a budget of --cache-size, and 64 free slots)",
     )
     p.add_argument(
         "--shape",
@@ -542,7 +566,7 @@ def main():
     batches = [int(b) for b in a.batches.split(",")]
     warnings.filterwarnings("ignore")
     if a.tiny:  # the --shape's family at a tiny size (Llama for the Llama shapes)
-        cfg, policy = TINY, jc.Cascade(cache_size=64, sinks=4, num_cascades=4, stride=32, kv_dtype=a.kv_dtype)
+        cfg, policy = TINY, make_policy(a.policy, 64, 4, 32, a.kv_dtype)
         if SHAPES[a.shape].layer_types:
             big = SHAPES[a.shape]
             cfg = dataclasses.replace(
@@ -572,7 +596,7 @@ def main():
         peak, sizes = matmul_peak(256), [1 << 20]
     else:
         cfg = SHAPES[a.shape]
-        policy = jc.Cascade(cache_size=a.cache_size, sinks=64, num_cascades=4, stride=4096, kv_dtype=a.kv_dtype)
+        policy = make_policy(a.policy, a.cache_size, 64, 4096, a.kv_dtype)
         a.segment, a.decode_batches, a.decode_steps = 32768, batches, 20
         a.prefill_marks = sorted({m for m in (32768, 131072) if m < a.prefill_tokens} | {a.prefill_tokens})
         peak, sizes = matmul_peak(8192), [1 << 28, 1 << 30, 1 << 31]
@@ -614,7 +638,7 @@ def main():
         for name, p, tokens in (
             ("Full", jc.Full(stride=policy.stride), 1 << 17),
             ("Full", jc.Full(stride=policy.stride), 1 << 20),
-            (f"Cascade {policy.cache_size}", policy, 1 << 20),
+            (policy.label, policy, 1 << 20),
         )
     }
     if "a" in a.only:

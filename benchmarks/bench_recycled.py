@@ -75,7 +75,7 @@ def bench_decode(model, policy, prompt_state, first, batch: int, steps: int, rep
 
     # a period is both blocks in turn; the first period warms up
     timings = harness.time_phases([phase(block) for block in blocks], warmup=1, repeats=repeats)
-    cache_bytes = 2 * state.cache.k.nbytes
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves((state.cache.k, state.cache.v)))
     del state
     first_steps, last_step = (t.median for t in timings)
     return dict(

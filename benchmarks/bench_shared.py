@@ -35,8 +35,8 @@ def full_cache(k, v, own_k, own_v):
     cap = S + own + 1
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 1), (0, 0)))
     return jc.CacheState(
-        k=pad(jnp.concatenate([jnp.broadcast_to(k, (B, H, S, D)), own_k], 2)),
-        v=pad(jnp.concatenate([jnp.broadcast_to(v, (B, H, S, D)), own_v], 2)),
+        k=jc.Stored(pad(jnp.concatenate([jnp.broadcast_to(k, (B, H, S, D)), own_k], 2))),
+        v=jc.Stored(pad(jnp.concatenate([jnp.broadcast_to(v, (B, H, S, D)), own_v], 2))),
         score=jnp.zeros((B, H, cap), jnp.float32),
         pos=jnp.broadcast_to(jnp.where(jnp.arange(cap) < S + own, jnp.arange(cap), -1).astype(jnp.int32), (B, H, cap)),
         seen=jnp.full((B,), S + own, jnp.int32),
@@ -53,7 +53,7 @@ def main():
         "--kv-dtypes",
         default="model",
         help="comma-separated storage formats of the shared prefix "
-        f"(among {', '.join(jc.pallas_kernels.quantization.KV_DTYPES)})",
+        f"(among {', '.join(jc.pallas_kernels.storage.KV_DTYPES)})",
     )
     a = p.parse_args()
     formats = a.kv_dtypes.split(",")
@@ -66,18 +66,13 @@ def main():
     v = jax.random.normal(keys[1], (1, H, S, D), dtype)
     prefixes = {}
     for fmt in formats:
-        stored = jc.pallas_kernels.quantization.storage_dtype(fmt, dtype)  # a clear error for an unknown format
+        stored = jc.pallas_kernels.storage.storage_dtype(fmt, dtype)  # a clear error for an unknown format
         kv = (
-            dict(k=k, v=v)
+            dict(k=jc.Stored(k), v=jc.Stored(v))
             if stored == dtype
-            else dict(
-                zip(
-                    ("k", "k_scale", "v", "v_scale"),
-                    (
-                        *jc.pallas_kernels.quantization.quantize(k, stored),
-                        *jc.pallas_kernels.quantization.quantize(v, stored),
-                    ),
-                )
+            else dict(  # codes and their scales
+                k=jc.Stored(*jc.pallas_kernels.storage.quantize(k, stored)),
+                v=jc.Stored(*jc.pallas_kernels.storage.quantize(v, stored)),
             )
         )
         prefix_state = jc.CacheState(

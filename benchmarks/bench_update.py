@@ -28,8 +28,8 @@ def full_state(policy, batch, heads, head_dim, dtype, rng):
     cap = state.capacity
     return dataclasses.replace(
         state,
-        k=jnp.asarray(rng.normal(size=state.k.shape), dtype),
-        v=jnp.asarray(rng.normal(size=state.v.shape), dtype),
+        k=state.k.encode(jnp.asarray(rng.normal(size=state.k.shape), dtype)),  # in the policy's storage format
+        v=state.v.encode(jnp.asarray(rng.normal(size=state.v.shape), dtype)),
         score=jnp.asarray(rng.random(state.score.shape, np.float32)),
         pos=jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), state.pos.shape),
         seen=jnp.full((batch,), 1 << 20, jnp.int32),
@@ -62,7 +62,7 @@ def time_update(policy, args, rng) -> dict:
         ms_per_call=ms,
         tokens_per_s=B * T / ms * 1e3,
         compile_s=compile_s,
-        kv_bytes=2 * state.k.nbytes,
+        kv_bytes=sum(x.nbytes for x in jax.tree.leaves((state.k, state.v))),  # a quantized one's scales too
     )
 
 

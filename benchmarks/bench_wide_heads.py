@@ -44,7 +44,7 @@ def main():
     rope, layer = jc.RoPE(1e6), jnp.int32(check.LAYER)
     rows = []
     for case, B, T, S in CASES:
-        x = check.inputs(jax.random.key(B + T), B, T, S)
+        x = check.stored(check.inputs(jax.random.key(B + T), B, T, S))
         want = None
         for name, config in CONFIGS.items():
 

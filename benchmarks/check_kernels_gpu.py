@@ -73,11 +73,17 @@ def relative_error(got, want) -> tuple[float, bool]:
     return float(err), same_pattern
 
 
+def stored(x: dict) -> dict:
+    """`inputs` with the stacked cache in the model's dtype as `Stored` values, as `Kernels` and the Triton entry
+    points take it."""
+    return x | {name: jc.Stored(x[name]) for name in ("k_cache", "v_cache")}
+
+
 def quantized(x: dict, kv_dtype: str) -> dict:
-    """`inputs` with the stacked cache as codes of `kv_dtype` and the attended layer's per-slot scales."""
-    dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
-    (k, k_scale), (v, v_scale) = (pk.quantization.quantize(x[n], dtype) for n in ("k_cache", "v_cache"))
-    return x | dict(k_cache=k, v_cache=v, k_scale=k_scale[LAYER], v_scale=v_scale[LAYER])
+    """`inputs` with the stacked cache as codes of `kv_dtype` with the attended layer's per-slot scales (`Stored`)."""
+    dtype = pk.storage.storage_dtype(kv_dtype, jnp.bfloat16)
+    (k, k_scale), (v, v_scale) = (pk.storage.quantize(x[n], dtype) for n in ("k_cache", "v_cache"))
+    return x | dict(k_cache=jc.Stored(k, k_scale[LAYER]), v_cache=jc.Stored(v, v_scale[LAYER]))
 
 
 def check_insert(
@@ -101,7 +107,7 @@ def check_insert(
     if spread:
         seen = (sinks + 7919 * jnp.arange(batch, dtype=jnp.int32) % (4 * capacity)).astype(jnp.int32)
         states = [dataclasses.replace(s, seen=seen) for s in states]
-    path = "pairs" if not pk.triton.addresses_fit(states[0].k) else "in place"
+    path = "pairs" if not pk.triton.addresses_fit(states[0].k.data) else "in place"
     step = jax.jit(lambda s, k, v, sc: jc.update(policy, s, k, v, sc))
     for i in range(steps):
         ks = jax.random.split(jax.random.key(i), 4)
@@ -137,7 +143,7 @@ def check_codes_boundary(kv_dtype: str, slots: int, layers: int = 1, batch: int 
     16,385 slots; one layer of 32,785, the shape that faulted before the guard). Codes span their format's range
     and scales are drawn so that values span about +-2.5 in both formats (scales up to 2.5 / 127 or 2.5 / 448)."""
     ks = jax.random.split(jax.random.key(slots), 7)
-    dtype = pk.quantization.storage_dtype(kv_dtype, jnp.bfloat16)
+    dtype = pk.storage.storage_dtype(kv_dtype, jnp.bfloat16)
     shape = (layers, batch, HKV, slots, D)
     code_max = 127 if dtype == jnp.int8 else 448
     codes = lambda k: (
@@ -150,10 +156,8 @@ def check_codes_boundary(kv_dtype: str, slots: int, layers: int = 1, batch: int 
         q=jax.random.normal(ks[0], (batch, 1, HQ, D), jnp.bfloat16),
         k=jax.random.normal(ks[1], (batch, 1, HKV, D), jnp.bfloat16),
         v=jax.random.normal(ks[6], (batch, 1, HKV, D), jnp.bfloat16),
-        k_cache=codes(ks[2]),
-        v_cache=codes(ks[3]),
-        k_scale=scale(ks[4]),
-        v_scale=scale(ks[5]),
+        k_cache=jc.Stored(codes(ks[2]), scale(ks[4])),  # the stack's codes, the last layer's scales
+        v_cache=jc.Stored(codes(ks[3]), scale(ks[5])),
         cache_valid=jnp.ones((batch, HKV, slots), bool),
         cache_positions=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, 1, slots)),
         lengths=jnp.ones((batch,), jnp.int32),
@@ -182,7 +186,7 @@ def check_codes_boundary(kv_dtype: str, slots: int, layers: int = 1, batch: int 
 
 def check(name, kernels, batch, T, S, reduction, nan_key=False, ragged=False, far=False, kv_dtype="model") -> dict:
     x = inputs(jax.random.key(batch * 7 + T), batch, T, S, nan_key, ragged, far)
-    x = x if kv_dtype == "model" else quantized(x, kv_dtype)
+    x = stored(x) if kv_dtype == "model" else quantized(x, kv_dtype)
     rope = jc.RoPE(500000.0, jc.Llama3Scaling())
 
     def run(kernels, x):
@@ -222,7 +226,7 @@ def main():
         check("decode, a NaN key", triton, 1, 1, S, "max", nan_key=True),
         check("chunk, default", jc.Kernels.default(), 1, 512, 4096 + 64, "max"),
     ]
-    for kv_dtype in pk.quantization.FORMATS:
+    for kv_dtype in pk.storage.FORMATS:
         rows += [
             check(f"decode {kv_dtype}", triton, 32, 1, S, "mean", kv_dtype=kv_dtype),
             check(f"decode {kv_dtype}, NaN", triton, 1, 1, S, "max", nan_key=True, kv_dtype=kv_dtype),

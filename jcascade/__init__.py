@@ -31,7 +31,7 @@ from jcascade.models import (
     read_config,
     save_converted,
 )
-from jcascade.pallas_kernels import Kernels
+from jcascade.pallas_kernels import Kernels, Stored
 from jcascade.policies import (
     H2O,
     TOVA,
@@ -77,6 +77,7 @@ __all__ = [
     "Sink",
     "SlidingWindow",
     "SnapKV",
+    "Stored",
     "TOVA",
     "attend",
     "attend_shared",

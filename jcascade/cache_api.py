@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from jcascade import cache_state, checks
 from jcascade.cache_state import CacheState, Scores
-from jcascade.pallas_kernels import Kernels, quantization
+from jcascade.pallas_kernels import Kernels
+from jcascade.pallas_kernels.storage import Stored
 from jcascade.policies import Policy, check_policy
 
 
@@ -26,6 +27,7 @@ def init_cache(
     max_tokens: int | None = None,
     num_layers: int | None = None,
     kernels: Kernels | None = None,
+    rope=None,
 ) -> CacheState:
     """An empty cache. `kernels`: the `jc.Kernels` its attention and insertion run (None: `Kernels.default()`, the
     platform's), carried by the state as static data. `max_tokens` is the number of tokens a cache of a policy that is
@@ -34,7 +36,12 @@ def init_cache(
 
     With `num_layers`, every array gets a leading layer axis (scan over it to run a model). `dtype` is the model's
     (that of the keys and values attend and update take); the cache stores them in it, or quantized when the
-    policy's `kv_dtype` says so (`jcascade.pallas_kernels.quantization`: codes plus a float32 scale per slot).
+    policy's `kv_dtype` says so (`jcascade.pallas_kernels.storage`: codes plus a float32 scale per slot).
+
+    `rope`: None, or the RoPE that `attend` will be given: the cache then stores its keys rotated by it at their
+    original positions (`CacheState.rope`), so that the attention reads them without rotating each key where
+    positions are the tokens' own, and `attend` must be given that rope. None stores keys un-rotated (rotated as
+    they are read, by whatever rope `attend` gets).
     """
     check_policy(policy)
     sizes = (
@@ -57,6 +64,7 @@ def init_cache(
         kernels = Kernels.default()
     elif not isinstance(kernels, Kernels):
         raise TypeError(f"init_cache: kernels must be a jc.Kernels or None, got {type(kernels).__name__} {kernels!r}")
+    checks.check_rope(rope)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"init_cache: dtype must be a floating-point dtype (e.g. jnp.bfloat16), got {dtype!r}")
     capacity = policy.cache_slots(max_tokens)
@@ -67,21 +75,16 @@ def init_cache(
         )
     lead = () if num_layers is None else (num_layers,)
     shape = (*lead, batch, num_kv_heads, capacity)
-    stored = quantization.storage_dtype(policy.kv_dtype, dtype)
     # two buffers (a cache is donated, and one buffer cannot be donated twice)
-    scales = (
-        dict(k_scale=jnp.zeros(shape, jnp.float32), v_scale=jnp.zeros(shape, jnp.float32))
-        if quantization.is_quantized(stored)
-        else {}
-    )
+    k, v = (Stored.empty((*shape, head_dim), policy.kv_dtype, dtype) for _ in range(2))
     return CacheState(
-        k=jnp.zeros((*shape, head_dim), stored),
-        v=jnp.zeros((*shape, head_dim), stored),
+        k=k,
+        v=v,
         score=jnp.zeros(shape, jnp.float32),
         pos=jnp.full(shape, -1, jnp.int32),
         seen=jnp.zeros((*lead, batch), jnp.int32),
         kernels=kernels,
-        **scales,
+        rope=rope,
     )
 
 
@@ -107,6 +110,7 @@ def attend(
     check_policy(policy)
     B, T = cache_state.check_chunk(state, q, k, v)
     checks.check_rope(rope)
+    cache_state.check_stored_rope(state, rope)
     n = checks.check_lengths(lengths, B, T)
     return policy.attend(state, q, k, v, n, rope)
 

@@ -12,7 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jcascade.pallas_kernels import Kernels, quantization
+from jcascade.pallas_kernels import Kernels
+from jcascade.pallas_kernels.storage import Stored
 
 
 @jax.tree_util.register_dataclass
@@ -20,29 +21,33 @@ from jcascade.pallas_kernels import Kernels, quantization
 class CacheState:
     """KV cache of one layer (or of L layers stacked on a leading axis).
 
-    k, v:  [B, Hkv, capacity, D] un-rotated keys/values, in the library's slot order: in the model's dtype, or
-           8-bit codes (int8, float8_e4m3fn: `jcascade.pallas_kernels.quantization`, the policy's `kv_dtype`).
+    k, v:  `Stored` [B, Hkv, capacity, D] keys/values in the library's slot order: in the model's dtype, or
+           8-bit codes with a scale per slot (int8, float8_e4m3fn: `jcascade.pallas_kernels.storage`, the policy's
+           `kv_dtype`); a slot's scale moves with its token. The keys are un-rotated, or rotated by `rope` at their
+           original positions (`pos`).
     score: f32 [B, Hkv, capacity] EMA attention score per slot (0 for policies that keep none).
     pos:   int32 [B, Hkv, capacity] original token index per slot, -1 for an empty slot.
     seen:  int32 [B] number of tokens each row has received.
     kernels: (static) the `jc.Kernels` that attend to and insert into this cache (`init_cache`'s `kernels`).
     layer: None, or an int32 scalar when this is one layer of a model's stacked cache as its layer loop
            sees it: k and v are then the whole stack [L, B, Hkv, capacity, D], read and written in place
-           at `layer` (`cached_kv`, `write_kv`, the kernels' `layer` argument), and the other fields are
-           the layer's own. Nothing is copied out of the stack or back.
-    k_scale, v_scale: f32 [B, Hkv, capacity] the scale of each slot's codes (None for a cache in the model's
-           dtype), per slot like `score` and `pos`: they move with their token.
+           at `layer` (`cached_kv`, `write_kv`, the kernels' `layer` argument), and the other fields (the
+           codes' scales among them: `map_layer_fields`) are the layer's own. Nothing is copied out of the stack
+           or back.
+    rope:  (static) None: the keys are stored as computed (un-rotated), and the attention rotates them at the
+           policy's key positions as it reads them; or the RoPE (`init_cache`'s `rope`) the keys are stored rotated
+           by, at their original positions, once on their way in (`update`, `write_kv`): the attention reads them as
+           they are where positions are the tokens' own (docs/semantics.md §4).
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: Stored
+    v: Stored
     score: jax.Array
     pos: jax.Array
     seen: jax.Array
     kernels: Kernels = dataclasses.field(metadata=dict(static=True))
     layer: jax.Array | None = None
-    k_scale: jax.Array | None = None
-    v_scale: jax.Array | None = None
+    rope: object = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def capacity(self) -> int:
@@ -59,16 +64,61 @@ class Scores:
     chunk: jax.Array
 
 
-def quantize_kv(state: CacheState, k: jax.Array, v: jax.Array):
-    """(k codes, v codes, k scales, v scales) of keys and values [..., D] in a quantized `state`'s format."""
-    (k, k_scale), (v, v_scale) = (quantization.quantize(x, state.k.dtype) for x in (k, v))
-    return k, v, k_scale, v_scale
+def encode_kv(state: CacheState, k: jax.Array, v: jax.Array, positions: jax.Array) -> tuple[Stored, Stored]:
+    """Un-rotated keys and values [..., D] of the tokens at original `positions` (int32, broadcastable to [...]) as
+    `state` stores them: the keys rotated there by `state.rope` (if any), both in its format (`Stored.encode`)."""
+    if state.rope is not None:
+        k = state.rope(k, positions)
+    return state.k.encode(k), state.v.encode(v)
 
 
-def layer_fields(state: CacheState) -> tuple[str, ...]:
-    """The fields that each layer of a stacked cache holds as its own (`CacheState.layer`): all but K and V, which
-    a layer reads and writes in place in the stack."""
-    return ("score", "pos", "seen") + (() if state.k_scale is None else ("k_scale", "v_scale"))
+def encode_chunk(state: CacheState, k: jax.Array, v: jax.Array) -> tuple[Stored, Stored]:
+    """`encode_kv` of a chunk k, v [B, T, Hkv, D] that follows the row's tokens (positions seen + 0..T-1)."""
+    positions = state.seen[:, None, None] + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :, None]
+    return encode_kv(state, k, v, positions)
+
+
+def key_rotation(state: CacheState, key_pos: jax.Array) -> jax.Array:
+    """int32 (key_pos's shape, broadcast with `state.pos`): the positions by which to rotate the stored keys so that
+    they sit at `key_pos`: key_pos itself for un-rotated keys, key_pos - pos for keys stored rotated at `pos`."""
+    return key_pos if state.rope is None else jnp.where(state.pos >= 0, key_pos - state.pos, 0)
+
+
+def read_rotation(state: CacheState, rope, key_pos: jax.Array, own_positions: bool) -> tuple[object, jax.Array]:
+    """(rope, positions) with which an attention kernel rotates the held keys so that they sit at `key_pos`
+    (`Kernels.chunk_attention`'s rope and cache_positions): `rope` at key_pos for un-rotated keys; nothing for keys
+    stored rotated where key_pos are the tokens' own positions (`own_positions`); else `rope` at `key_rotation`."""
+    if state.rope is None:
+        return rope, key_pos
+    return (None, key_pos) if own_positions else (rope, key_rotation(state, key_pos))
+
+
+def check_stored_rope(state: CacheState, rope) -> None:
+    """Raises ValueError unless a cache storing keys rotated (`CacheState.rope`) is attended with that rope."""
+    if state.rope is not None and rope != state.rope:
+        raise ValueError(
+            f"rope must be the RoPE this cache stores its keys rotated by ({state.rope!r}, init_cache's rope), "
+            f"got {rope!r}"
+        )
+
+
+def held_keys(state: CacheState, rope, key_pos: jax.Array) -> jax.Array:
+    """f32 [B, Hkv, capacity, D] (or the layer's, `state.layer`): the held keys rotated by `rope` at `key_pos`
+    (from un-rotated keys, or from keys stored rotated at their own positions: `key_rotation`), dequantized;
+    as stored when rope is None. An XLA computation: the kernels rotate in their registers."""
+    keys = stored_kv(state)[0].decode()
+    return keys if rope is None else rope(keys, key_rotation(state, key_pos))
+
+
+def map_layer_fields(f, state: CacheState, *others: CacheState, **changes) -> CacheState:
+    """`state` with each array that a layer of a stacked cache holds as its own (`CacheState.layer`: score, pos,
+    seen and the codes' scales; not the K/V data, which a layer reads and writes in place in the stack) replaced by
+    f(that array, the same array of each of `others`), and the fields in `changes` set."""
+    new = {name: f(getattr(state, name), *(getattr(o, name) for o in others)) for name in ("score", "pos", "seen")}
+    for name in ("k", "v"):
+        scales = [getattr(o, name).scale for o in others]
+        new[name] = getattr(state, name).map_scale(lambda x: f(x, *scales))
+    return dataclasses.replace(state, **new, **changes)
 
 
 def cached_positions(state: CacheState) -> jax.Array:
@@ -88,48 +138,52 @@ def cached_scores(state: CacheState) -> jax.Array:
 def cached_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
     """(k, v), each [B, Hkv, capacity, D] (or [L, ...] for a stacked cache), un-rotated, same slot order as
     `cached_positions` (the state's layer of a stacked cache when `state.layer` is set); a quantized cache's
-    dequantized to float32 (code * scale)."""
+    dequantized to float32 (code * scale); keys stored rotated (`CacheState.rope`) rotated back, in float32."""
     check_state(state, stacked_ok=True)
     k, v = stored_kv(state)
-    if state.k_scale is None:
-        return k, v
-    return quantization.dequantize(k, state.k_scale), quantization.dequantize(v, state.v_scale)
+    if state.rope is not None:
+        return state.rope(k.decode(), -state.pos), v.decode() if v.quantized else v.data
+    return (k.decode(), v.decode()) if k.quantized else (k.data, v.data)
 
 
-def stored_kv(state: CacheState) -> tuple[jax.Array, jax.Array]:
-    """(k, v) as the cache stores them (a quantized cache's codes), of the state's layer when `state.layer` is set."""
-    return (state.k, state.v) if state.layer is None else (state.k[state.layer], state.v[state.layer])
+def stored_kv(state: CacheState) -> tuple[Stored, Stored]:
+    """(k, v) as the cache stores them, of the state's layer when `state.layer` is set."""
+    return state.k.of_layer(state.layer), state.v.of_layer(state.layer)
 
 
-def write_kv(state: CacheState, index: tuple, k: jax.Array, v: jax.Array) -> CacheState:
-    """The state with its (layer's) k and v set to `k`, `v` at `index` (a NumPy-style index tuple into
+def write_kv(state: CacheState, index: tuple, k: jax.Array, v: jax.Array, positions=None) -> CacheState:
+    """The state with its (layer's) k and v set to `k`, `v` (un-rotated) at `index` (a NumPy-style index tuple into
     [B, Hkv, capacity, D], `()` for all of it; out-of-range scatter indices are dropped). With `state.layer`
     set this is one scatter into the stack: only the written rows move. A quantized cache stores k and v
-    quantized, their scales at the same slots. state: one layer (`check_state`)."""
+    quantized, their scales at the same slots. positions: int32, broadcastable to the written keys' [...] (without
+    head_dim): the tokens' original positions, at which a cache storing keys rotated (`CacheState.rope`) rotates
+    them (required there; the state's `pos` is the caller's to set). state: one layer (`check_state`)."""
     check_state(state)
+    if state.rope is not None and positions is None:
+        raise ValueError(
+            "positions must be given: this cache stores keys rotated at their original positions "
+            f"(CacheState.rope = {state.rope!r}); pass the written tokens' positions"
+        )
     if not isinstance(index, tuple):
         raise TypeError(
             f"index must be a tuple of indices into [batch, num_kv_heads, capacity, head_dim] (() for "
             f"all of it), got {type(index).__name__}"
         )
-    if state.k_scale is not None and len(index) > 3:
+    if state.k.quantized and len(index) > 3:
         raise ValueError(
             f"index must address whole slots of a quantized cache (at most 3 indices into [batch, "
             f"num_kv_heads, capacity, head_dim]: a slot's scale covers its head_dim), got {len(index)}"
         )
-    slot_index = index
-    index = index if state.layer is None else (state.layer, *index)
-    put = lambda x, val, at=index: x.at[at].set(val.astype(x.dtype), mode="drop")
-    if state.k_scale is None:
-        return dataclasses.replace(state, k=put(state.k, k), v=put(state.v, v))
-    k, v, k_scale, v_scale = quantize_kv(state, k, v)
-    return dataclasses.replace(
-        state,
-        k=put(state.k, k),
-        v=put(state.v, v),
-        k_scale=put(state.k_scale, k_scale, slot_index),
-        v_scale=put(state.v_scale, v_scale, slot_index),
+    k, v = encode_kv(state, k, v, positions)
+    if state.layer is None:
+        return dataclasses.replace(state, k=state.k.set(index, k), v=state.v.set(index, v))
+    # the layer's codes in the stack, its own scales
+    put = lambda old, new: old.at[(state.layer, *index)].set(new.data.astype(old.dtype), mode="drop")
+    k_new, v_new = (
+        Stored(put(old.data, new), old.map_scale(lambda s, new=new: s.at[index].set(new.scale, mode="drop")).scale)
+        for old, new in ((state.k, k), (state.v, v))
     )
+    return dataclasses.replace(state, k=k_new, v=v_new)
 
 
 def check_state(state, name: str = "state", *, stacked_ok: bool = False) -> None:
@@ -158,20 +212,13 @@ def check_state(state, name: str = "state", *, stacked_ok: bool = False) -> None
         "score": pos,
         "seen": pos[:-2],
     }
-    quantized = quantization.is_quantized(state.k.dtype)
-    if (
-        state.v.dtype != state.k.dtype
-        or quantized != (state.k_scale is not None)
-        or (state.k_scale is None) != (state.v_scale is None)
-    ):
+    if not (isinstance(state.k, Stored) and isinstance(state.v, Stored)) or state.v.dtype != state.k.dtype:
         raise ValueError(
-            f"{name} must hold k and v of one dtype, with k_scale and v_scale exactly when that is a "
-            f"quantized format (int8, float8_e4m3fn); got k {state.k.dtype}, v {state.v.dtype}, "
-            f"k_scale {'None' if state.k_scale is None else 'set'}, v_scale "
-            f"{'None' if state.v_scale is None else 'set'}"
+            f"{name} must hold k and v as Stored values of one format, got k {type(state.k).__name__} "
+            f"{getattr(state.k, 'dtype', '')}, v {type(state.v).__name__} {getattr(state.v, 'dtype', '')}"
         )
-    if quantized:
-        expected |= {"k_scale": pos, "v_scale": pos}
+    for field in ("k", "v"):
+        getattr(state, field).check_scales(f"{name}.{field}", pos)
     for field, shape in expected.items():
         if getattr(state, field).shape != shape:
             raise ValueError(

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcascade import cache_state, checks
-from jcascade.pallas_kernels import quantization
 from jcascade.pallas_kernels.attention_state import merge
+from jcascade.pallas_kernels.storage import Stored
 from jcascade.policies import Policy, check_policy, policy_names
 from jcascade.rope import rotate_chunk
 
@@ -28,25 +28,22 @@ from jcascade.rope import rotate_chunk
 class SharedPrefix:
     """One level of shared prefixes (one layer, or L layers stacked on a leading axis).
 
-    k, v:    [P, Hkv, S, D] keys/values of the P prefix rows (zeros in empty slots); the keys un-rotated, or
-             rotated at key_pos when `rope` is set; 8-bit codes when the prefix is quantized (k_scale set);
+    k, v:    `Stored` [P, Hkv, S, D] keys/values of the P prefix rows (zeros in empty slots); the keys un-rotated,
+             or rotated at key_pos when `rope` is set; in a format of `jcascade.pallas_kernels.storage` (8-bit
+             codes with a scale per slot, or floats);
     valid:   bool [P, Hkv, S] slots that hold a token;
     key_pos: int32 [P, 1 or Hkv, S] RoPE position of each slot;
     length:  int32 [P] the first position after the prefix (including the levels before it): where the
              next level, or its requests' own tokens, start;
-    k_scale, v_scale: f32 [P, Hkv, S] the scale of each slot's codes (`jcascade.pallas_kernels.quantization`),
-             or None for keys and values stored as floats;
     rope:    (static) None, or the RoPE that k was rotated with (`share_prefix(..., rope=)`): the requests must
              decode with the same one, and no step rotates the prefix's keys again.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: Stored
+    v: Stored
     valid: jax.Array
     key_pos: jax.Array
     length: jax.Array
-    k_scale: jax.Array | None = None
-    v_scale: jax.Array | None = None
     rope: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
@@ -58,14 +55,22 @@ def share_prefix(
     RoPE the requests decode with, or None; when given, the keys are stored rotated at their positions (which a
     frozen prefix never changes), so that decoding reads them without rotating them in every step (and, on a
     Hopper GPU, many requests' queries run on the tensor-core kernel, `Kernels.prefix_attention`). dtype: None
-    stores the keys and values as the cache does: a quantized cache's prefix holds its codes and scales as they are,
-    the keys un-rotated whatever `rope` says (rotating would round them a second time; the requests' steps rotate
-    them as they read, in the GPU kernel's registers); a floating dtype stores them dequantized in it."""
+    stores the keys and values as the cache does: a quantized cache's prefix holds its codes and scales as they are
+    where it can: un-rotated from a cache storing them so (whatever `rope` says: rotating would round them a second
+    time; the requests' steps rotate them as they read, in the GPU kernel's registers), rotated from a cache storing
+    them rotated at the tokens' own positions when those are the prefix's (no offset, "original" positions) and
+    `rope` is given; otherwise the keys are rotated to the prefix's positions (or back, rope None) and encoded
+    anew. A floating dtype stores them dequantized in it."""
     check_policy(policy)
     if not policy.shareable:
         raise ValueError(f"{type(policy).__name__} cannot be a shared prefix (its cache is chosen per request)")
     cache_state.check_state(state)
     checks.check_rope(rope)
+    if state.rope is not None and rope is not None and rope != state.rope:
+        raise ValueError(
+            f"rope must be None or the RoPE the cache stores its keys rotated by ({state.rope!r}), got {rope!r}"
+        )
+    unshifted = isinstance(offset, int) and offset == 0
     shape = () if np.ndim(offset) == 0 else state.seen.shape  # an int, or one per prefix row
     offset = checks.int_array(
         offset,
@@ -81,15 +86,20 @@ def share_prefix(
     valid = state.pos >= 0
     if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be None (the cache's storage) or a floating dtype, got {dtype}")
-    if state.k_scale is not None and dtype is None:  # codes and scales as they are, zero in empty slots
-        k, v = (jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)) for x in cache_state.stored_kv(state))
-        k_scale, v_scale = (jnp.where(valid, x, 0.0) for x in (state.k_scale, state.v_scale))
-        return SharedPrefix(
-            k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, k_scale=k_scale, v_scale=v_scale
-        )
-    held_k, held_v = cache_state.cached_kv(state)
-    k = held_k if rope is None else rope(held_k, key_pos)
-    k, v = (jnp.where(valid[..., None], x, 0).astype(dtype or x.dtype) for x in (k, held_v))
+    stored_k, stored_v = cache_state.stored_kv(state)
+    empty = lambda x: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 3)), x, jnp.zeros((), x.dtype))
+    keys = lambda: cache_state.cached_kv(state)[0] if rope is None else cache_state.held_keys(state, rope, key_pos)
+    if stored_k.quantized and dtype is None:  # codes and scales, zero in empty slots
+        if state.rope is None:  # as they are, un-rotated: the requests' steps rotate them as they read
+            rotated = None
+        elif rope is not None and unshifted and policy.positions != "cache":  # as they are, rotated where needed
+            rotated = rope
+        else:  # rotated to the prefix's positions (or back), and encoded anew
+            stored_k, rotated = stored_k.encode(keys()), rope
+        k, v = stored_k.map(empty), stored_v.map(empty)
+        return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, rope=rotated)
+    target = dtype or stored_k.dtype
+    k, v = (Stored(empty(x).astype(target)) for x in (keys(), stored_v.decode()))
     return SharedPrefix(k=k, v=v, valid=valid, key_pos=key_pos, length=start + offset, rope=rope)
 
 
@@ -121,6 +131,12 @@ def _check_prefixes(prefixes, batch: int, num_kv_heads: int, head_dim: int, rope
         name = f"prefixes[{i}]"
         if not isinstance(prefix, SharedPrefix):
             raise TypeError(f"{name} must be a SharedPrefix (from jc.share_prefix), got {type(prefix).__name__}")
+        for field in ("k", "v"):
+            if not isinstance(getattr(prefix, field), Stored):
+                raise TypeError(
+                    f"{name}.{field} must be a jc.Stored value (jc.share_prefix makes it), got "
+                    f"{type(getattr(prefix, field)).__name__}"
+                )
         if prefix.k.ndim != 4:
             raise ValueError(
                 f"{name}.k must have shape [P, num_kv_heads, S, head_dim], got {list(prefix.k.shape)}"
@@ -143,12 +159,10 @@ def _check_prefixes(prefixes, batch: int, num_kv_heads: int, head_dim: int, rope
                     f"{name}.{field} must have shape {' or '.join(str(list(w)) for w in want)} "
                     f"(k {list(prefix.k.shape)}), got {list(getattr(prefix, field).shape)}"
                 )
-        quantized = quantization.is_quantized(prefix.k.dtype)
-        for field in ("k_scale", "v_scale"):
-            scale = getattr(prefix, field)
-            if (scale is not None) != quantized or (scale is not None and scale.shape != (P, H, S)):
-                want = f"shape {[P, H, S]} (codes k {prefix.k.dtype})" if quantized else f"None (k {prefix.k.dtype})"
-                raise ValueError(f"{name}.{field} must be {want}, got {None if scale is None else list(scale.shape)}")
+        if prefix.v.dtype != prefix.k.dtype:
+            raise ValueError(f"{name}: k and v must be stored in one format, got {prefix.k.dtype} and {prefix.v.dtype}")
+        for field in ("k", "v"):
+            getattr(prefix, field).check_scales(f"{name}.{field}", (P, H, S))
         if batch % P:
             raise ValueError(
                 f"{name}: a shared-prefix level with {P} rows cannot serve a batch of {batch} requests "
@@ -189,15 +203,21 @@ def attend_shared(
         )
     B, T = cache_state.check_chunk(state, q, k, v)
     checks.check_rope(rope)
+    cache_state.check_stored_rope(state, rope)
     D = k.shape[3]
     fan_out = _check_prefixes(prefixes, B, k.shape[2], D, rope)
     n = checks.check_lengths(lengths, B, T)
     # the innermost level's end is where the requests' own tokens start
     offset = jnp.repeat(prefixes[-1].length, fan_out[-1]) if prefixes else jnp.zeros((B,), jnp.int32)
     key_pos, start = policy.key_positions(state)
-    key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
-    start = start + offset
-    q, k = rotate_chunk(rope, q, k, start)
+    # keys stored rotated at the tokens' own positions are read there: the own cache and the chunk unshifted (their
+    # distances are the same), the prefixes with the queries shifted past them
+    own = state.rope is not None and policy.positions != "cache"
+    if not own:
+        key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
+    q_prefix, _ = rotate_chunk(rope, q, k[:, :, :1], start + offset)
+    q, k = rotate_chunk(rope, q, k, start if own else start + offset)
+    cache_rope, cache_pos = cache_state.read_rotation(state, rope, key_pos, own)
     out, lse, _, _ = state.kernels.chunk_attention(
         q,
         k,
@@ -205,19 +225,17 @@ def attend_shared(
         state.k,
         state.v,
         state.pos >= 0,
-        key_pos,
+        cache_pos,
         n,
         None,
         "max",
-        rope,
+        cache_rope,
         layer=state.layer,
-        k_scale=state.k_scale,
-        v_scale=state.v_scale,
     )
     out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)  # lse [B, T, Hq]
     Hq = q.shape[2]
     for prefix, per_row in zip(prefixes, fan_out):
-        grouped = q.reshape(B // per_row, per_row * T, Hq, D)
+        grouped = q_prefix.reshape(B // per_row, per_row * T, Hq, D)
         p_out, p_lse = state.kernels.prefix_attention(
             grouped,
             prefix.k,
@@ -225,8 +243,6 @@ def attend_shared(
             prefix.valid,
             prefix.key_pos,
             rope if prefix.rope is None else None,
-            k_scale=prefix.k_scale,
-            v_scale=prefix.v_scale,
         )
         out, lse = merge(out, lse, p_out.reshape(B, T, Hq, D), p_lse.reshape(B, T, Hq))
     valid = (jnp.arange(T)[None, :] < n[:, None])[:, :, None, None]

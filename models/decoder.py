@@ -201,7 +201,10 @@ class CausalLM(nnx.Module):
     def init_cache(self, policy, batch: int, max_tokens: int | None = None) -> ModelState:
         """An empty `ModelState` in the model's dtype, with the model's kernels: `policy`'s cache of the global layers,
         the window cache of the sliding ones (`window_policy`), the recurrent states of the linear ones, each stacked
-        over its layers that keep one. On a sharded model's mesh, rows over "data" and KV heads over "model"."""
+        over its layers that keep one. On a sharded model's mesh, rows over "data" and KV heads over "model". What
+        the caches store is decided here, once for all of them: the policy's format (`kv_dtype`), and keys rotated
+        at their original positions by the RoPE of their layers (`CacheState.rope`; a layer without rotary
+        positions stores its keys as they are)."""
         cfg = self.config
 
         def make(layer_type):
@@ -231,6 +234,7 @@ class CausalLM(nnx.Module):
                     max_tokens=max_tokens,
                     num_layers=layers,
                     kernels=self.kernels,
+                    rope=cfg.local_rope if layer_type == SLIDING else cfg.rope,
                 )
                 specs = None if self.mesh is None else sharding.cache_specs(state, self.mesh)
             return state if specs is None else sharding.place(state, specs, self.mesh)
@@ -276,7 +280,7 @@ class CausalLM(nnx.Module):
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
         per_layer = self._per_layer_inputs(tokens, x) if cfg.per_layer_input_size else None
         layers = functools.partial(self._layers, lengths=lengths, prefixes=tuple(prefixes), per_layer=per_layer)
-        branch = policy.step_branch(view.layer(state.cache, jnp.int32(0)), tokens.shape[1], lengths)
+        branch = policy.step_branch(view.layer(state.cache, jnp.int32(0), cfg.rope), tokens.shape[1], lengths)
         if branch is None:
             x, state = layers(policy, x, state)
         else:

@@ -115,8 +115,8 @@ def cache_specs(state: cache_state.CacheState, mesh: Mesh) -> cache_state.CacheS
     heads = "model" if num_kv_heads % mesh.shape["model"] == 0 else None
     slot = PartitionSpec(None, rows, heads, None)
     stack = PartitionSpec(None, rows, heads, None, None)
-    scales = {} if state.k_scale is None else dict(k_scale=slot, v_scale=slot)
-    return dataclasses.replace(state, k=stack, v=stack, score=slot, pos=slot, seen=PartitionSpec(None, rows), **scales)
+    kv = state.k.map(lambda x: stack if x.ndim == 5 else slot)  # the codes' scales, if any, are per slot
+    return dataclasses.replace(state, k=kv, v=kv, score=slot, pos=slot, seen=PartitionSpec(None, rows))
 
 
 def linear_state_specs(state, mesh: Mesh):
@@ -134,23 +134,18 @@ def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ())
     repeats the work of its rows or heads: the weights put the heads there anyway). None when a level's rows
     neither divide over the cache rows' "data" nor are one row (attend/update then follow sharding propagation)."""
     stacked = cache_specs(state, mesh)
-    rows, heads = stacked.k[1], stacked.k[2]  # "data" / "model", or None (replicated)
+    rows, heads = stacked.k.data[1], stacked.k.data[2]  # "data" / "model", or None (replicated)
     num_kv_heads = state.pos.shape[-2]
     own = lambda spec: PartitionSpec(*spec[1:])  # without the layer axis
-    state = dataclasses.replace(
-        stacked,
-        layer=PartitionSpec(),
-        **{name: own(getattr(stacked, name)) for name in cache_state.layer_fields(stacked)},
-    )
+    state = cache_state.map_layer_fields(own, stacked, layer=PartitionSpec())
     levels = []
     for prefix in prefixes:
         level_rows = prefix.length.shape[-1]
         if rows and level_rows % mesh.shape["data"] and level_rows != 1:
             return None
         row = rows if level_rows % mesh.shape["data"] == 0 else None
-        kv = PartitionSpec(row, heads, None, None)
         key_pos_heads = heads if prefix.key_pos.shape[-2] == num_kv_heads else None  # 1 or Hkv
-        slot = None if prefix.k_scale is None else PartitionSpec(row, heads, None)
+        kv = prefix.k.map(lambda x: PartitionSpec(row, heads, *(None,) * (x.ndim - 3)))  # a layer: data, codes' scales
         levels.append(
             SharedPrefix(
                 k=kv,
@@ -158,8 +153,6 @@ def layer_specs(state: cache_state.CacheState, mesh: Mesh, prefixes: tuple = ())
                 valid=PartitionSpec(row, heads, None),
                 key_pos=PartitionSpec(row, key_pos_heads, None),
                 length=PartitionSpec(row),
-                k_scale=slot,
-                v_scale=slot,
                 rope=prefix.rope,
             )
         )

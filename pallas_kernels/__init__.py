@@ -21,8 +21,9 @@ import dataclasses
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import attention_state, mosaic_gpu, quantization, reference, ring_insertion, schedule, tpu, triton
+from . import attention_state, mosaic_gpu, reference, ring_insertion, schedule, storage, tpu, triton
 from .mosaic_gpu import MosaicGpuConfig
+from .storage import Stored
 from .tpu import TpuConfig
 from .triton import WIDE as TRITON_WIDE
 from .triton import TritonConfig
@@ -122,8 +123,8 @@ class Kernels:
         q,
         k,
         v,
-        k_cache,
-        v_cache,
+        k_cache: Stored,
+        v_cache: Stored,
         cache_valid,
         cache_positions,
         lengths,
@@ -133,17 +134,15 @@ class Kernels:
         *,
         layer=None,
         first_slot: int = 0,
-        k_scale=None,
-        v_scale=None,
     ):
-        """`reference.chunk_attention` on this backend. layer: None, or an int32 scalar when k_cache and v_cache
-        are a model's stacked cache [L, B, Hkv, C, D]: the call attends to that layer. first_slot (a static int):
-        the call attends to slots [first_slot, first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1]
-        (cache_valid and cache_positions cover those slots alone). The Triton decode kernel reads both in place;
-        the other paths take the slice. k_scale, v_scale: f32 [B, Hkv, C] when k_cache, v_cache hold a quantized
-        cache's codes (`quantization`): a decode step on a GPU backend (with RoPE the kernel fuses, or none)
-        dequantizes them in the Triton decode kernel's registers, and the Mosaic TPU kernels read the value codes
-        (the keys dequantized with their rotation); the other paths dequantize (to q's dtype) in a copy of the
+        """`reference.chunk_attention` on this backend, over a cache as it is stored (k_cache, v_cache: `Stored`).
+        layer: None, or an int32 scalar when k_cache and v_cache hold a model's stacked cache [L, B, Hkv, C, D]:
+        the call attends to that layer. first_slot (a static int): the call attends to slots [first_slot,
+        first_slot + S) of k_cache and v_cache, S = cache_valid.shape[-1] (cache_valid and cache_positions cover
+        those slots alone). The Triton decode kernel reads both in place; the other paths take the slice. A
+        quantized cache (8-bit codes with their scales): a decode step on a GPU backend (with RoPE the kernel fuses,
+        or none) dequantizes them in the Triton decode kernel's registers, and the Mosaic TPU kernels read the value
+        codes (the keys dequantized with their rotation); the other paths dequantize (to q's dtype) in a copy of the
         attended slots (fused with the keys' rotation), then attend as to a cache in the model's dtype.
         `quantized_decode_path` says which a decode step takes."""
         if k_cache.shape[-2] != first_slot + cache_valid.shape[-1]:
@@ -151,8 +150,8 @@ class Kernels:
                 f"k_cache has {k_cache.shape[-2]} slots; first_slot={first_slot} plus the "
                 f"{cache_valid.shape[-1]} slots of cache_valid must equal it"
             )
-        path = self.quantized_decode_path(k_cache, rope) if k_scale is not None else None
-        if q.shape[1] == 1 and path in ("in place", "in place as pairs"):
+        path = self.quantized_decode_path(k_cache, rope)
+        if self.on_gpu and q.shape[1] == 1 and path != "dequantized copy":
             return triton.chunk_attention(
                 q,
                 k,
@@ -169,12 +168,10 @@ class Kernels:
                 first_slot,
                 config=self.triton_tiles(q.shape[-1]),
                 interpret=self.interpret,
-                k_scale=k_scale,
-                v_scale=v_scale,
             )
-        if k_scale is not None:  # the attended layer's codes and scales from first_slot
-            k_cache, v_cache = triton.layer_of(k_cache, layer, first_slot), triton.layer_of(v_cache, layer, first_slot)
-            k_scale, v_scale, layer, first_slot = k_scale[..., first_slot:], v_scale[..., first_slot:], None, 0
+        if k_cache.quantized:  # the attended layer's codes and scales from first_slot
+            k_cache, v_cache = (c.of_layer(layer).slots_from(first_slot) for c in (k_cache, v_cache))
+            layer, first_slot = None, 0
             if self.backend == "mosaic_tpu":  # its kernels take the codes
                 return tpu.chunk_attention(
                     q,
@@ -190,12 +187,9 @@ class Kernels:
                     rope,
                     config=self.tpu,
                     interpret=self.interpret,
-                    k_scale=k_scale,
-                    v_scale=v_scale,
                 )
-            k_cache, v_cache = (
-                quantization.dequantize(c, scale, q.dtype) for c, scale in ((k_cache, k_scale), (v_cache, v_scale))
-            )
+            k_cache, v_cache = (Stored(c.decode(q.dtype)) for c in (k_cache, v_cache))
+        k_cache, v_cache = k_cache.data, v_cache.data
         if self.backend == "mosaic_gpu" and q.shape[1] > 1:
             if mosaic_gpu.supports(q, k_cache):
                 k_cache, v_cache = (
@@ -228,8 +222,8 @@ class Kernels:
                 q,
                 k,
                 v,
-                k_cache,
-                v_cache,
+                Stored(k_cache),
+                Stored(v_cache),
                 cache_valid,
                 cache_positions,
                 lengths,
@@ -245,32 +239,37 @@ class Kernels:
         args = (q, k, v, k_cache, v_cache, cache_valid, cache_positions, lengths, query_weights, head_reduction, rope)
         if self.backend == "xla":
             return reference.chunk_attention_blocked(*args, block=xla_query_block(q.shape, k_cache.shape[-2]))
-        return tpu.chunk_attention(*args, config=self.tpu, interpret=self.interpret)
+        return tpu.chunk_attention(
+            *args[:3], Stored(k_cache), Stored(v_cache), *args[5:], config=self.tpu, interpret=self.interpret
+        )
 
-    def quantized_decode_path(self, codes, rope=None) -> str:
-        """How a decode step (`chunk_attention` with T == 1) reads a quantized cache's `codes` (a layer [B, Hkv, C, D],
-        or a stack [L, B, Hkv, C, D]) under `rope`: "in place" (the Triton decode kernel dequantizes them in
-        registers), "in place as pairs" (the same kernel reading them as int16 pairs: a stack of 2**31 to 2**32
+    def quantized_decode_path(self, cache: Stored, rope=None) -> str:
+        """How a decode step (`chunk_attention` with T == 1) reads a cache (`Stored`: a layer [B, Hkv, C, D], or a
+        stack [L, B, Hkv, C, D]) under `rope`: "in place" (the Triton decode kernel reads it, dequantizing codes in
+        registers), "in place as pairs" (the same kernel reading codes as int16 pairs: a stack of 2**31 to 2**32
         codes it cannot address by the byte, `triton.addresses_fit`; head_dim a multiple of 4 and >= 64) or
-        "dequantized copy" (every other backend, RoPE or head_dim)."""
-        if not (self.on_gpu and (rope is None or triton.fuses_rope(rope))):
+        "dequantized copy" (every other backend, RoPE or head_dim; a cache in the model's dtype on a GPU backend
+        is read in place by the decode kernel, with any RoPE)."""
+        if not self.on_gpu:
             return "dequantized copy"
-        if triton.addresses_fit(codes):
+        if not cache.quantized:
             return "in place"
-        return "in place as pairs" if triton.reads_pairs(codes.shape[-1]) else "dequantized copy"
+        if rope is not None and not triton.fuses_rope(rope):
+            return "dequantized copy"
+        if triton.addresses_fit(cache.data):
+            return "in place"
+        return "in place as pairs" if triton.reads_pairs(cache.shape[-1]) else "dequantized copy"
 
-    def prefix_attention(
-        self, q, k_cache, v_cache, cache_valid, cache_positions, rope=None, *, k_scale=None, v_scale=None
-    ):
-        """`reference.prefix_attention` (many requests' queries against a shared prefix) on this backend. On GPU:
-        with the keys already rotated (rope None, as `jcascade.share_prefix(..., rope=)` stores them) and calls
-        that `mosaic_gpu.supports_prefix` (many query rows per KV head), the Mosaic GPU forward ("mosaic_gpu");
-        otherwise the Triton multi-query kernel. On TPU it runs the XLA reference. The Mosaic GPU path needs
-        finite keys and values in empty slots (`SharedPrefix` stores zeros there). k_scale, v_scale: f32
-        [P, Hkv, S] when k_cache, v_cache hold a quantized prefix's codes: the Triton kernel dequantizes them in
-        registers (on GPU, with RoPE it fuses or none, codes it can address: `triton.addresses_fit`); every other
-        path dequantizes a copy (to q's dtype) first."""
-        if k_scale is not None:
+    def prefix_attention(self, q, k_cache: Stored, v_cache: Stored, cache_valid, cache_positions, rope=None):
+        """`reference.prefix_attention` (many requests' queries against a shared prefix) on this backend, over the
+        prefix as it is stored (`Stored`). On GPU: with the keys already rotated (rope None, as
+        `jcascade.share_prefix(..., rope=)` stores them) and calls that `mosaic_gpu.supports_prefix` (many query
+        rows per KV head), the Mosaic GPU forward ("mosaic_gpu"); otherwise the Triton multi-query kernel. On TPU it
+        runs the XLA reference. The Mosaic GPU path needs finite keys and values in empty slots (`SharedPrefix`
+        stores zeros there). A quantized prefix: the Triton kernel dequantizes its codes in registers (on GPU, with
+        RoPE it fuses or none, codes it can address: `triton.addresses_fit`); every other path dequantizes a copy
+        (to q's dtype) first."""
+        if k_cache.quantized:
             if self.quantized_decode_path(k_cache, rope) == "in place":  # the decode kernel, many queries
                 return triton.prefix_attention(
                     q,
@@ -281,39 +280,44 @@ class Kernels:
                     rope,
                     config=self.triton_tiles(q.shape[-1]),
                     interpret=self.interpret,
-                    k_scale=k_scale,
-                    v_scale=v_scale,
                 )
-            k_cache, v_cache = (
-                quantization.dequantize(codes, scale, q.dtype)
-                for codes, scale in ((k_cache, k_scale), (v_cache, v_scale))
-            )
-        args = (q, k_cache, v_cache, cache_valid, cache_positions, rope)
+            k_cache, v_cache = (Stored(c.decode(q.dtype)) for c in (k_cache, v_cache))
         if not self.on_gpu:
-            return reference.prefix_attention(*args)
-        if self.backend == "mosaic_gpu" and rope is None and mosaic_gpu.supports_prefix(q, k_cache, self.mosaic_gpu):
+            return reference.prefix_attention(q, k_cache.data, v_cache.data, cache_valid, cache_positions, rope)
+        if (
+            self.backend == "mosaic_gpu"
+            and rope is None
+            and mosaic_gpu.supports_prefix(q, k_cache.data, self.mosaic_gpu)
+        ):
             return mosaic_gpu.prefix_attention(
-                q, k_cache, v_cache, cache_valid, config=self.mosaic_gpu, interpret=self._mosaic_interpret()
+                q, k_cache.data, v_cache.data, cache_valid, config=self.mosaic_gpu, interpret=self._mosaic_interpret()
             )
-        return triton.prefix_attention(*args, config=self.triton_tiles(q.shape[-1]), interpret=self.interpret)
+        return triton.prefix_attention(
+            q,
+            k_cache,
+            v_cache,
+            cache_valid,
+            cache_positions,
+            rope,
+            config=self.triton_tiles(q.shape[-1]),
+            interpret=self.interpret,
+        )
 
     def insert(
         self,
         layout,
-        k_cache,
-        v_cache,
+        k_cache: Stored,
+        v_cache: Stored,
         layer,
         score,
         pos,
         seen,
-        k,
-        v,
+        k: Stored,
+        v: Stored,
         chunk_score,
         placed,
         n,
         place_evicted=None,
-        *,
-        scales=None,
     ):
         """`ring_insertion.insert_chunk` (same arguments and result) on this backend: a single-token chunk on a
         GPU backend runs the in-place Triton kernel (layouts without heavy slots; a stack it cannot address by the
@@ -323,9 +327,9 @@ class Kernels:
             k.shape[1] == 1
             and self.on_gpu
             and not layout.heavy
-            and all(triton.addresses_fit(c) or c.shape[-1] % 2 == 0 for c in (k_cache, v_cache))
+            and all(triton.addresses_fit(c.data) or c.shape[-1] % 2 == 0 for c in (k_cache, v_cache))
         ):
-            score, pos, k_cache, v_cache, scales = insert_one(
+            score, pos, k_cache, v_cache = insert_one(
                 layout,
                 score,
                 pos,
@@ -338,12 +342,11 @@ class Kernels:
                 n,
                 seen,
                 layer=layer,
-                scales=scales,
                 interpret=self.interpret,
             )
-            return k_cache, v_cache, score, pos, scales
+            return k_cache, v_cache, score, pos
         return ring_insertion.insert_chunk(
-            layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n, place_evicted, scales
+            layout, k_cache, v_cache, layer, score, pos, seen, k, v, chunk_score, placed, n, place_evicted
         )
 
     def _mosaic_interpret(self):
@@ -362,16 +365,17 @@ __all__ = [
     "BACKENDS",
     "Kernels",
     "MosaicGpuConfig",
+    "Stored",
     "TpuConfig",
     "TritonConfig",
     "attention_state",
     "default_backend",
     "is_hopper",
     "mosaic_gpu",
-    "quantization",
     "reference",
     "ring_insertion",
     "schedule",
+    "storage",
     "tpu",
     "triton",
 ]

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .schedule import RingLayout, ring_schedules
+from .storage import Stored
 
 # place_evicted(layout, score, held, src, mu, valid) -> (dest, src, mu): where the tokens the last ring
 # evicts go, for layouts with heavy slots (H2O). src, mu [B, H, M] are the evictees (codes and scores as
@@ -164,27 +165,25 @@ def _gather_items(old: jax.Array, chunk: jax.Array, src: jax.Array) -> jax.Array
 
 def insert_chunk(
     layout: RingLayout,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    k_cache: Stored,
+    v_cache: Stored,
     layer: jax.Array | None,
     score: jax.Array,
     pos: jax.Array,
     seen: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    k: Stored,
+    v: Stored,
     chunk_score: jax.Array,
     placed: jax.Array,
     n: jax.Array,
     place_evicted: PlaceEvicted | None = None,
-    scales=None,
 ):
-    """A chunk into a ring cache. k_cache, v_cache [B, H, cap, D], or a stack [L, B, H, cap, D] written at
-    `layer` (an int32 scalar; None: not a stack); score f32 [B, H, cap] the residents' scores after step 1;
-    pos int32 [B, H, cap]; seen int32 [B] tokens each row has received; k, v [B, T, H, D] un-rotated; chunk_score
-    f32 [B, H, T]; placed int32 [B] the row's slot clock (tokens placed so far: `seen`, or the first free slot of
-    an append cache); n int32 [B] valid tokens. scales: None, or for a quantized cache (k, v then being codes)
-    ((k_scale, v_scale) f32 [B, H, cap], (the chunk's k_scale, v_scale) f32 [B, T, H]), which move with their
-    tokens. Returns the new (k_cache, v_cache, score, pos, scales), scales the new (k_scale, v_scale) or None."""
+    """A chunk into a ring cache. k_cache, v_cache `Stored` [B, H, cap, D], or a stack [L, B, H, cap, D] written at
+    `layer` (an int32 scalar; None: not a stack; the layer's own scales [B, H, cap] for codes); score f32 [B, H, cap]
+    the residents' scores after step 1; pos int32 [B, H, cap]; seen int32 [B] tokens each row has received; k, v
+    `Stored` [B, T, H, D] the chunk un-rotated, in the cache's format; chunk_score f32 [B, H, T]; placed int32 [B]
+    the row's slot clock (tokens placed so far: `seen`, or the first free slot of an append cache); n int32 [B]
+    valid tokens. A quantized token's scale moves with its codes. Returns the new (k_cache, v_cache, score, pos)."""
     B, T, H, _ = k.shape
     dest, src, mu = _insertions(layout, score, pos >= 0, chunk_score, placed, n, place_evicted)
     index = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], dest)
@@ -193,9 +192,8 @@ def insert_chunk(
     chunk_pos = jnp.broadcast_to(seen[:, None, None] + jnp.arange(T, dtype=jnp.int32), (B, H, T))
     moved = []
     for cache, chunk in ((k_cache, k), (v_cache, v)):
-        old = cache if layer is None else cache[layer]
-        items = _gather_items(old, jnp.swapaxes(chunk, 1, 2).astype(cache.dtype), src)
-        moved.append(cache.at[kv_index].set(items, mode="drop"))
-    if scales is not None:
-        scales = tuple(write(old, _gather_items(old, jnp.swapaxes(chunk, 1, 2), src)) for old, chunk in zip(*scales))
-    return moved[0], moved[1], write(score, mu), write(pos, _gather_items(pos, chunk_pos, src)), scales
+        chunk = chunk.map(lambda x: jnp.swapaxes(x, 1, 2))  # [B, H, T, ...]
+        items = _gather_items(cache.of_layer(layer).data, chunk.data.astype(cache.dtype), src)
+        data = cache.data.at[kv_index].set(items, mode="drop")
+        moved.append(Stored(data, cache.map_scale(lambda old: write(old, _gather_items(old, chunk.scale, src))).scale))
+    return moved[0], moved[1], write(score, mu), write(pos, _gather_items(pos, chunk_pos, src))

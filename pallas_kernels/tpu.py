@@ -25,7 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import attention_state, quantization
+from . import attention_state
+from .storage import Stored
 from .tuning import check_fields
 
 MASK = -0.7 * float(np.finfo(np.float32).max)
@@ -111,9 +112,9 @@ def _segment_kernel(len_ref, q_ref, k_ref, v_ref, *refs, causal, T, S, scale, sc
         lse_ref[...] = jnp.where(seen_any, m + jnp.log(l), -jnp.inf).reshape(G, bq)
 
 
-def _segment(q, keys, values, valid, lengths, *, causal, cfg, interpret, v_scale=None):
-    """Online softmax of q [B, Hkv, G, T, D] over keys/values [B, Hkv, S, D] -> o f32, lse f32. v_scale: f32
-    [B, Hkv, 1, S] when values holds a quantized cache's codes."""
+def _segment(q, keys, values: Stored, valid, lengths, *, causal, cfg, interpret):
+    """Online softmax of q [B, Hkv, G, T, D] over keys [B, Hkv, S, D] and values (`Stored` [B, Hkv, S, D]: floats,
+    or codes with their scales) -> o f32, lse f32."""
     B, Hkv, G, T, D = q.shape
     S = keys.shape[2]
     bq, bk = _blocks(T, S, cfg)
@@ -122,13 +123,13 @@ def _segment(q, keys, values, valid, lengths, *, causal, cfg, interpret, v_scale
         pl.BlockSpec((None, None, bk, D), lambda b, h, i, j, n: (b, h, j, 0)),
         pl.BlockSpec((None, None, bk, D), lambda b, h, i, j, n: (b, h, j, 0)),
     ]
-    args = [q, keys, values]
-    for per_slot in (None if causal else valid, v_scale):
-        if per_slot is not None:
-            in_specs.append(pl.BlockSpec((None, None, 1, bk), lambda b, h, i, j, n: (b, h, 0, j)))
-            args.append(per_slot)
+    args = [q, keys, values.data]
+    scales = [values.scale[:, :, None, :]] if values.quantized else []
+    for per_slot in [valid] * (not causal) + scales:
+        in_specs.append(pl.BlockSpec((None, None, 1, bk), lambda b, h, i, j, n: (b, h, 0, j)))
+        args.append(per_slot)
     return pl.pallas_call(
-        functools.partial(_segment_kernel, causal=causal, T=T, S=S, scale=D**-0.5, scaled=v_scale is not None),
+        functools.partial(_segment_kernel, causal=causal, T=T, S=S, scale=D**-0.5, scaled=values.quantized),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(B, Hkv, pl.cdiv(T, bq), pl.cdiv(S, bk)),
@@ -218,17 +219,14 @@ def chunk_attention(
     *,
     config: TpuConfig = TpuConfig(),
     interpret: bool = False,
-    k_scale=None,
-    v_scale=None,
 ):
-    """Same contract as `reference.chunk_attention`, on Pallas-Mosaic TPU. k_scale, v_scale: f32 [B, Hkv, S] when
-    k_cache, v_cache hold a quantized cache's codes: the keys are dequantized (to q's dtype) where XLA rotates them,
-    the values read as codes by the segment kernel."""
+    """Same contract as `reference.chunk_attention`, on Pallas-Mosaic TPU, over a cache as it is stored (k_cache,
+    v_cache: `Stored` [B, Hkv, S, D]). A quantized cache: the keys are dequantized (to q's dtype) where XLA rotates
+    them, the values read as codes by the segment kernel, their scales applied to the probabilities."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    if k_scale is not None:
-        k_cache = quantization.dequantize(k_cache, k_scale, q.dtype)
+    k_cache = k_cache.decode(q.dtype) if k_cache.quantized else k_cache.data
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)
     qt = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
@@ -243,9 +241,8 @@ def chunk_attention(
         lengths,
         causal=False,
         **common,
-        v_scale=None if v_scale is None else v_scale[:, :, None, :],
     )
-    o_chunk, lse_chunk = _segment(qt, kt, vt, None, lengths, causal=True, **common)
+    o_chunk, lse_chunk = _segment(qt, kt, Stored(vt), None, lengths, causal=True, **common)
     o, lse = attention_state.merge(o_cache, lse_cache, o_chunk, lse_chunk)
     out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
     lse_out = lse.reshape(B, Hq, T)

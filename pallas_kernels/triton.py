@@ -636,17 +636,16 @@ def _decode(
     first_slot,
     cfg,
     interpret,
-    k_scale=None,
-    v_scale=None,
 ):
     """T == 1. q, k already rotated; cache keys rotated in the kernel when `fuses_rope(rope)`. k_cache, v_cache
-    [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot, C);
-    k_scale, v_scale f32 [B, Hkv, C] with a quantized cache's codes (dequantized in the kernel; RoPE then fused).
-    Two launches: the split-K kernel (each split's state and the raw logits) and `_finish_kernel`."""
+    `Stored` [B, Hkv, C, D], or a stack [L, B, Hkv, C, D] read in place at `layer`, attended at slots [first_slot,
+    C); a quantized cache's codes are dequantized in the kernel (RoPE then fused), with the layer's scales
+    [B, Hkv, C]. Two launches: the split-K kernel (each split's state and the raw logits) and `_finish_kernel`."""
     B, _, Hq, D = q.shape
     Hkv, S = k.shape[2], cache_valid.shape[-1]
     G = Hq // Hkv
-    scaled = k_scale is not None
+    scaled = k_cache.quantized
+    (k_cache, k_scale), (v_cache, v_scale) = ((c.data, c.scale) for c in (k_cache, v_cache))
     if scaled and rope is not None and not fuses_rope(rope):
         raise ValueError("a quantized cache's Triton decode needs a RoPE the kernel fuses (jcascade.RoPE) or none")
     if rope is not None and not fuses_rope(rope):
@@ -810,18 +809,17 @@ def prefix_attention(
     *,
     config: TritonConfig = TritonConfig(),
     interpret: bool = False,
-    k_scale=None,
-    v_scale=None,
 ):
-    """Same contract as `reference.prefix_attention`: grid (prefix row, KV head, split, query block), so
-    every query of a prefix row's requests shares the loads of each key block of its split. k_scale, v_scale:
-    f32 [P, Hkv, S] when k_cache, v_cache hold a quantized prefix's codes, dequantized in registers as the decode
-    kernel does (RoPE then fused, or none)."""
+    """Same contract as `reference.prefix_attention`, over the prefix as it is stored (k_cache, v_cache: `Stored`
+    [P, Hkv, S, D]): grid (prefix row, KV head, split, query block), so every query of a prefix row's requests
+    shares the loads of each key block of its split. A quantized prefix's codes are dequantized in registers as
+    the decode kernel does (RoPE then fused, or none)."""
     P, R, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     fuse = fuses_rope(rope)
-    scaled = k_scale is not None
+    scaled = k_cache.quantized
+    (k_cache, k_scale), (v_cache, v_scale) = ((c.data, c.scale) for c in (k_cache, v_cache))
     if scaled and rope is not None and not fuse:
         raise ValueError("a quantized prefix's Triton kernel needs a RoPE the kernel fuses (jcascade.RoPE) or none")
     if rope is not None and not fuse:
@@ -914,12 +912,11 @@ def chunk_attention(
     *,
     config: TritonConfig = TritonConfig(),
     interpret: bool = False,
-    k_scale=None,
-    v_scale=None,
 ):
-    """Same contract as `reference.chunk_attention`, on Pallas-Triton, with `layer` and `first_slot` as in
-    `pallas_kernels.chunk_attention`: the decode kernel reads the cache in place (a quantized one's codes with
-    their scales k_scale, v_scale f32 [B, Hkv, C]); a chunk's kernels take a copy of the attended slots."""
+    """Same contract as `reference.chunk_attention`, on Pallas-Triton, over a cache as it is stored (k_cache,
+    v_cache: `Stored`), with `layer` and `first_slot` as in `Kernels.chunk_attention`: the decode kernel reads the
+    cache in place (a quantized one's codes with their scales); a chunk's kernels take a copy of the attended slots
+    (in the model's dtype)."""
     if q.shape[1] == 1:
         return _decode(
             q,
@@ -937,12 +934,10 @@ def chunk_attention(
             first_slot,
             config,
             interpret,
-            k_scale,
-            v_scale,
         )
-    if k_scale is not None:
+    if k_cache.quantized:
         raise ValueError("the Triton chunk kernels take a quantized cache dequantized (Kernels.chunk_attention does)")
-    k_cache, v_cache = layer_of(k_cache, layer, first_slot), layer_of(v_cache, layer, first_slot)
+    k_cache, v_cache = layer_of(k_cache.data, layer, first_slot), layer_of(v_cache.data, layer, first_slot)
     if rope is not None:
         k_cache = rope(k_cache, cache_positions)
     valid = cache_valid.astype(jnp.int32)

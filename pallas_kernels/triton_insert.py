@@ -18,6 +18,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import triton
 from .schedule import RingLayout, ring_schedules
+from .storage import Stored
 
 
 def _insert_kernel(
@@ -94,29 +95,28 @@ def insert_one(
     position,
     *,
     layer=None,
-    scales=None,
     interpret: bool = False,
 ):
     """In-place single-token insertion. mu f32 / pos int32 [B, H, cap] (mu after decay and accumulate);
-    k_cache, v_cache [B, H, cap, D], or a stack [L, B, H, cap, D] of which layer `layer` (int32 scalar) is
-    written; chunk_mu f32 [B, H, 1]; new_k, new_v [B, 1, H, D]; seen int32 [B] the row's slot clock
-    (tokens placed so far), n int32 [B] 1 or 0 (padding), position int32 [B] the token's original position
-    (= seen, except in compressed append caches); scales: None, or for a quantized cache (k, v and new_k, new_v
-    being codes) ((k_scale, v_scale) f32 [B, H, cap], (the token's k_scale, v_scale) f32 [B, 1, H]), moved with
-    their tokens as mu and pos are. A stack of 2**31 to 2**32 8-bit codes, which the lowering cannot address by the
-    byte (`triton.addresses_fit`), is written as int16 pairs (`triton.as_pairs`, D even): the kernel copies rows.
-    Returns the new (mu, pos, k_cache, v_cache, scales), k_cache and v_cache of the shape given, scales the new
-    (k_scale, v_scale) or None."""
+    k_cache, v_cache `Stored` [B, H, cap, D], or a stack [L, B, H, cap, D] of which layer `layer` (int32 scalar) is
+    written (with the layer's own scales [B, H, cap] for codes); chunk_mu f32 [B, H, 1]; new_k, new_v `Stored`
+    [B, 1, H, D] in the cache's format; seen int32 [B] the row's slot clock (tokens placed so far), n int32 [B] 1 or
+    0 (padding), position int32 [B] the token's original position (= seen, except in compressed append caches). A
+    quantized cache's scales move with their tokens as mu and pos do. A stack of 2**31 to 2**32 8-bit codes, which
+    the lowering cannot address by the byte (`triton.addresses_fit`), is written as int16 pairs (`triton.as_pairs`,
+    D even): the kernel copies rows. Returns the new (mu, pos, k_cache, v_cache), the caches `Stored` of the shapes
+    given."""
     stacked = layer is not None
-    if not stacked:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-    new_k, new_v = new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype)
+    held = [c.scale for c in (k_cache, v_cache) if c.quantized]
+    token = [c.scale for c in (new_k, new_v) if c.quantized]
+    k_cache, v_cache = (c.data if stacked else c.data[None] for c in (k_cache, v_cache))
+    layer = layer if stacked else 0
+    new_k, new_v = new_k.data.astype(k_cache.dtype), new_v.data.astype(v_cache.dtype)
     codes_dtype = k_cache.dtype
     paired = not (triton.addresses_fit(k_cache) and triton.addresses_fit(v_cache))
     if paired:  # 8-bit codes the lowering cannot address by the byte: the same bytes as int16 pairs, copied as rows
         k_cache, v_cache, new_k, new_v = (triton.as_pairs(x) for x in (k_cache, v_cache, new_k, new_v))
     _, B, H, cap, D = k_cache.shape
-    held, token = ((), ()) if scales is None else scales
     per_slot = 2 + len(held)
     row = lambda b, h: (b,)
     slots = lambda b, h: (b, h, 0)
@@ -149,5 +149,7 @@ def insert_one(
     mu, pos, *held, k_cache, v_cache = out
     if paired:
         k_cache, v_cache = (triton.from_pairs(x, codes_dtype) for x in (k_cache, v_cache))
-    scales = tuple(held) if scales is not None else None
-    return (mu, pos, k_cache, v_cache, scales) if stacked else (mu, pos, k_cache[0], v_cache[0], scales)
+    if not stacked:
+        k_cache, v_cache = k_cache[0], v_cache[0]
+    scales = held or [None, None]
+    return mu, pos, Stored(k_cache, scales[0]), Stored(v_cache, scales[1])

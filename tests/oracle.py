@@ -182,4 +182,4 @@ def assert_decode_steps_match_xla(policy, state, q, k, v, lengths, rope, attend,
         (out_x, state), (out_t, state_t) = results
         np.testing.assert_allclose(np.asarray(out_t), np.asarray(out_x), atol=2e-5)
         np.testing.assert_array_equal(np.asarray(state_t.pos), np.asarray(state.pos))
-        np.testing.assert_allclose(np.asarray(state_t.k), np.asarray(state.k))
+        np.testing.assert_allclose(np.asarray(state_t.k.data), np.asarray(state.k.data))

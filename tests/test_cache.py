@@ -37,8 +37,8 @@ def test_updates_write_only_their_layer_of_a_stack(backend, policy):
     others = lambda: jnp.asarray(rng.normal(size=(L, *alone.k.shape)), jnp.float32)
     stack_k, stack_v = others(), others()
     view = jc.CacheState(
-        k=stack_k.at[1].set(alone.k),
-        v=stack_v.at[1].set(alone.v),
+        k=jc.Stored(stack_k.at[1].set(alone.k.data)),
+        v=jc.Stored(stack_v.at[1].set(alone.v.data)),
         score=alone.score,
         pos=alone.pos,
         seen=alone.seen,
@@ -57,7 +57,7 @@ def test_updates_write_only_their_layer_of_a_stack(backend, policy):
         view = update(policy, view, k, -k, scores, lengths)
         for name in ("score", "pos", "seen"):
             np.testing.assert_array_equal(np.asarray(getattr(view, name)), np.asarray(getattr(alone, name)))
-        for got, want, before in ((view.k, alone.k, stack_k), (view.v, alone.v, stack_v)):
+        for got, want, before in ((view.k.data, alone.k.data, stack_k), (view.v.data, alone.v.data, stack_v)):
             np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want))
             np.testing.assert_array_equal(np.asarray(got[::2]), np.asarray(before[::2]))
     assert int(view.layer) == 1 and int(alone.seen[0]) == 22  # past the ring caches' capacities

@@ -27,8 +27,7 @@ from jcascade import compilation
 from jcascade.eval import stats
 from jcascade.eval.checkpointing import Checkpointing, complete, finished
 from jcascade.generation import chunk_size, token_log_probs, warn_nonfinite
-from jcascade.models.delta_net import LinearState
-from jcascade.models.state import ModelState
+from jcascade.models.state import ModelState, restored, saved_arrays
 
 
 def cache_capacity(policy) -> int | None:
@@ -228,7 +227,9 @@ def perplexity(
         arrays, saved = found
         results = finished(saved, plan, BookPerplexity, key)
         if arrays is not None:
-            state = _state(arrays["state"], model.kernels)
+            S = len(books[saved["book"]])
+            like = jax.eval_shape(lambda: model.init_cache(policies[saved["policy"]], 1, max_tokens=S))
+            state = restored(arrays["state"], like, f"{checkpointing.directory}: the running stream's state")
             running[saved["book"], saved["policy"]] = (state, np.asarray(arrays["logps"]), saved["position"])
         if progress is not None:
             progress(sum(r.tokens for r in results) + sum(point[2] for point in running.values()))
@@ -238,7 +239,7 @@ def perplexity(
         state, logps, position = point
         if checkpointing.due(policies[label].stride):
             checkpointing.save(
-                {"state": _arrays(state), "logps": logps},
+                {"state": saved_arrays(state), "logps": logps},
                 {
                     "results": [dataclasses.asdict(r) for r in results],
                     "book": name,
@@ -349,23 +350,3 @@ def paired_differences(results: list[BookPerplexity], baseline: str) -> dict[str
                 transform=np.exp,
             )
     return table
-
-
-def _arrays(state: ModelState) -> dict:
-    """A stream's state as the nested dicts of arrays a checkpoint saves: each stack of the state (`ModelState`) as a
-    dict of its arrays, the stacks the model has not left out."""
-    return {
-        name: {field: x for field, x in vars(stack).items() if isinstance(x, jax.Array)}
-        for name, stack in vars(state).items()
-        if stack is not None
-    }
-
-
-def _state(arrays: dict, kernels) -> ModelState:
-    """The `ModelState` of a checkpoint's `_arrays`, its caches on `kernels`."""
-    window = arrays.get("window")
-    return ModelState(
-        cache=jc.CacheState(**arrays["cache"], kernels=kernels),
-        window=None if window is None else jc.CacheState(**window, kernels=kernels),
-        linear=None if "linear" not in arrays else LinearState(**arrays["linear"]),
-    )

@@ -524,8 +524,8 @@ def policy_grid(
 
 
 def kv_dtype_list(text: str) -> list[str]:
-    """ "model,int8" -> KV storage formats (`jcascade.pallas_kernels.quantization.KV_DTYPES`), each once."""
-    from jcascade.pallas_kernels.quantization import KV_DTYPES
+    """ "model,int8" -> KV storage formats (`jcascade.pallas_kernels.storage.KV_DTYPES`), each once."""
+    from jcascade.pallas_kernels.storage import KV_DTYPES
 
     return _names(text, KV_DTYPES, "kv_dtypes")
 

@@ -39,7 +39,7 @@ from typing import Annotated, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade.cache_state import CacheState, Scores
+from jcascade.cache_state import CacheState, Scores, read_rotation
 from jcascade.checks import CLOCK_LIMIT
 from jcascade.rope import rotate_chunk
 from jcascade.slot_order import rank_by_position
@@ -84,7 +84,7 @@ NonNegative = Annotated[int, Ints(0)]
 OddPositive = Annotated[int, Ints(1, odd=True)]  # a pooling kernel: pooling keeps the length
 Positions = Literal["cache", "original"]
 HeadReduction = Literal["max", "mean"]
-KvDtype = Literal["model", "int8", "float8_e4m3fn"]  # jcascade.pallas_kernels.quantization.KV_DTYPES
+KvDtype = Literal["model", "int8", "float8_e4m3fn"]  # jcascade.pallas_kernels.storage.KV_DTYPES
 TokenIds = tuple[int, ...]
 
 
@@ -200,10 +200,13 @@ class Policy(abc.ABC):
     ) -> tuple[jax.Array, Scores | None]:
         """The chunk's queries q [B, T, Hq, D] against every held slot and causally against the chunk
         (k, v [B, T, Hkv, D] un-rotated); arguments checked by jc.attend. Returns out [B, T, Hq, D] and the
-        score increments (`Scores`, or None when query_weights is None)."""
+        score increments (`Scores`, or None when query_weights is None). Keys stored rotated at the tokens' own
+        positions (`CacheState.rope`) are read as they are when those are the key positions ("original"), and
+        rotated from there to their ranks otherwise (`cache_state.read_rotation`)."""
         weights = self.query_weights(lengths, q.shape[1])
         key_pos, start = self.key_positions(state)
         q, k = rotate_chunk(rope, q, k, start)
+        cache_rope, cache_pos = read_rotation(state, rope, key_pos, self.positions != "cache")
         out, _, inc_cache, inc_chunk = state.kernels.chunk_attention(
             q,
             k,
@@ -211,14 +214,12 @@ class Policy(abc.ABC):
             state.k,
             state.v,
             state.pos >= 0,
-            key_pos,
+            cache_pos,
             lengths,
             weights,
             self.head_reduction,
-            rope,
+            cache_rope,
             layer=state.layer,
-            k_scale=state.k_scale,
-            v_scale=state.v_scale,
         )
         return out, None if inc_cache is None else Scores(cache=inc_cache, chunk=inc_chunk)
 
@@ -248,7 +249,7 @@ class Policy(abc.ABC):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strided(Policy):
     """A policy with `stride`, the tokens per chunk of its strided prefill (docs/semantics.md §9), and `kv_dtype`,
-    the storage format of its cache's keys and values (`jcascade.pallas_kernels.quantization`: "model", "int8",
+    the storage format of its cache's keys and values (`jcascade.pallas_kernels.storage`: "model", "int8",
     "float8_e4m3fn")."""
 
     stride: Positive = 4096

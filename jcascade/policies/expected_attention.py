@@ -9,7 +9,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from jcascade.cache_state import CacheState, Scores, cached_kv
+from jcascade.cache_state import CacheState, Scores, held_keys, stored_kv
 from jcascade.policies.base import NonNegative, Positive, Reals, last_queries
 from jcascade.policies.selection import ScorerPolicy
 from jcascade.rope import RoPE
@@ -82,14 +82,13 @@ class ExpectedAttention(ScorerPolicy):
 
         mean = rotate(mean, cos[:, None], sin[:, None]).reshape(B, Hkv, Hq // Hkv, D)
         centered = rotate(centered, cos[:, None, None], sin[:, None, None]).reshape(B, T, Hkv, Hq // Hkv, D)
-        cached_k, cached_v = cached_kv(state)
         chunk_pos = state.seen[:, None] + jnp.arange(T)  # [B, T]
         rot = (lambda x, p: x) if rope is None else rope
         keys = jnp.concatenate(
-            [rot(cached_k.astype(f32), state.pos), rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3)],
+            [held_keys(state, rope, state.pos), rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3)],
             axis=2,
         )
-        values = jnp.concatenate([cached_v.astype(f32), v.astype(f32).transpose(0, 2, 1, 3)], axis=2)
+        values = jnp.concatenate([stored_kv(state)[1].decode(), v.astype(f32).transpose(0, 2, 1, 3)], axis=2)
         positions = jnp.concatenate(
             [
                 state.pos,

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jcascade.cache_state import CacheState, cached_kv
+from jcascade.cache_state import CacheState, stored_kv
 from jcascade.policies.base import Positioned
 from jcascade.policies.selection import ScorerPolicy
 
@@ -18,4 +18,4 @@ class KNorm(ScorerPolicy, Positioned):
     Needs no attention scores. Positions "original" (as kvpress keeps the rotated keys)."""
 
     def score(self, state: CacheState) -> jax.Array:
-        return -jnp.linalg.norm(cached_kv(state)[0].astype(jnp.float32), axis=-1)
+        return -jnp.linalg.norm(stored_kv(state)[0].decode(), axis=-1)  # a rotation keeps a key's norm

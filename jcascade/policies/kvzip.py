@@ -9,7 +9,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jcascade.cache_state import CacheState, Scores, cached_kv
+from jcascade.cache_state import CacheState, Scores, stored_kv
 from jcascade.policies.base import NonNegative, Positive, Strided, TokenIds
 from jcascade.policies.selection import ScorerPolicy, keep_in_position_order, top_per_head
 
@@ -179,13 +179,13 @@ class _Reconstruction(Strided):
         slots = jnp.minimum(unclipped, cap - 1)  # [B, window]
         sinks = jnp.arange(min(self.sinks, cap))
         read = jnp.concatenate([jnp.broadcast_to(sinks, (B, len(sinks))), slots], axis=1)  # [B, sinks + window]
-        read_k = jnp.take_along_axis(cached_kv(state)[0], read[:, None, :, None], axis=2).astype(f32)
+        read_k = jnp.take_along_axis(stored_kv(state)[0].decode(), read[:, None, :, None], axis=2)
         read_pos = jnp.take_along_axis(state.pos, jnp.broadcast_to(read[:, None], (B, H, read.shape[1])), axis=2)
         rot = (lambda x, p: x) if rope is None else rope
         chunk_pos = state.seen[:, None] + jnp.arange(T)
         keys = jnp.concatenate(
             [
-                rot(read_k, read_pos),  # only the keys scored are rotated
+                read_k if state.rope is not None else rot(read_k, read_pos),  # only the keys scored are rotated
                 rot(k.astype(f32), chunk_pos[:, :, None]).transpose(0, 2, 1, 3),
             ],
             axis=2,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import cache_state, checks
-from jcascade.cache_state import CacheState, Scores
+from jcascade.cache_state import CacheState, Scores, read_rotation
 from jcascade.policies.base import OddPositive, Positioned, Positive, last_queries
 from jcascade.policies.selection import pool
 from jcascade.rope import rotate_chunk
@@ -106,29 +106,31 @@ class Recycled(Positioned):
         full = self._full_step_rows(self._since_refresh(state), T)
         slot = jnp.arange(state.capacity)
 
-        def run(valid, key_pos, start, k_cache, v_cache, layer, w, first_slot=0):
+        def run(held_pos, key_pos, start, w, first_slot=0):
+            """The chunk against slots [first_slot, capacity) (their positions held_pos, -1 empty) at key_pos."""
             qr, kr = rotate_chunk(rope, q, k, start)
+            cache_rope, cache_pos = read_rotation(
+                dataclasses.replace(state, pos=held_pos), rope, key_pos, self.positions != "cache"
+            )
             return state.kernels.chunk_attention(
                 qr,
                 kr,
                 v,
-                k_cache,
-                v_cache,
-                valid,
-                key_pos,
+                state.k,
+                state.v,
+                held_pos >= 0,
+                cache_pos,
                 n,
                 w,
                 "max",
-                rope,
-                layer=layer,
+                cache_rope,
+                layer=state.layer,
                 first_slot=first_slot,
-                k_scale=state.k_scale,
-                v_scale=state.v_scale,
             )
 
         def full_attention():
-            valid = (state.pos >= 0) & (slot < M)
-            out, _, inc_cache, inc_chunk = run(valid, state.pos, state.seen, state.k, state.v, state.layer, weights)
+            full_pos = jnp.where(slot < M, state.pos, -1)
+            out, _, inc_cache, inc_chunk = run(full_pos, state.pos, state.seen, weights)
             return out, inc_cache, inc_chunk
 
         if T > 1:
@@ -137,7 +139,7 @@ class Recycled(Positioned):
 
         recent_pos = state.pos[..., M:]  # the recycled copies and the new tokens, read in place
         key_pos, start = super().key_positions(dataclasses.replace(state, pos=recent_pos))  # "cache": their rank
-        small, _, _, _ = run(recent_pos >= 0, key_pos, start, state.k, state.v, state.layer, None, first_slot=M)
+        small, _, _, _ = run(recent_pos, key_pos, start, None, first_slot=M)
         zeros = (jnp.zeros((B, Hkv, state.capacity), jnp.float32), jnp.zeros((B, Hkv, T), jnp.float32))
 
         def with_full():
@@ -171,7 +173,7 @@ class Recycled(Positioned):
         def write(st, dest, score):
             dest = jnp.broadcast_to(dest[:, None, :], (B, H, T))
             put = lambda x, val: x.at[bi, hi, dest].set(val.astype(x.dtype), mode="drop")
-            st = cache_state.write_kv(st, (bi, hi, dest), ck, cv)
+            st = cache_state.write_kv(st, (bi, hi, dest), ck, cv, chunk_pos)
             return dataclasses.replace(st, score=put(st.score, score), pos=put(st.pos, chunk_pos))
 
         if self._branch != "recycled":
@@ -200,16 +202,18 @@ class Recycled(Positioned):
             old_k, old_v = cache_state.cached_kv(st)
             new_k = jnp.concatenate([take(old_k), jnp.zeros_like(old_k[..., recent:, :])], -2)
             new_v = jnp.concatenate([take(old_v), jnp.zeros_like(old_v[..., recent:, :])], -2)
+            region_pos = jnp.where(pick, new_pos, st.pos[..., region])
             st = cache_state.write_kv(
                 st,
                 (slice(None), slice(None), region),
                 jnp.where(pick[..., None], new_k, old_k[..., region, :]),
                 jnp.where(pick[..., None], new_v, old_v[..., region, :]),
+                region_pos,
             )
             return dataclasses.replace(
                 st,
                 score=st.score.at[..., region].set(jnp.where(pick, new_score, st.score[..., region])),
-                pos=st.pos.at[..., region].set(jnp.where(pick, new_pos, st.pos[..., region])),
+                pos=st.pos.at[..., region].set(region_pos),
             )
 
         state = self._branch_on(jnp.any(full), reselect, lambda st: st, state)

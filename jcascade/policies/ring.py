@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jcascade import checks, slot_order
-from jcascade.cache_state import CacheState, Scores, quantize_kv
+from jcascade.cache_state import CacheState, Scores, encode_chunk
 from jcascade.pallas_kernels.schedule import RingLayout
 from jcascade.policies.base import Policy
 
@@ -80,11 +80,8 @@ class RingPolicy(Policy):
         if layout.appends:
             checks.check_overflow(self, placed, lengths, state.capacity)
         evicted = self.place_evicted if layout.heavy else None
-        scales = None
-        if state.k_scale is not None:  # a quantized cache: the chunk's codes and scales go in
-            k, v, k_scale, v_scale = quantize_kv(state, k, v)
-            scales = ((state.k_scale, state.v_scale), (k_scale, v_scale))
-        new_k, new_v, score, pos, scales = state.kernels.insert(
+        k, v = encode_chunk(state, k, v)  # the chunk as the cache stores it (rotated, codes and scales)
+        new_k, new_v, score, pos = state.kernels.insert(
             layout,
             state.k,
             state.v,
@@ -98,10 +95,8 @@ class RingPolicy(Policy):
             placed,
             lengths,
             evicted,
-            scales=scales,
         )
-        state = dataclasses.replace(state, k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + lengths)
-        return state if scales is None else dataclasses.replace(state, k_scale=scales[0], v_scale=scales[1])
+        return dataclasses.replace(state, k=new_k, v=new_v, score=score, pos=pos, seen=state.seen + lengths)
 
 
 class AppendPolicy(RingPolicy):

@@ -58,12 +58,10 @@ def keep_in_position_order(state: CacheState, keep: jax.Array, capacity: int) ->
     moved = lambda x, empty: (
         jnp.full((B, H, capacity, *x.shape[3:]), empty, x.dtype).at[bi, hi, dest].set(x, mode="drop")
     )
-    state = dataclasses.replace(
-        state, k=moved(state.k, 0), v=moved(state.v, 0), score=moved(state.score, 0), pos=moved(state.pos, -1)
+    move = lambda x: moved(x, 0)
+    return dataclasses.replace(
+        state, k=state.k.map(move), v=state.v.map(move), score=moved(state.score, 0), pos=moved(state.pos, -1)
     )
-    if state.k_scale is None:
-        return state
-    return dataclasses.replace(state, k_scale=moved(state.k_scale, 0), v_scale=moved(state.v_scale, 0))
 
 
 def compress_by_ranking(state: CacheState, ranking, budget: int, room: int) -> CacheState:

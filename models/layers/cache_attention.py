@@ -3,6 +3,8 @@ under shared prefixes, over the prefixes and the rows' own caches (`jcascade.att
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jcascade.models.config import GLOBAL
 from jcascade.models.layers import Context, projections, view
@@ -29,22 +31,24 @@ def attend_and_update(ctx: Context, rope):
     if ctx.specs is None:
         return run
     s = ctx.specs
+    state = dataclasses.replace(s["state"], rope=view.stored_rope(s["state"], rope))  # as the layer's view
     return jax.shard_map(
         run,
         mesh=ctx.mesh,
         check_vma=False,
-        in_specs=(s["state"], s["chunk"], s["chunk"], s["chunk"], s["lengths"], s["prefixes"]),
-        out_specs=(s["chunk"], s["state"]),
+        in_specs=(state, s["chunk"], s["chunk"], s["chunk"], s["lengths"], s["prefixes"]),
+        out_specs=(s["chunk"], state),
     )
 
 
 def mixer(ctx: Context, rotary: bool = True):
     """The mixer of a global layer keeping its own cache (`rotary` False: `nope`)."""
-    run = attend_and_update(ctx, ctx.rope(GLOBAL, rotary))
+    rope = ctx.rope(GLOBAL, rotary)
+    run = attend_and_update(ctx, rope)
 
     def call(fetch, h, state, pending, index, layer_prefixes):
         q, gate, k, v = projections.qkv(ctx, GLOBAL, fetch, h, with_kv=True)
-        out, cache = run(view.layer(state.cache, index), q, k, v, ctx.lengths, layer_prefixes)
+        out, cache = run(view.layer(state.cache, index, rope), q, k, v, ctx.lengths, layer_prefixes)
         written = view.written_back(state.cache, cache, index)
         return projections.output(ctx, GLOBAL, fetch, out, gate), state.replaced(GLOBAL, written), pending
 

@@ -6,18 +6,21 @@ arrays (scores, positions) are sliced and written back."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
 from jcascade import cache_state
 
 
-def layer(state: cache_state.CacheState, index: jax.Array) -> cache_state.CacheState:
-    """Layer `index`'s view of the stacked cache: the whole K/V stack with its layer index, its own small arrays."""
-    return dataclasses.replace(
-        state, layer=index, **{name: getattr(state, name)[index] for name in cache_state.layer_fields(state)}
-    )
+def layer(state: cache_state.CacheState, index: jax.Array, rope) -> cache_state.CacheState:
+    """Layer `index`'s view of the stacked cache: the whole K/V stack with its layer index, its own small arrays;
+    `rope` the layer's RoPE: a stack storing keys rotated (`CacheState.rope`) stores a layer's without rotary
+    positions (rope None) as they are."""
+    return cache_state.map_layer_fields(lambda x: x[index], state, layer=index, rope=stored_rope(state, rope))
+
+
+def stored_rope(state: cache_state.CacheState, rope):
+    """The `CacheState.rope` of a layer's view of `state` for a layer rotating with `rope` (None: not rotating)."""
+    return None if state.rope is None else rope
 
 
 def written_back(
@@ -25,13 +28,8 @@ def written_back(
 ) -> cache_state.CacheState:
     """The stacked cache after a layer's update: its K/V stack (written in place) and its small arrays set at
     `index`."""
-    return dataclasses.replace(
-        layer_state,
-        layer=None,
-        **{
-            name: getattr(state, name).at[index].set(getattr(layer_state, name))
-            for name in cache_state.layer_fields(state)
-        },
+    return cache_state.map_layer_fields(
+        lambda own, stack: stack.at[index].set(own), layer_state, state, layer=None, rope=state.rope
     )
 
 

@@ -24,19 +24,20 @@ def window_attention(
     """Sliding-window attention (Gemma 3's sliding layers, masked as Hugging Face masks them): the query at
     position p sees the keys at positions p - window + 1 .. p that the layer's cache (`state`, under `policy`)
     holds, and the chunk's. Exact when the cache holds the window - 1 tokens before the chunk (the default
-    window cache). Keys are rotated at `policy.key_positions`; the window counts original positions.
+    window cache). Keys are rotated at `policy.key_positions` (`cache_state.held_keys`: from where the cache stores
+    them); the window counts original positions.
     q [B, T, Hq, D], k, v [B, T, Hkv, D] un-rotated; lengths [B] valid queries. Returns out [B, T, Hq, D]
     (zeros for padding queries) and, for a policy that keeps scores, its increments (`Scores`, as
     `pallas_kernels.reference.chunk_attention` defines them). Plain XLA."""
     B, T, Hq, D = q.shape
     Hkv, f32, highest = k.shape[2], jnp.float32, jax.lax.Precision.HIGHEST
-    cached_k, cached_v = cache_state.cached_kv(state)
     key_pos, start = policy.key_positions(state)
     rot_pos = start[:, None] + jnp.arange(T)  # [B, T] the chunk's RoPE positions
     q_pos = state.seen[:, None] + jnp.arange(T)  # [B, T] its original positions
     chunk = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, H, D] -> [B, H, T, D]
-    keys = jnp.concatenate([rope(cached_k, key_pos), chunk(rope(k, rot_pos[:, :, None]))], axis=2)
-    values = jnp.concatenate([cached_v, chunk(v)], axis=2)
+    held_v = cache_state.stored_kv(state)[1].decode()
+    keys = jnp.concatenate([cache_state.held_keys(state, rope, key_pos), chunk(rope(k, rot_pos[:, :, None]))], axis=2)
+    values = jnp.concatenate([held_v, chunk(v)], axis=2)
     k_pos = jnp.concatenate([state.pos, jnp.broadcast_to(q_pos[:, None, :], (B, Hkv, T))], axis=2)  # [B, Hkv, S]
     k_valid = jnp.concatenate(
         [state.pos >= 0, jnp.broadcast_to((jnp.arange(T) < lengths[:, None])[:, None, :], (B, Hkv, T))], axis=2
@@ -61,7 +62,7 @@ def window_attention(
         return out, None
     reduce = jnp.max if policy.head_reduction == "max" else jnp.mean
     increments = reduce(jnp.einsum("bhgts,bt->bhgs", p, weights.astype(f32), precision=highest), axis=2)
-    capacity = cached_k.shape[2]
+    capacity = held_v.shape[2]
     return out, cache_state.Scores(cache=increments[..., :capacity], chunk=increments[..., capacity:])
 
 
@@ -77,7 +78,7 @@ def mixer(ctx: Context):
 
     def call(fetch, h, state, pending, index, layer_prefixes):
         q, gate, k, v = projections.qkv(ctx, SLIDING, fetch, h, with_kv=True)
-        cache = view.layer(state.window, index)
+        cache = view.layer(state.window, index, rope)
         out, cache = view.ordered(attend(ctx, rope, cache, q, k, v, ctx.lengths, layer_prefixes), cache)
         cache = cache_api.update(ctx.window_policy, cache, k, v, out[1], ctx.lengths)
         written = view.written_back(state.window, cache, index)

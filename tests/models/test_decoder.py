@@ -104,10 +104,8 @@ def test_window_attention_over_a_quantized_cache_reads_each_code_times_its_scale
     assert state.k.dtype == jnp.int8
     plain = dataclasses.replace(
         state,
-        k=state.k.astype(jnp.float32) * state.k_scale[..., None],
-        v=state.v.astype(jnp.float32) * state.v_scale[..., None],
-        k_scale=None,
-        v_scale=None,
+        k=jc.Stored(state.k.data.astype(jnp.float32) * state.k.scale[..., None]),
+        v=jc.Stored(state.v.data.astype(jnp.float32) * state.v.scale[..., None]),
     )
     out, scores = window_attention(policy, state, q, k, v, lengths, rope, window=7)
     want_out, want = window_attention(dataclasses.replace(policy, kv_dtype="model"), plain, q, k, v, lengths, rope, 7)
@@ -129,7 +127,7 @@ def test_window_attention_sees_only_the_window():
     for b in range(B):
         start = int(state.seen[b])
         held = [
-            (int(p), np.asarray(state.k[b, :, s]), np.asarray(state.v[b, :, s]))
+            (int(p), np.asarray(state.k.data[b, :, s]), np.asarray(state.v.data[b, :, s]))
             for s, p in enumerate(np.asarray(state.pos[b, 0]))
             if p >= 0
         ]

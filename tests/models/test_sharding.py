@@ -94,7 +94,7 @@ def one_device(model):
 def test_sharded_score_equals_one_device(model, one_device, shape, name):
     policy = POLICIES[name]
     sharded = jc.models.shard(model, mesh_of(shape))
-    assert sharded.init_cache(policy, 8, max_tokens=64).cache.k.sharding.spec == CACHE_SPEC
+    assert sharded.init_cache(policy, 8, max_tokens=64).cache.k.data.sharding.spec == CACHE_SPEC
     np.testing.assert_allclose(scored(sharded, policy), one_device(name), rtol=1e-5, atol=1e-4)  # log-probs up to ~20
 
 

@@ -98,7 +98,7 @@ def worker(process: int, port: int, checkpoint: str):
         results[type(policy).__name__] = dict(
             score=np.asarray(multihost_utils.process_allgather(score, tiled=True)).tolist(),
             generate=np.asarray(multihost_utils.process_allgather(generated, tiled=True)).tolist(),
-            cache_spec=str(model.init_cache(policy, 8, max_tokens=64).cache.k.sharding.spec),
+            cache_spec=str(model.init_cache(policy, 8, max_tokens=64).cache.k.data.sharding.spec),
         )
     print(json.dumps(results))
 

@@ -1,5 +1,6 @@
-"""Inputs and comparisons shared by the kernel tests: random chunk_attention inputs, abstract (shape-only)
-inputs for lowering, small block sizes for interpret mode, and an abstract H100 to lower for."""
+"""Inputs and comparisons shared by the kernel tests: random chunk_attention inputs (and their caches as `Stored`
+values), abstract (shape-only) inputs for lowering, small block sizes for interpret mode, and an abstract H100 to
+lower for."""
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,12 @@ def random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head_positions=False, wei
         lengths=jnp.asarray(lengths, jnp.int32),
         query_weights=jnp.asarray(w) if weights else None,
     )
+
+
+def stored(inputs):
+    """`random_inputs` with the caches as `Stored` values in the model's dtype, as `Kernels` and the Triton and
+    Mosaic TPU entry points take them (the XLA `reference` takes the plain arrays)."""
+    return inputs | {name: pk.Stored(inputs[name]) for name in ("k_cache", "v_cache") if name in inputs}
 
 
 def assert_close(got, want, dtype, name):

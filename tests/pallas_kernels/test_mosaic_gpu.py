@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny
-from kernel_inputs import LOWERING_SHAPES, abstract_inputs, assert_close, random_inputs
+from kernel_inputs import LOWERING_SHAPES, abstract_inputs, assert_close, random_inputs, stored
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
@@ -29,8 +29,10 @@ def test_mosaic_gpu_kernels_equal_reference(case):
         inputs["k_cache"] = inputs["k_cache"].at[0, 1, 7, 3].set(jnp.nan)
         inputs["cache_valid"] = inputs["cache_valid"].at[0, 1, 7].set(True)
     rope = jc.RoPE(10000.0)
-    want = pk.Kernels("xla").chunk_attention(**inputs, head_reduction=reduction, rope=rope)
-    got = pk.Kernels("mosaic_gpu", fallback=False).chunk_attention(**inputs, head_reduction=reduction, rope=rope)
+    want = pk.Kernels("xla").chunk_attention(**stored(inputs), head_reduction=reduction, rope=rope)
+    got = pk.Kernels("mosaic_gpu", fallback=False).chunk_attention(
+        **stored(inputs), head_reduction=reduction, rope=rope
+    )
     valid = np.asarray(inputs["cache_valid"])
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
@@ -67,8 +69,8 @@ def test_mosaic_gpu_prefix_kernel_equals_reference():
     )
     k, v = (jnp.where(valid[..., None], x, 0) for x in (k, v))
     assert pk.mosaic_gpu.supports_prefix(q, k)
-    want = pk.Kernels("xla").prefix_attention(q, k, v, valid, None, None)
-    got = pk.Kernels("mosaic_gpu").prefix_attention(q, k, v, valid, None, None)
+    want = pk.Kernels("xla").prefix_attention(q, pk.Stored(k), pk.Stored(v), valid, None, None)
+    got = pk.Kernels("mosaic_gpu").prefix_attention(q, pk.Stored(k), pk.Stored(v), valid, None, None)
     for name, g, w in zip(["out", "lse"], got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)

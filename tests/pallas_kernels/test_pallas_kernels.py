@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_inputs import SMALL, XLA, assert_close, random_inputs
+from kernel_inputs import SMALL, XLA, assert_close, random_inputs, stored
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
@@ -31,7 +31,7 @@ CASES = [  # B, T, Hq, Hkv, D, S, dtype, reduction, per-head positions
 def test_kernel_equals_reference(backend, case):
     B, T, Hq, Hkv, D, S, dtype, reduction, per_head = case
     rng = np.random.default_rng(hash(case) % 2**32)
-    inputs = random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head)
+    inputs = stored(random_inputs(rng, B, T, Hq, Hkv, D, S, dtype, per_head))
     rope = jc.RoPE(10000.0)
     run = lambda kernels: jax.jit(lambda x: kernels.chunk_attention(**x, head_reduction=reduction, rope=rope))(inputs)
     want = run(XLA)
@@ -45,7 +45,7 @@ def test_kernel_equals_reference(backend, case):
 @pytest.mark.parametrize("T", [9, 1], ids=["chunk", "decode"])
 def test_kernel_without_scores_or_rope(backend, T):
     rng = np.random.default_rng(1)
-    inputs = random_inputs(rng, 2, T, 4, 2, 64, 21, jnp.float32, weights=False)
+    inputs = stored(random_inputs(rng, 2, T, 4, 2, 64, 21, jnp.float32, weights=False))
     want = XLA.chunk_attention(**inputs)
     got = SMALL[backend].chunk_attention(**inputs)
     assert got[2] is None and got[3] is None
@@ -63,8 +63,8 @@ def test_a_nan_key_poisons_its_queries_as_in_the_reference(backend, T):
     inputs["k_cache"] = inputs["k_cache"].at[0, 1, 7, 3].set(jnp.nan)
     inputs["cache_valid"] = inputs["cache_valid"].at[0, 1, 7].set(True)
     rope = jc.RoPE(10000.0)
-    want = XLA.chunk_attention(**inputs, rope=rope)
-    got = SMALL[backend].chunk_attention(**inputs, rope=rope)
+    want = XLA.chunk_attention(**stored(inputs), rope=rope)
+    got = SMALL[backend].chunk_attention(**stored(inputs), rope=rope)
     valid = np.asarray(inputs["cache_valid"])
     assert np.isnan(np.asarray(want[2])[0, 1][valid[0, 1]]).all() and np.isfinite(np.asarray(want[2][1])).all()
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
@@ -118,7 +118,7 @@ def test_kernels_and_their_configs_are_checked():
     if jax.default_backend() == "cpu":
         assert pk.Kernels.default() == XLA and not XLA.interpret
         assert pk.Kernels("triton").interpret and pk.Kernels("mosaic_gpu").interpret
-    inputs = random_inputs(np.random.default_rng(0), 1, 8, 4, 2, 64, 16, jnp.float32)
+    inputs = stored(random_inputs(np.random.default_rng(0), 1, 8, 4, 2, 64, 16, jnp.float32))
     with pytest.raises(ValueError, match="fallback=False. runs chunks with q and the cache in bfloat16"):
         pk.Kernels("mosaic_gpu", fallback=False).chunk_attention(**inputs)
 
@@ -130,12 +130,12 @@ def test_a_stacked_cache_is_read_at_its_layer(backend, T):
     to slots [first_slot, C) of that layer exactly as to those slots alone (the Triton decode kernel reads
     the stack in place)."""
     rng = np.random.default_rng(T)
-    inputs = random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True)
+    inputs = stored(random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True))
     stacked, first = dict(inputs), 7
     for name in ("k_cache", "v_cache"):
         B, H, S, D = inputs[name].shape
         others = jnp.asarray(rng.normal(size=(3, B, H, first + S, D)), jnp.float32)
-        stacked[name] = others.at[1, :, :, first:].set(inputs[name])
+        stacked[name] = pk.Stored(others.at[1, :, :, first:].set(inputs[name].data))
     kernels = SMALL.get(backend, XLA)
     run = jax.jit(
         lambda x, layer, first_slot: kernels.chunk_attention(
@@ -153,7 +153,7 @@ def test_a_stacked_cache_is_read_at_its_layer(backend, T):
 def test_decode_grid_orders_equal_the_reference(heads_first):
     """The Triton decode kernel's grid in either order (TritonConfig.decode_heads_first) against the reference: three
     rows, two KV heads, several splits."""
-    inputs = random_inputs(np.random.default_rng(5), 3, 1, 8, 2, 64, 45, jnp.float32, per_head_positions=False)
+    inputs = stored(random_inputs(np.random.default_rng(5), 3, 1, 8, 2, 64, 45, jnp.float32, per_head_positions=False))
     config = dataclasses.replace(SMALL["triton"].triton, decode_heads_first=heads_first, decode_programs=24)  # 3 splits
     rope = jc.RoPE(10000.0)
     want = XLA.chunk_attention(**inputs, rope=rope)

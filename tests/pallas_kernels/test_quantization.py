@@ -1,4 +1,4 @@
-"""Quantized KV storage (`kv_dtype`, pallas_kernels/quantization.py): the error bounds of the formats, every kernel
+"""Quantized KV storage (`kv_dtype`, pallas_kernels/storage.py): the error bounds of the formats, every kernel
 backend reading a quantized cache as the XLA reference reads it dequantized, the scales moving with their tokens
 through insertion, eviction, the cascade's moves and compaction, and a model scoring with it."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tiny
 from jcascade.models.config import FAMILY_FEATURES, Rotary
-from jcascade.pallas_kernels import quantization
-from kernel_inputs import SMALL, XLA, assert_close, random_inputs
+from jcascade.pallas_kernels import storage
+from kernel_inputs import SMALL, XLA, assert_close, random_inputs, stored
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
@@ -26,28 +26,29 @@ def test_the_formats_keep_their_error_bounds():
     x[2, :100] *= 1e-6  # a row mostly far below its largest element (float8 subnormals)
     x = jnp.asarray(x, jnp.float32)
     top = jnp.max(jnp.abs(x), -1, keepdims=True)
-    codes, scale = quantization.quantize(x, jnp.int8)
+    codes, scale = storage.quantize(x, jnp.int8)
     assert codes.dtype == jnp.int8 and scale.dtype == jnp.float32 and int(jnp.max(jnp.abs(codes))) == 127
-    assert bool(jnp.all(jnp.abs(quantization.dequantize(codes, scale) - x) <= top / 254 * (1 + 1e-6)))
-    codes, scale = quantization.quantize(x, jnp.float8_e4m3fn)
-    error = jnp.abs(quantization.dequantize(codes, scale) - x)
+    assert bool(jnp.all(jnp.abs(storage.dequantize(codes, scale) - x) <= top / 254 * (1 + 1e-6)))
+    codes, scale = storage.quantize(x, jnp.float8_e4m3fn)
+    error = jnp.abs(storage.dequantize(codes, scale) - x)
     assert bool(jnp.all(error <= jnp.maximum(2.0**-4 * jnp.abs(x), 2.0**-10 * scale[:, None]) * (1 + 1e-6)))
     for dtype in (jnp.int8, jnp.float8_e4m3fn):
-        codes, scale = quantization.quantize(x.at[3, 5].set(jnp.nan), dtype)
-        back = quantization.dequantize(codes, scale)
+        codes, scale = storage.quantize(x.at[3, 5].set(jnp.nan), dtype)
+        back = storage.dequantize(codes, scale)
         assert float(scale[1]) == 0 and bool(jnp.all(back[1] == 0))  # zeros stay zeros
         assert bool(jnp.all(jnp.isnan(back[3]))) and bool(jnp.all(jnp.isfinite(back[jnp.arange(64) != 3])))
 
 
 def quantized_inputs(inputs, fmt, layer_of=None):
-    """inputs with the cache as codes and scales; returns (those inputs, the cache dequantized in q's dtype)."""
-    dtype = quantization.storage_dtype(fmt, jnp.float32)
-    (k, k_scale), (v, v_scale) = (quantization.quantize(inputs[n], dtype) for n in ("k_cache", "v_cache"))
+    """inputs with the cache as codes and scales (`Stored`); returns (those inputs, the cache dequantized in q's dtype
+    as plain arrays)."""
+    dtype = storage.storage_dtype(fmt, jnp.float32)
+    (k, k_scale), (v, v_scale) = (storage.quantize(inputs[n], dtype) for n in ("k_cache", "v_cache"))
     q_dtype = inputs["q"].dtype
     plain = inputs | dict(
-        k_cache=quantization.dequantize(k, k_scale, q_dtype), v_cache=quantization.dequantize(v, v_scale, q_dtype)
+        k_cache=storage.dequantize(k, k_scale, q_dtype), v_cache=storage.dequantize(v, v_scale, q_dtype)
     )
-    return inputs | dict(k_cache=k, v_cache=v, k_scale=k_scale, v_scale=v_scale), plain
+    return inputs | dict(k_cache=pk.Stored(k, k_scale), v_cache=pk.Stored(v, v_scale)), plain
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -60,16 +61,17 @@ def test_every_backend_reads_a_quantized_stacked_cache_as_the_reference_reads_it
     inputs, plain = quantized_inputs(random_inputs(rng, 2, T, 8, 2, 64, 45, jnp.float32, per_head_positions=True), fmt)
     first = 7
     stacked = dict(inputs)
-    for name in ("k_cache", "v_cache"):
+    for name in ("k_cache", "v_cache"):  # the stack's codes, the layer's own scales (all C slots)
         B, H, S, D = inputs[name].shape
-        stacked[name] = jnp.zeros((3, B, H, first + S, D), inputs[name].dtype).at[1, :, :, first:].set(inputs[name])
-    for name in ("k_scale", "v_scale"):  # the layer's own scales, all C slots
-        stacked[name] = jnp.concatenate([jnp.ones((*inputs[name].shape[:2], first)), inputs[name]], axis=-1)
+        stacked[name] = pk.Stored(
+            jnp.zeros((3, B, H, first + S, D), inputs[name].dtype).at[1, :, :, first:].set(inputs[name].data),
+            jnp.concatenate([jnp.ones((B, H, first)), inputs[name].scale], axis=-1),
+        )
     rope = jc.RoPE(10000.0)
     got = jax.jit(
         lambda x: SMALL.get(backend, XLA).chunk_attention(**x, rope=rope, layer=jnp.int32(1), first_slot=first)
     )(stacked)
-    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
+    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(stored(plain))
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6, err_msg=name)
 
@@ -83,7 +85,7 @@ def test_the_triton_decode_dequantizes_bfloat16_queries_codes_in_registers(fmt):
     )
     rope = jc.RoPE(10000.0)
     got = jax.jit(lambda x: SMALL["triton"].chunk_attention(**x, rope=rope))(inputs)
-    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
+    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(stored(plain))
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         assert_close(g, w, jnp.bfloat16, name)
 
@@ -107,7 +109,7 @@ def test_the_triton_decode_reads_a_stack_as_int16_pairs_as_the_reference_reads_i
     text = jax.jit(lambda x: kernels.chunk_attention(**x, rope=rope)).lower(inputs).as_text()
     assert "tensor<1x3x2x70x32xi16>" in text  # the kernel's operand: the codes as int16 pairs
     got = jax.jit(lambda x: kernels.chunk_attention(**x, rope=rope))(inputs)
-    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(plain)
+    want = jax.jit(lambda x: XLA.chunk_attention(**x, rope=rope))(stored(plain))
     for name, g, w in zip(["out", "lse", "inc_cache", "inc_chunk"], got, want):
         assert_close(g, w, dtype, name)
 
@@ -148,35 +150,32 @@ def test_stacks_the_triton_kernels_cannot_address_by_the_byte_are_read_as_pairs(
         q, k = s((B, 1, 4 * heads, D), jnp.bfloat16), s((B, 1, heads, D), jnp.bfloat16)
         attend = lambda *a, **kw: kernels.chunk_attention(*a, rope=jc.RoPE(5e5), layer=jnp.int32(0), **kw)
         layout = pk.schedule.RingLayout(sinks=4, ring_size=slots - 4, num_rings=1)
-        insert = lambda *a, **kw: kernels.insert(layout, *a, **kw)
+        insert = lambda *a: kernels.insert(layout, *a)
         codes, scale = s((B, 1, heads, D), jnp.int8), s((B, 1, heads), jnp.float32)
         programs = [
             jax.make_jaxpr(attend)(
                 q,
                 k,
                 k,
-                stack,
-                stack,
+                pk.Stored(stack, slot),
+                pk.Stored(stack, slot),
                 s((B, heads, slots), jnp.bool_),
                 s((B, heads, slots), jnp.int32),
                 s((B,), jnp.int32),
                 s((B, 1), jnp.float32),
-                k_scale=slot,
-                v_scale=slot,
             ),
             jax.make_jaxpr(insert)(
-                stack,
-                stack,
+                pk.Stored(stack, slot),
+                pk.Stored(stack, slot),
                 jnp.int32(0),
                 slot,
                 s((B, heads, slots), jnp.int32),
                 s((B,), jnp.int32),
-                codes,
-                codes,
+                pk.Stored(codes, scale),
+                pk.Stored(codes, scale),
                 s((B, heads, 1), jnp.float32),
                 s((B,), jnp.int32),
                 s((B,), jnp.int32),
-                scales=((slot, slot), (scale, scale)),
             ),
         ]
         return {
@@ -196,14 +195,16 @@ def test_stacks_the_triton_kernels_cannot_address_by_the_byte_are_read_as_pairs(
         "jcascade_insert_one": {((1, B, H, 32768, 128), "int8")},
     }
     for layers, slots in ((2, 16385), (1, 32785)):
-        assert kernels.quantized_decode_path(s((layers, B, H, slots, 128), jnp.int8)) == "in place as pairs"
+        codes = pk.Stored(s((layers, B, H, slots, 128), jnp.int8), s((B, H, slots), jnp.float32))
+        assert kernels.quantized_decode_path(codes) == "in place as pairs"
         pairs = {((layers, B, H, slots, 64), "int16")}
         assert codes_read_by_kernels(layers, slots) == {
             "jcascade_decode": pairs,
             "jcascade_decode_finish": set(),
             "jcascade_insert_one": pairs,
         }
-    assert kernels.quantized_decode_path(s((1, B, 4 * H, 32785, 32), jnp.int8)) == "dequantized copy"
+    codes = pk.Stored(s((1, B, 4 * H, 32785, 32), jnp.int8), s((B, 4 * H, 32785), jnp.float32))
+    assert kernels.quantized_decode_path(codes) == "dequantized copy"
     assert codes_read_by_kernels(1, 32785, D=32, heads=4 * H) == {
         "jcascade_decode": set(),
         "jcascade_decode_finish": set(),
@@ -268,15 +269,15 @@ def test_every_backend_reads_a_quantized_shared_prefix_as_the_reference_reads_it
     rng = np.random.default_rng(len(fmt))
     P, R, Hq, Hkv, D, S = 2, 5, 8, 2, 64, 70
     q = jnp.asarray(rng.normal(size=(P, R, Hq, D)), jnp.bfloat16)
-    dtype = quantization.storage_dtype(fmt, jnp.float32)
+    dtype = storage.storage_dtype(fmt, jnp.float32)
     (k, k_scale), (v, v_scale) = (
-        quantization.quantize(jnp.asarray(rng.normal(size=(P, Hkv, S, D)), jnp.float32), dtype) for _ in range(2)
+        storage.quantize(jnp.asarray(rng.normal(size=(P, Hkv, S, D)), jnp.float32), dtype) for _ in range(2)
     )
     valid = jnp.asarray(rng.random((P, Hkv, S)) < 0.8)
     positions = jnp.asarray(rng.integers(0, 1000, (P, Hkv, S)), jnp.int32)
-    plain = [quantization.dequantize(c, scale, jnp.bfloat16) for c, scale in ((k, k_scale), (v, v_scale))]
-    want = pk.Kernels("xla").prefix_attention(q, *plain, valid, positions, rope)
-    got = pk.Kernels(backend).prefix_attention(q, k, v, valid, positions, rope, k_scale=k_scale, v_scale=v_scale)
+    plain = [storage.dequantize(c, scale, jnp.bfloat16) for c, scale in ((k, k_scale), (v, v_scale))]
+    want = pk.Kernels("xla").prefix_attention(q, *map(pk.Stored, plain), valid, positions, rope)
+    got = pk.Kernels(backend).prefix_attention(q, pk.Stored(k, k_scale), pk.Stored(v, v_scale), valid, positions, rope)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=2e-2, rtol=2e-2)
 
@@ -293,21 +294,25 @@ def test_a_quantized_cache_is_shared_as_codes(fmt):
     held = np.asarray(state.pos >= 0)
     for prefix in (jc.share_prefix(policy, state), jc.share_prefix(policy, state, rope=rope)):
         assert prefix.rope is None and prefix.k.dtype == state.k.dtype
-        for codes, stored in ((prefix.k, state.k), (prefix.v, state.v)):
+        for shared, kept in ((prefix.k, state.k), (prefix.v, state.v)):
             np.testing.assert_array_equal(
-                np.asarray(codes, np.float32), np.where(held[..., None], np.asarray(stored, np.float32), 0)
+                np.asarray(shared.data, np.float32), np.where(held[..., None], np.asarray(kept.data, np.float32), 0)
             )
-        for scale, stored in ((prefix.k_scale, state.k_scale), (prefix.v_scale, state.v_scale)):
-            np.testing.assert_array_equal(np.asarray(scale), np.where(held, np.asarray(stored), 0))
+            np.testing.assert_array_equal(np.asarray(shared.scale), np.where(held, np.asarray(kept.scale), 0))
     floats = jc.share_prefix(policy, state, rope=rope, dtype=jnp.float32)
-    assert floats.k_scale is None and floats.k.dtype == jnp.float32 and floats.rope == rope
+    assert floats.k.scale is None and floats.k.dtype == jnp.float32 and floats.rope == rope
     exact = rope(jc.cached_kv(state)[0], floats.key_pos)
-    np.testing.assert_allclose(np.asarray(floats.k), np.where(held[..., None], np.asarray(exact), 0), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(floats.k.data), np.where(held[..., None], np.asarray(exact), 0), atol=1e-6)
     q = jnp.ones((1, 1, 2, 16), jnp.float32)
-    bad = dataclasses.replace(jc.share_prefix(policy, state), v_scale=None)
+    prefix = jc.share_prefix(policy, state)
+    with pytest.raises(ValueError, match="Stored holds 8-bit codes with their scales"):
+        jc.Stored(prefix.v.data)  # codes without their scales
+    bad = dataclasses.replace(prefix, v=prefix.v.map_scale(lambda scale: scale[0]))  # scales of another shape
     requests = jc.init_cache(jc.Full(), 1, 2, 16, jnp.float32, max_tokens=4)
-    with pytest.raises(ValueError, match=r"prefixes\[0\]\.v_scale must be shape \[1, 2, \d+\] \(codes"):
+    with pytest.raises(ValueError, match=r"prefixes\[0\]\.v\.scale must have shape \[1, 2, \d+\], got \[2, \d+\]"):
         jc.attend_shared(jc.Full(), requests, q, q, q, [bad])
+    with pytest.raises(TypeError, match=r"prefixes\[0\]\.k must be a jc\.Stored value"):
+        jc.attend_shared(jc.Full(), requests, q, q, q, [dataclasses.replace(prefix, k=prefix.k.data)])
     with pytest.raises(ValueError, match="dtype must be None .* or a floating dtype"):
         jc.share_prefix(policy, state, dtype=jnp.int8)
 
@@ -336,7 +341,7 @@ def test_scales_move_with_their_tokens(policy, fmt):
     states = [
         jc.init_cache(p, B, H, D, jnp.float32, max_tokens=64, kernels=SMALL["triton"]) for p in (plain, quantized)
     ]
-    assert states[1].k.dtype == quantization.storage_dtype(fmt, jnp.float32) and states[1].k_scale is not None
+    assert states[1].k.dtype == storage.storage_dtype(fmt, jnp.float32) and states[1].k.scale is not None
 
     @jax.jit
     def step(states, q, k, v, n):
@@ -372,7 +377,7 @@ def test_a_model_scores_with_a_quantized_cache():
     assert 0 < error["int8"] < error["float8_e4m3fn"], error
     quantized = dataclasses.replace(plain, kv_dtype="int8")
     state, _, _ = jc.prefill(model, quantized, model.init_cache(quantized, 2), tokens, lengths)
-    assert state.cache.k.dtype == jnp.int8 and state.cache.k_scale.shape == state.cache.pos.shape
+    assert state.cache.k.dtype == jnp.int8 and state.cache.k.scale.shape == state.cache.pos.shape
 
 
 def test_a_gemma_model_stores_its_window_caches_in_the_policys_format():
@@ -394,7 +399,7 @@ def test_a_gemma_model_stores_its_window_caches_in_the_policys_format():
     quantized = dataclasses.replace(plain, kv_dtype="int8")
     state = jc.prefill(model, quantized, model.init_cache(quantized, 2), tokens, lengths)[0]
     assert state.cache.k.dtype == state.window.k.dtype == jnp.int8
-    assert state.window.k_scale.shape == state.window.pos.shape
+    assert state.window.k.scale.shape == state.window.pos.shape
     want = np.asarray(jc.score(model, tokens, plain, lengths=lengths, prefix=16))
     error = {
         d: np.abs(
@@ -435,6 +440,8 @@ def test_kv_dtype_is_checked_and_written_in_specs():
     assert jc.AdaKV(policy).kv_dtype == "float8_e4m3fn"
     # int8 with its scales: (D + 4) / (2 D) of bfloat16's bytes per slot
     caches = {d: jc.init_cache(jc.Sink(window=60, kv_dtype=d), 1, 8, 128, jnp.bfloat16) for d in ("model", "int8")}
-    sizes = {d: sum(x.nbytes for x in (s.k, s.v, s.k_scale, s.v_scale) if x is not None) for d, s in caches.items()}
+    sizes = {
+        d: sum(x.nbytes for x in (s.k.data, s.v.data, s.k.scale, s.v.scale) if x is not None) for d, s in caches.items()
+    }
     assert sizes["int8"] / sizes["model"] == (128 + 4) / 256
     jax.jit(lambda state: state, donate_argnums=0)(caches["int8"])  # its buffers are distinct: a cache can be donated

@@ -13,19 +13,21 @@ from jcascade import pallas_kernels as pk
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=str)
 def test_kernels_lower_for_tpu(shape):
     f = jax.jit(lambda *a: pk.tpu.chunk_attention(*a, "max", jc.RoPE(500000.0)))
-    text = f.trace(*abstract_inputs(*shape)).lower(lowering_platforms=("tpu",)).as_text()
+    args = list(abstract_inputs(*shape))
+    args[3:5] = map(pk.Stored, args[3:5])  # the caches as the kernels take them
+    text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 4
 
 
-@pytest.mark.parametrize("stored", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("codes", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("shape", LOWERING_SHAPES[1:], ids=str)
-def test_kernels_lower_for_tpu_on_codes(shape, stored):
+def test_kernels_lower_for_tpu_on_codes(shape, codes):
     """A quantized cache's codes and scales: the segment kernel reads the value codes (an 8-bit operand)."""
     args = list(abstract_inputs(*shape))
     B, Hkv, S, D = args[3].shape
-    args[3] = args[4] = jax.ShapeDtypeStruct((B, Hkv, S, D), stored)
     scale = jax.ShapeDtypeStruct((B, Hkv, S), jnp.float32)
-    f = jax.jit(lambda *a, **kw: pk.tpu.chunk_attention(*a, "max", jc.RoPE(500000.0), **kw))
-    text = f.trace(*args, k_scale=scale, v_scale=scale).lower(lowering_platforms=("tpu",)).as_text()
+    args[3] = args[4] = pk.Stored(jax.ShapeDtypeStruct((B, Hkv, S, D), codes), scale)
+    f = jax.jit(lambda *a: pk.tpu.chunk_attention(*a, "max", jc.RoPE(500000.0)))
+    text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 4
-    assert f"tensor<{B}x{Hkv}x{S}x{D}x{'i8' if stored == jnp.int8 else 'f8E4M3FN'}>" in text
+    assert f"tensor<{B}x{Hkv}x{S}x{D}x{'i8' if codes == jnp.int8 else 'f8E4M3FN'}>" in text

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_inputs import LOWERING_SHAPES, abstract_inputs, assert_close, h100_mesh, random_inputs
+from kernel_inputs import LOWERING_SHAPES, abstract_inputs, assert_close, h100_mesh, random_inputs, stored
 
 import jcascade as jc
 from jcascade import pallas_kernels as pk
@@ -17,20 +17,22 @@ ROPE = jc.RoPE(100.0)
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=str)
 def test_kernels_lower_for_gpu(shape):
     f = jax.jit(lambda *a: pk.triton.chunk_attention(*a, "max", jc.RoPE(500000.0)))
+    args = list(abstract_inputs(*shape))
+    args[3:5] = map(pk.Stored, args[3:5])  # the caches as the kernels take them
     with jax.sharding.use_abstract_mesh(h100_mesh()):
-        text = f.trace(*abstract_inputs(*shape)).lower(lowering_platforms=("cuda",)).as_text()
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == (
         2 if shape[1] == 1 else 3
     )  # decode: split-K + finish; chunk: forward + 2 scores
 
 
-@pytest.mark.parametrize("stored", [jnp.int8, jnp.float8_e4m3fn])
-def test_the_decode_lowers_for_gpu_on_a_stack_read_as_int16_pairs(stored):
+@pytest.mark.parametrize("codes", [jnp.int8, jnp.float8_e4m3fn])
+def test_the_decode_lowers_for_gpu_on_a_stack_read_as_int16_pairs(codes):
     """A decode step over one layer of 64 rows x 8 heads x 32,785 slots x 128 codes (past 2**31: read as int16
     pairs, `triton.as_pairs`), scores included."""
     s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
     B, H, S, D = 64, 8, 32785, 128
-    stack, slot = s(1, B, H, S, D, dtype=stored), s(B, H, S, dtype=jnp.float32)
+    stack = pk.Stored(s(1, B, H, S, D, dtype=codes), s(B, H, S, dtype=jnp.float32))
     args = (
         s(B, 1, 4 * H, D),
         s(B, 1, H, D),
@@ -42,31 +44,27 @@ def test_the_decode_lowers_for_gpu_on_a_stack_read_as_int16_pairs(stored):
         s(B, dtype=jnp.int32),
         s(B, 1, dtype=jnp.float32),
     )
-    f = jax.jit(lambda *a, **kw: pk.triton.chunk_attention(*a, "max", jc.RoPE(500000.0), jnp.int32(0), **kw))
+    f = jax.jit(lambda *a: pk.triton.chunk_attention(*a, "max", jc.RoPE(500000.0), jnp.int32(0)))
     with jax.sharding.use_abstract_mesh(h100_mesh()):
-        text = f.trace(*args, k_scale=slot, v_scale=slot).lower(lowering_platforms=("cuda",)).as_text()
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 2 and f"tensor<1x{B}x{H}x{S}x{D // 2}xi16>" in text
 
 
-@pytest.mark.parametrize("stored", [jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
-def test_shared_prefix_kernel_lowers_for_gpu(stored):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+def test_shared_prefix_kernel_lowers_for_gpu(dtype):
     """In the model's dtype, or a quantized prefix's codes with their scales."""
     s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    scale = None if dtype == jnp.bfloat16 else s(1, 8, 32768, dtype=jnp.float32)
     args = (
         s(1, 64, 32, 128),
-        s(1, 8, 32768, 128, dtype=stored),
-        s(1, 8, 32768, 128, dtype=stored),
+        pk.Stored(s(1, 8, 32768, 128, dtype=dtype), scale),
+        pk.Stored(s(1, 8, 32768, 128, dtype=dtype), scale),
         s(1, 8, 32768, dtype=jnp.bool_),
         s(1, 1, 32768, dtype=jnp.int32),
     )
-    scales = (
-        {}
-        if stored == jnp.bfloat16
-        else dict(k_scale=s(1, 8, 32768, dtype=jnp.float32), v_scale=s(1, 8, 32768, dtype=jnp.float32))
-    )
-    f = jax.jit(lambda *a, **kw: pk.triton.prefix_attention(*a, jc.RoPE(500000.0), **kw))
+    f = jax.jit(lambda *a: pk.triton.prefix_attention(*a, jc.RoPE(500000.0)))
     with jax.sharding.use_abstract_mesh(h100_mesh()):
-        text = f.trace(*args, **scales).lower(lowering_platforms=("cuda",)).as_text()
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
 
 
@@ -81,6 +79,7 @@ def test_prefix_kernel_matches_the_reference(P, R, Hq, Hkv, D, S, dtype):
     v = jax.random.normal(keys[2], (P, Hkv, S, D)).astype(dtype)
     valid = jax.random.bernoulli(keys[3], 0.8, (P, Hkv, S)).at[-1, -1].set(False)
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * 3, (P, 1, S))
+    k, v = pk.Stored(k), pk.Stored(v)
     want = pk.Kernels("xla").prefix_attention(q, k, v, valid, positions, ROPE)
     got = pk.Kernels("triton").prefix_attention(q, k, v, valid, positions, ROPE)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -94,7 +93,7 @@ def test_wide_heads_run_their_own_tiles_and_match_the_reference(T):
     memory); the kernels with those tiles (interpret mode) give the reference's numbers."""
     kernels = pk.Kernels("triton")
     assert kernels.triton_tiles(256) == kernels.triton and kernels.triton_tiles(512) == pk.triton.WIDE != kernels.triton
-    args = random_inputs(np.random.default_rng(0), 1, T, 2, 1, 512, 40, jnp.float32)
+    args = stored(random_inputs(np.random.default_rng(0), 1, T, 2, 1, 512, 40, jnp.float32))
     want = pk.Kernels("xla").chunk_attention(**args, head_reduction="max", rope=ROPE)
     got = kernels.chunk_attention(**args, head_reduction="max", rope=ROPE)
     for name, g, w in zip(("out", "lse", "cache scores", "chunk scores"), got, want):

@@ -27,7 +27,7 @@ def test_h2o_chunk_updates_equal_oracle(data):
         scores = random_scores(rng, B, H, heavy + recent, T, tied=False)
         before = np.asarray(state.pos)
         state = UPDATE(policy, state, k, v, scores, jnp.asarray(lengths))
-        pos, score, kk = np.asarray(state.pos), np.asarray(state.score), np.asarray(state.k)
+        pos, score, kk = np.asarray(state.pos), np.asarray(state.score), np.asarray(state.k.data)
         for b in range(B):
             for h in range(H):
                 inc = {int(p): np.asarray(scores.cache)[b, h, s] for s, p in enumerate(before[b, h]) if p >= 0}

@@ -24,7 +24,7 @@ def test_knorm_keeps_the_smallest_keys_of_each_head():
         state = jc.update(policy, state, k[:, start : start + 8], -k[:, start : start + 8], None, n)
     state = jc.compress(policy, state, room=3)
     assert state.capacity == budget + 3
-    pos, kept_k = np.asarray(state.pos), np.asarray(state.k)
+    pos, kept_k = np.asarray(state.pos), np.asarray(state.k.data)
     for b in range(B):
         for h in range(H):
             norms = np.linalg.norm(k[b, : lengths[b], h], axis=-1)

@@ -58,7 +58,7 @@ def test_the_example_keeps_the_recent_tokens_and_the_newest_landmarks(chunks, re
         if lengths[1] == 0:  # padding leaves the row untouched
             for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(state)):
                 np.testing.assert_array_equal(np.asarray(old)[1], np.asarray(new)[1])
-    pos, keys, values = np.asarray(state.pos), np.asarray(state.k), np.asarray(state.v)
+    pos, keys, values = np.asarray(state.pos), np.asarray(state.k.data), np.asarray(state.v.data)
     for row in range(2):
         seen = int(state.seen[row])
         for head in range(2):
