@@ -638,7 +638,7 @@ def main():
         for name, p, tokens in (
             ("Full", jc.Full(stride=policy.stride), 1 << 17),
             ("Full", jc.Full(stride=policy.stride), 1 << 20),
-            (policy.label, policy, 1 << 20),
+            (policy.label, policy, 1 << 20 if policy.bounded else decode_slots(policy)),  # SnapKV: compressed
         )
     }
     if "a" in a.only:

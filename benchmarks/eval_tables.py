@@ -609,6 +609,9 @@ FLASHINFER_ROWS = {  # a row of the table: the methods of bench_flashinfer.py it
     OURS: ("jcascade decode",),
     "jcascade decode, int8": ("jcascade decode int8",),
     "jcascade decode, float8_e4m3fn": ("jcascade decode fp8",),
+    "jcascade decode, bf16, keys stored rotated": ("jcascade decode, stored rotated",),
+    "jcascade decode, int8, keys stored rotated": ("jcascade decode int8, stored rotated",),
+    "jcascade decode, float8_e4m3fn, keys stored rotated": ("jcascade decode fp8, stored rotated",),
     "FlashInfer cascade (FA2), prefix read once": ("flashinfer cascade (fa2)",),
     "jcascade shared prefix": ("jcascade shared",),
 }
@@ -616,6 +619,11 @@ FLASHINFER_RATIOS = {  # rows that do the same work: jcascade's time over FlashI
     "jcascade bf16 / FlashInfer best": (OURS, BEST),
     "jcascade int8 / FlashInfer fp8": ("jcascade decode, int8", "FlashInfer decode, fp8 (a scale per tensor)"),
     "jcascade shared / FlashInfer cascade": ("jcascade shared prefix", "FlashInfer cascade (FA2), prefix read once"),
+    "jcascade int8 / bf16, both keys stored rotated": (
+        "jcascade decode, int8, keys stored rotated",
+        "jcascade decode, bf16, keys stored rotated",
+    ),
+    "jcascade int8, keys stored rotated / FlashInfer best": ("jcascade decode, int8, keys stored rotated", BEST),
 }
 
 

@@ -38,10 +38,10 @@ def init_cache(
     (that of the keys and values attend and update take); the cache stores them in it, or quantized when the
     policy's `kv_dtype` says so (`jcascade.pallas_kernels.storage`: codes plus a float32 scale per slot).
 
-    `rope`: None, or the RoPE that `attend` will be given: the cache then stores its keys rotated by it at their
-    original positions (`CacheState.rope`), so that the attention reads them without rotating each key where
-    positions are the tokens' own, and `attend` must be given that rope. None stores keys un-rotated (rotated as
-    they are read, by whatever rope `attend` gets).
+    `rope`: None, or the RoPE that `attend` will be given: a policy that `stores_rotated` then stores its keys rotated
+    by it at their original positions (`CacheState.rope`), so that the attention reads them without rotating each
+    key, and `attend` must be given that rope. Otherwise keys are stored un-rotated (rotated as they are read, by
+    whatever rope `attend` gets).
     """
     check_policy(policy)
     sizes = (
@@ -84,7 +84,7 @@ def init_cache(
         pos=jnp.full(shape, -1, jnp.int32),
         seen=jnp.zeros((*lead, batch), jnp.int32),
         kernels=kernels,
-        rope=rope,
+        rope=rope if policy.stores_rotated else None,
     )
 
 

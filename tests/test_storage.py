@@ -116,12 +116,13 @@ ROTATING = [
 def test_keys_stored_rotated_attend_as_keys_rotated_when_read(policy):
     """A cache storing its keys rotated at their own positions (`init_cache(rope=)`) attends as one rotating them
     as it reads them, at the policy's key positions (the tokens' own, or their ranks: Sink and SlidingWindow with
-    one query rotation per segment, Cascade, H2O and TOVA rotating each key from its own position to its rank),
-    through evictions, a compression and decode steps, ragged rows; `cached_kv` gives the keys un-rotated."""
+    one query rotation per segment; Cascade, H2O and TOVA with ranks keep their keys un-rotated), through
+    evictions, a compression and decode steps, ragged rows; `cached_kv` gives the keys un-rotated."""
     rng = np.random.default_rng(0)
     B, Hq, Hkv, D = 2, 4, 2, 16
     states = [jc.init_cache(policy, B, Hkv, D, jnp.float32, max_tokens=48, rope=r) for r in (ROPE, None)]
-    assert states[0].rope == ROPE and states[1].rope is None
+    assert states[0].rope == (ROPE if policy.stores_rotated else None) and states[1].rope is None
+    assert policy.stores_rotated == (policy.positions == "original" or isinstance(policy, jc.SlidingWindow))
     steps = [8, 8, 8, "compress", 1, 1, 1, 1, 1]
     for T in steps:
         if T == "compress":

@@ -187,6 +187,16 @@ class Policy(abc.ABC):
         """f32 [B, T] weight of each query in the score increments; None for policies that keep no scores."""
         return None
 
+    @property
+    def stores_rotated(self) -> bool:
+        """Whether its cache stores keys rotated at their original positions when `init_cache` is given a rope: where
+        the attention then reads them without rotating each key (key positions the tokens' own; `SlidingWindow`
+        and `Sink` by segments). Ranks that shift token by token (Cascade, H2O, TOVA with positions="cache") keep
+        keys un-rotated, rotated to their ranks as they are read: from rotated keys that is the same rotation per
+        key plus a per-head position difference to read (1-3 % slower decode steps on an H200,
+        docs/results/quantized.md)."""
+        return self.positions != "cache"
+
     def key_positions(self, state: CacheState) -> tuple[jax.Array, jax.Array]:
         """RoPE positions (docs/semantics.md §4): of the held keys, int32 [B, 1 or Hkv, capacity] (-1 for empty slots),
         and of the chunk's first token, int32 [B]. "original": the token indices; "cache": the rank among

@@ -48,6 +48,8 @@ class SlidingWindow(RingPolicy, Positioned):
     def layout(self, capacity: int | None = None) -> RingLayout:
         return RingLayout(sinks=self.sinks, ring_size=self.window, num_rings=1)
 
+    stores_rotated = True  # cache positions too: one query rotation per segment (attend)
+
     def attend(
         self, state: CacheState, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope
     ) -> tuple[jax.Array, Scores | None]:
