@@ -269,29 +269,24 @@ class Kernels:
         stores zeros there). A quantized prefix: the Triton kernel dequantizes its codes in registers (on GPU, with
         RoPE it fuses or none, codes it can address: `triton.addresses_fit`); every other path dequantizes a copy
         (to q's dtype) first."""
-        if k_cache.quantized:
-            if self.quantized_decode_path(k_cache, rope) == "in place":  # the decode kernel, many queries
-                return triton.prefix_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    cache_valid,
-                    cache_positions,
-                    rope,
-                    config=self.triton_tiles(q.shape[-1]),
-                    interpret=self.interpret,
-                )
+        if k_cache.quantized and self.quantized_decode_path(k_cache, rope) != "in place":
             k_cache, v_cache = (Stored(c.decode(q.dtype)) for c in (k_cache, v_cache))
-        if not self.on_gpu:
-            return reference.prefix_attention(q, k_cache.data, v_cache.data, cache_valid, cache_positions, rope)
-        if (
-            self.backend == "mosaic_gpu"
-            and rope is None
-            and mosaic_gpu.supports_prefix(q, k_cache.data, self.mosaic_gpu)
-        ):
-            return mosaic_gpu.prefix_attention(
-                q, k_cache.data, v_cache.data, cache_valid, config=self.mosaic_gpu, interpret=self._mosaic_interpret()
-            )
+        if not k_cache.quantized:  # codes the Triton kernel reads in place go to it (the decode kernel, many queries)
+            if not self.on_gpu:
+                return reference.prefix_attention(q, k_cache.data, v_cache.data, cache_valid, cache_positions, rope)
+            if (
+                self.backend == "mosaic_gpu"
+                and rope is None
+                and mosaic_gpu.supports_prefix(q, k_cache.data, self.mosaic_gpu)
+            ):
+                return mosaic_gpu.prefix_attention(
+                    q,
+                    k_cache.data,
+                    v_cache.data,
+                    cache_valid,
+                    config=self.mosaic_gpu,
+                    interpret=self._mosaic_interpret(),
+                )
         return triton.prefix_attention(
             q,
             k_cache,

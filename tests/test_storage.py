@@ -124,20 +124,25 @@ def test_keys_stored_rotated_attend_as_keys_rotated_when_read(policy):
     assert states[0].rope == (ROPE if policy.stores_rotated else None) and states[1].rope is None
     assert policy.stores_rotated == (policy.positions == "original" or isinstance(policy, jc.SlidingWindow))
     steps = [8, 8, 8, "compress", 1, 1, 1, 1, 1]
+
+    @jax.jit
+    def step(state, q, k, v, lengths):  # one program per chunk length and storage (eager ops compile one each)
+        out = jc.attend(policy, state, q, k, v, lengths, ROPE)
+        return out, jc.update(policy, state, k, v, out[1], lengths)
+
     for T in steps:
         if T == "compress":
             if policy.observation_window:
-                states = [jc.compress(policy, s, 8) for s in states]
+                states = [jax.jit(jc.compress, static_argnums=(0, 2))(policy, s, 8) for s in states]
             continue
         x = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
         q, k, v = x(B, T, Hq, D), x(B, T, Hkv, D), x(B, T, Hkv, D)
         lengths = jnp.array([T, max(T - 3, 0) if T > 1 else 1], jnp.int32)
-        outs = [jc.attend(policy, s, q, k, v, lengths, ROPE) for s in states]
+        outs, states = zip(*(step(s, q, k, v, lengths) for s in states))
         np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), rtol=1e-5, atol=1e-5)
         if outs[0][1] is not None:
             for got, want in zip(jax.tree.leaves(outs[0][1]), jax.tree.leaves(outs[1][1])):
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-        states = [jc.update(policy, s, k, v, o[1], lengths) for s, o in zip(states, outs)]
     np.testing.assert_array_equal(np.asarray(states[0].pos), np.asarray(states[1].pos))
     for got, want in zip(jc.cached_kv(states[0]), jc.cached_kv(states[1])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
