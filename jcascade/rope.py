@@ -88,10 +88,10 @@ class RoPE:
         return rotated.astype(x.dtype)
 
 
-def rotate_chunk(rope, q: jax.Array, k: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A chunk's q [B, T, Hq, D] and k [B, T, Hkv, D] rotated by `rope` at positions start[b] + 0..T-1
-    (start int32 [B]); unchanged when rope is None."""
+def rotate_chunk(rope, q: jax.Array, k: jax.Array | None, start: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """A chunk's q [B, T, Hq, D] and k [B, T, Hkv, D] (None: the queries alone) rotated by `rope` at positions
+    start[b] + 0..T-1 (start int32 [B]); unchanged when rope is None."""
     if rope is None:
         return q, k
     pos = (start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :])[:, :, None]
-    return rope(q, pos), rope(k, pos)
+    return rope(q, pos), None if k is None else rope(k, pos)

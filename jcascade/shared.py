@@ -215,7 +215,7 @@ def attend_shared(
     own = state.rope is not None and policy.positions != "cache"
     if not own:
         key_pos = jnp.where(key_pos >= 0, key_pos + offset[:, None, None], -1)
-    q_prefix, _ = rotate_chunk(rope, q, k[:, :, :1], start + offset)
+    q_prefix, _ = rotate_chunk(rope, q, None, start + offset)
     q, k = rotate_chunk(rope, q, k, start if own else start + offset)
     cache_rope, cache_pos = cache_state.read_rotation(state, rope, key_pos, own)
     out, lse, _, _ = state.kernels.chunk_attention(

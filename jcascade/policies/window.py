@@ -78,7 +78,7 @@ class SlidingWindow(RingPolicy, Positioned):
         )
         if not sinks:
             return out, None
-        q_rank, _ = rotate_chunk(rope, q, k, self.key_positions(state)[1])
+        q_rank, _ = rotate_chunk(rope, q, None, self.key_positions(state)[1])
         sink_k, sink_v = (x.of_layer(state.layer).map(lambda a: a[:, :, :sinks]) for x in (state.k, state.v))
         sink_out, sink_lse = state.kernels.prefix_attention(
             q_rank, sink_k, sink_v, held[..., :sinks], state.pos[..., :sinks], None
